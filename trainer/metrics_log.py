@@ -1,0 +1,86 @@
+"""Per-step metrics to ``metrics.jsonl`` (always) and TensorBoard (optional), plus plots after a run."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLog:
+    """Append one JSON object per step; scalars also go to TensorBoard when enabled."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._fh = open(self.path, "a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        row = {"step": step, "time": time.time(), **metrics}
+        self._fh.write(json.dumps(row, default=_jsonable) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self._fh.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _jsonable(v: Any) -> Any:
+    if hasattr(v, "tolist"):
+        return v.tolist()
+    if isinstance(v, dict):
+        return {str(k): x for k, x in v.items()}
+    return str(v)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_run(run_dir: Path) -> list[Path]:
+    """PNG plots of reward and staleness over steps from ``metrics.jsonl``; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(Path(run_dir) / "metrics.jsonl")
+    rows = [r for r in rows if "reward_mean" in r]
+    if not rows:
+        return []
+    steps = [r["step"] for r in rows]
+    out = []
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r["reward_mean"] for r in rows], marker="o", label="train reward (batch mean)")
+    ax.set_xlabel("step (policy version)")
+    ax.set_ylabel("reward")
+    ax.legend()
+    fig.tight_layout()
+    p = Path(run_dir) / "reward.png"
+    fig.savefig(p, dpi=100)
+    plt.close(fig)
+    out.append(p)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r.get("staleness_mean", float("nan")) for r in rows], marker="o", label="mean token staleness")
+    ax.plot(steps, [r.get("staleness_max", float("nan")) for r in rows], marker="x", label="max token staleness")
+    ax.plot(steps, [r.get("exact_fraction", float("nan")) for r in rows], marker=".", label="exact old-logit fraction")
+    ax.set_xlabel("step (policy version)")
+    ax.legend()
+    fig.tight_layout()
+    p = Path(run_dir) / "staleness.png"
+    fig.savefig(p, dpi=100)
+    plt.close(fig)
+    out.append(p)
+    return out
