@@ -27,4 +27,31 @@ from protocol.messages import (
     verify_weight_payload,
 )
 
-__all__ = [name for name in dir() if not name.startswith("_")]
+__all__ = [
+    "Float32Array",
+    "Int8Array",
+    "Int32Array",
+    "NO_VERSION",
+    "SCHEMA_VERSION",
+    "EnvRef",
+    "EwmaStatus",
+    "FinishReason",
+    "JobStatus",
+    "Message",
+    "OldLogitAnswer",
+    "OldLogitItem",
+    "OldLogitRequest",
+    "OldLogitServiceStatus",
+    "ProtocolError",
+    "RolloutRequest",
+    "SamplingParams",
+    "ScaleRequest",
+    "ScaleResponse",
+    "TensorSpec",
+    "TokenStatus",
+    "Trajectory",
+    "WeightManifest",
+    "WorkerStatus",
+    "payload_checksum",
+    "verify_weight_payload",
+]

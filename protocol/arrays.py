@@ -35,6 +35,10 @@ def _to_array(dtype: str):
         if target.kind in "iu" and arr.dtype.kind == "f":
             if not np.all(np.isfinite(arr)) or np.any(arr != np.round(arr)):
                 raise ValueError("integer array received non-integer values")
+        if target.kind in "iu" and arr.size:
+            lo, hi = np.iinfo(target).min, np.iinfo(target).max
+            if arr.min() < lo or arr.max() > hi:
+                raise ValueError(f"values [{arr.min()}, {arr.max()}] outside {target.name} range [{lo}, {hi}]")
         out = np.ascontiguousarray(arr, dtype=target)
         out.setflags(write=False)
         return out

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Mapping
 from enum import IntEnum
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -162,7 +163,9 @@ class Trajectory(Message):
         n = len(self.token_ids)
         if n == 0:
             raise ValueError("token_ids: empty trajectory")
-        for name in ("loss_mask", "behav_logprobs", "versions") + (("old_logprobs",) if self.old_logprobs is not None else ()):
+        for name in ("loss_mask", "behav_logprobs", "versions") + (
+            ("old_logprobs",) if self.old_logprobs is not None else ()
+        ):
             got = len(getattr(self, name))
             if got != n:
                 raise ValueError(f"{name}: length {got} != token_ids length {n}")
@@ -175,13 +178,17 @@ class Trajectory(Message):
             raise ValueError(f"versions: negative version {int(self.versions.min())}")
         bad = np.flatnonzero(sampled & (self.versions < 0))
         if bad.size:
-            raise ValueError(f"versions: sampled token at offset {int(bad[0])} has no version ({int(self.versions[bad[0]])})")
+            raise ValueError(
+                f"versions: sampled token at offset {int(bad[0])} has no version ({int(self.versions[bad[0]])})"
+            )
         v = self.versions[sampled]
         if v.size > 1 and (np.diff(v) < 0).any():
             i = int(np.flatnonzero(np.diff(v) < 0)[0])
             raise ValueError(f"versions: decrease within the sequence ({int(v[i])} -> {int(v[i + 1])})")
         if v.size and int(v.max()) > self.policy_version:
-            raise ValueError(f"versions: token version {int(v.max())} exceeds sender policy_version {self.policy_version}")
+            raise ValueError(
+                f"versions: token version {int(v.max())} exceeds sender policy_version {self.policy_version}"
+            )
         mu = self.behav_logprobs[sampled]
         if mu.size and not np.isfinite(mu).all():
             i = int(np.flatnonzero(sampled)[np.flatnonzero(~np.isfinite(mu))[0]])
@@ -221,7 +228,17 @@ class Trajectory(Message):
 # weights
 # --------------------------------------------------------------------------------------------
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "int8": 1, "uint8": 1, "bool": 1}
+_DTYPE_BYTES = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
 
 
 class TensorSpec(Message):
@@ -279,7 +296,9 @@ def payload_checksum(named_bytes: list[tuple[str, bytes | memoryview]]) -> str:
     return h.hexdigest()
 
 
-def verify_weight_payload(manifest: WeightManifest, payload: Mapping[str, tuple[list[int], bytes | memoryview]]) -> None:
+def verify_weight_payload(
+    manifest: WeightManifest, payload: Mapping[str, tuple[list[int], bytes | memoryview]]
+) -> None:
     """Check a payload ``{name: (shape, raw bytes)}`` against its manifest.
 
     Raises:
@@ -365,7 +384,7 @@ class OldLogitAnswer(Message):
     def _aligned(self) -> OldLogitAnswer:
         if len(self.old_logprobs) != len(self.status):
             raise ValueError(f"status: {len(self.status)} items != old_logprobs {len(self.old_logprobs)} items")
-        for i, (lp, st) in enumerate(zip(self.old_logprobs, self.status)):
+        for i, (lp, st) in enumerate(zip(self.old_logprobs, self.status, strict=True)):
             if len(lp) != len(st):
                 raise ValueError(f"status[{i}]: length {len(st)} != old_logprobs length {len(lp)}")
         return self

@@ -48,7 +48,12 @@ def ray_cluster():
         num_cpus=4,
         include_dashboard=False,
         _temp_dir=tmp,
-        runtime_env={"env_vars": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "RAY_memory_monitor_refresh_ms")}},
+        runtime_env={
+            "env_vars": {
+                k: os.environ[k]
+                for k in ("OMP_NUM_THREADS", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "RAY_memory_monitor_refresh_ms")
+            }
+        },
         log_to_driver=False,
     )
     yield ray

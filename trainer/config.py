@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from protocol import SamplingParams
-from trainer.loss_config import LossConfig, loss_config
+from trainer.loss_config import EwmaConfig, LossConfig, loss_config
 
 
 class _Section(BaseModel):
@@ -74,15 +74,6 @@ class LearnerConfig(_Section):
     """Learner compute dtype."""
     num_cpus: float = Field(1.0, gt=0.0)
     """Ray CPUs reserved by each learner rank."""
-
-
-class EwmaConfig(_Section):
-    window: int = Field(2, ge=1)
-    """Staleness window W of ``beta = W/(W+2)``; defaults to ``controller.max_staleness`` when that is larger."""
-    beta_from: Literal["window", "measured_lag"] = "window"
-    """Decay from the configured window, or from the measured mean version lag s (``beta = s/(1+s)``)."""
-    reset_tau: float = Field(0.5, ge=0.0, le=1.0)
-    """Reset the EWMA to the current weights when the discrepancy mask on pi_ewma/mu keeps less than this."""
 
 
 class OldLogitConfig(_Section):
@@ -161,7 +152,10 @@ class JobConfig(_Section):
 
     @model_validator(mode="after")
     def _cross(self) -> JobConfig:
-        if self.controller.max_token_staleness is not None and self.controller.max_token_staleness > self.controller.max_staleness:
+        if (
+            self.controller.max_token_staleness is not None
+            and self.controller.max_token_staleness > self.controller.max_staleness
+        ):
             raise ValueError(
                 f"controller.max_token_staleness ({self.controller.max_token_staleness}) > controller.max_staleness ({self.controller.max_staleness})"
             )
@@ -170,10 +164,6 @@ class JobConfig(_Section):
     @property
     def oldlogit_route(self) -> str:
         return self.loss.old_logit_route
-
-    @property
-    def ewma_window(self) -> int:
-        return max(self.ewma.window, self.controller.max_staleness)
 
 
 def _set_path(d: dict[str, Any], dotted: str, value: Any) -> None:

@@ -63,7 +63,11 @@ def _digest(path: Path) -> str:
 
 
 def _write_manifest(folder: Path) -> None:
-    files = {p.name: {"bytes": p.stat().st_size, "blake2b": _digest(p)} for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+    files = {
+        p.name: {"bytes": p.stat().st_size, "blake2b": _digest(p)}
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != MANIFEST
+    }
     (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
 
 
@@ -147,16 +151,29 @@ def tiny_config(vocab_size: int, **overrides):
     from transformers import LlamaConfig
 
     kw = dict(
-        vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=2048,
-        tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=10000.0, torch_dtype="float32",
-        bos_token_id=1, eos_token_id=2, pad_token_id=2,
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        torch_dtype="float32",
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
     )
     kw.update(overrides)
     return LlamaConfig(**kw)
 
 
-def make_tiny_model(seed: int = 0, cache_dir: Path | None = None, tokenizer_from: Path | None = None, **overrides) -> Path:
+def make_tiny_model(
+    seed: int = 0, cache_dir: Path | None = None, tokenizer_from: Path | None = None, **overrides
+) -> Path:
     """Return a cached HF folder of a tiny random Llama with SmolLM2's tokenizer and chat template.
 
     Same architecture family and tokenizer as the real model, so vLLM and DeepSpeed treat it the
@@ -166,7 +183,9 @@ def make_tiny_model(seed: int = 0, cache_dir: Path | None = None, tokenizer_from
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     src = tokenizer_from or prepare_smollm2(cache_dir)
-    tag = hashlib.blake2b(json.dumps([seed, sorted(overrides.items())], default=str).encode(), digest_size=4).hexdigest()
+    tag = hashlib.blake2b(
+        json.dumps([seed, sorted(overrides.items())], default=str).encode(), digest_size=4
+    ).hexdigest()
     folder = (cache_dir or cache_root()) / f"tiny-llama-{seed}-{tag}"
     with _locked(folder):
         if verify_folder(folder, deep=False) is None:

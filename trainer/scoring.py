@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def sequence_logprobs(model: torch.nn.Module, token_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+def sequence_logprobs(
+    model: torch.nn.Module, token_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """Log-prob of each token given its prefix, with the sampling temperature applied.
 
     Args:

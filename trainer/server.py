@@ -36,17 +36,25 @@ class StatusBoard:
             "buffer_size": Gauge("vintage_buffer_size", "Trajectories waiting in the buffer", registry=r),
             "in_flight": Gauge("vintage_in_flight", "Trajectories being generated", registry=r),
             "tokens_per_s": Gauge("vintage_tokens_per_s", "Trained tokens per second", registry=r),
-            "proxy_fraction": Gauge("vintage_proxy_fraction", "Fraction of tokens whose reference was a proxy", registry=r),
-            "mask_kept_fraction": Gauge("vintage_mask_kept_fraction", "Discrepancy-mask kept fraction of the last batch", registry=r),
+            "proxy_fraction": Gauge(
+                "vintage_proxy_fraction", "Fraction of tokens whose reference was a proxy", registry=r
+            ),
+            "mask_kept_fraction": Gauge(
+                "vintage_mask_kept_fraction", "Discrepancy-mask kept fraction of the last batch", registry=r
+            ),
             "workers": Gauge("vintage_rollout_workers", "Rollout workers", registry=r),
-            "last_publish_s": Gauge("vintage_last_publish_seconds", "Seconds of the last weight publication", registry=r),
+            "last_publish_s": Gauge(
+                "vintage_last_publish_seconds", "Seconds of the last weight publication", registry=r
+            ),
             "ewma_resets": Gauge("vintage_ewma_resets", "EWMA resets so far", registry=r),
             "skipped_steps": Gauge("vintage_skipped_steps", "Non-finite steps skipped", registry=r),
             "generated": Gauge("vintage_trajectories_generated", "Trajectories submitted to workers", registry=r),
             "consumed": Gauge("vintage_trajectories_consumed", "Trajectories trained on", registry=r),
         }
         self._dropped = Gauge("vintage_trajectories_dropped", "Trajectories dropped, by reason", ["reason"], registry=r)
-        self._exact = Gauge("vintage_exact_fraction", "Exact old-logit fraction of the last batch, by route", ["route"], registry=r)
+        self._exact = Gauge(
+            "vintage_exact_fraction", "Exact old-logit fraction of the last batch, by route", ["route"], registry=r
+        )
         self.requests = Counter("vintage_http_requests", "HTTP requests served", ["endpoint"], registry=r)
 
     def update(self, **fields) -> JobStatus:
@@ -136,7 +144,9 @@ class ApiServer:
         self._sock = sock
         config = uvicorn.Config(build_app(board, self.token), log_level="warning", access_log=False)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True, name="vintage-http")
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, daemon=True, name="vintage-http"
+        )
 
     @property
     def url(self) -> str:

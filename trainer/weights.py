@@ -34,7 +34,9 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def pack_weights(named: Iterable[tuple[str, torch.Tensor]], version: int, dtype: str = "float32") -> tuple[WeightManifest, dict[str, torch.Tensor]]:
+def pack_weights(
+    named: Iterable[tuple[str, torch.Tensor]], version: int, dtype: str = "float32"
+) -> tuple[WeightManifest, dict[str, torch.Tensor]]:
     """Pack ``(hf_name, tensor)`` pairs (e.g. ``model.state_dict().items()``) for publication.
 
     Tensors are detached, moved to CPU and cast to ``dtype``; storage-sharing duplicates become
@@ -45,18 +47,25 @@ def pack_weights(named: Iterable[tuple[str, torch.Tensor]], version: int, dtype:
     tied: dict[str, str] = {}
     payload: dict[str, torch.Tensor] = {}
     for name, t in named:
-        key = (t.untyped_storage().data_ptr(), tuple(t.shape))
-        if key in seen and t.untyped_storage().data_ptr() != 0:
+        # a true alias shares storage, offset, shape and strides; equal-shape slices of one flat
+        # buffer (ZeRO flat groups, fused qkv splits) are distinct tensors and are all sent
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        if key in seen and key[0] != 0:
             tied[name] = seen[key]
             continue
         seen[key] = name
-        payload[name] = t.detach().to("cpu", target).contiguous()
-    specs = [TensorSpec(name=n, shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch.")) for n, t in payload.items()]
+        # always a private copy: the learner may step before the payload is serialised
+        payload[name] = t.detach().to("cpu", target, copy=True).contiguous()
+    specs = [
+        TensorSpec(name=n, shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch.")) for n, t in payload.items()
+    ]
     checksum = payload_checksum([(n, raw_bytes(t)) for n, t in payload.items()])
     return WeightManifest(version=version, tensors=specs, checksum=checksum, tied=tied), payload
 
 
-def unpack_weights(manifest: WeightManifest, payload: Mapping[str, torch.Tensor], verify: bool = True) -> dict[str, torch.Tensor]:
+def unpack_weights(
+    manifest: WeightManifest, payload: Mapping[str, torch.Tensor], verify: bool = True
+) -> dict[str, torch.Tensor]:
     """Verify a payload against its manifest and return ``{name: tensor}`` with tied aliases restored.
 
     Raises:

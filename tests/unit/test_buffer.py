@@ -10,9 +10,15 @@ from trainer.buffer import TrajectoryBuffer, admission_capacity, sequence_stalen
 def traj(tid, versions, group="g", prompt=2):
     n = prompt + len(versions)
     return Trajectory(
-        trajectory_id=tid, group_id=group, token_ids=np.arange(n), loss_mask=[0] * prompt + [1] * len(versions),
-        behav_logprobs=[0.0] * prompt + [-0.5] * len(versions), versions=[-1] * prompt + list(versions),
-        policy_version=max(versions), prompt_len=prompt, finish_reason="stop",
+        trajectory_id=tid,
+        group_id=group,
+        token_ids=np.arange(n),
+        loss_mask=[0] * prompt + [1] * len(versions),
+        behav_logprobs=[0.0] * prompt + [-0.5] * len(versions),
+        versions=[-1] * prompt + list(versions),
+        policy_version=max(versions),
+        prompt_len=prompt,
+        finish_reason="stop",
     )
 
 

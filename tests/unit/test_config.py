@@ -27,7 +27,7 @@ def test_file_then_overrides(tmp_path):
         ("controller.max_staleness=-1", "max_staleness"),
         ("rollout.sampling.temperature=0", "temperature"),
         ("learner.zero_stage=4", "zero_stage"),
-        ("rollout.engine=\"sglang\"", "engine"),
+        ('rollout.engine="sglang"', "engine"),
         ("controller.bogus=1", "bogus"),
         ('loss.method="nope"', "method"),
         ("controller.max_token_staleness=5", "max_token_staleness"),

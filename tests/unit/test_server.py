@@ -18,8 +18,12 @@ def server():
 def test_status_reports_version_histogram_and_counters(server):
     board, srv = server
     board.update(
-        learner_version=7, state="running", buffer_staleness_hist={0: 3, 2: 1}, dropped={"stale": 2, "buffer_full": 1},
-        workers=[WorkerStatus(worker_id="w0", policy_version=6, in_flight=4)], exact_fraction_by_route={"snapshot": 0.6},
+        learner_version=7,
+        state="running",
+        buffer_staleness_hist={0: 3, 2: 1},
+        dropped={"stale": 2, "buffer_full": 1},
+        workers=[WorkerStatus(worker_id="w0", policy_version=6, in_flight=4)],
+        exact_fraction_by_route={"snapshot": 0.6},
     )
     s = JobStatus.model_validate(httpx.get(f"{srv.url}/v1/status").json())
     assert s.learner_version == 7 and s.buffer_staleness_hist == {0: 3, 2: 1}

@@ -1,0 +1,150 @@
+"""Start and stop a private Ray head on loopback, with token auth, for `ray job submit` here.
+
+Only the cluster this module started is ever stopped: its own temp dir and ports, stopped by the
+process group of the ``ray start --block`` it launched (never ``ray stop``, never kill by name).
+Ray >= 2.59 turns token authentication on for local clusters; the head is started with
+``RAY_AUTH_MODE=token`` and a generated ``RAY_AUTH_TOKEN``, and clients get the same two variables
+from :meth:`LocalRayHead.client_env`.
+
+    python -m deploy.local_cluster start --state /tmp/vintage-head.json
+    RAY_AUTH_MODE=token RAY_AUTH_TOKEN=... ray job submit --address http://127.0.0.1:PORT -- vintage run ...
+    python -m deploy.local_cluster stop --state /tmp/vintage-head.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalRayHead:
+    pid: int
+    gcs_port: int
+    dashboard_port: int
+    temp_dir: str
+    token: str
+
+    @property
+    def gcs_address(self) -> str:
+        return f"127.0.0.1:{self.gcs_port}"
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def client_env(self) -> dict[str, str]:
+        """Environment for `ray job submit` / `ray.init(address=...)` clients of this head."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
+
+    @classmethod
+    def start(cls, num_cpus: int = 4, timeout_s: float = 120.0) -> LocalRayHead:
+        """Start ``ray start --head --block`` on 127.0.0.1 and wait until the job API answers.
+
+        Raises:
+            RuntimeError: the head exited or the dashboard did not answer within ``timeout_s``.
+        """
+        temp_dir = tempfile.mkdtemp(prefix="vray-")
+        token = secrets.token_hex(16)
+        gcs, dash = free_port(), free_port()
+        bindir = str(Path(sys.executable).parent)  # job entrypoints (`vintage run`) use this environment
+        env = {
+            **os.environ,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN": token,
+            "RAY_memory_monitor_refresh_ms": "0",
+            "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
+        }
+        ray_bin = str(Path(bindir) / "ray")
+        cmd = [
+            ray_bin,
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={gcs}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}",
+            "--include-dashboard=true",
+            f"--temp-dir={temp_dir}",
+            f"--num-cpus={num_cpus}",
+            "--disable-usage-stats",
+        ]
+        log = open(Path(temp_dir) / "ray-start.log", "w")
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        head = cls(pid=proc.pid, gcs_port=gcs, dashboard_port=dash, temp_dir=temp_dir, token=token)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"ray start exited with {proc.returncode}; see {log.name}")
+            try:
+                r = httpx.get(
+                    f"{head.dashboard_url}/api/version", headers={"Authorization": f"Bearer {token}"}, timeout=2
+                )
+                if r.status_code == 200:
+                    return head
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        head.stop()
+        raise RuntimeError(f"Ray dashboard did not answer on {head.dashboard_url} within {timeout_s} s")
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop exactly this head: SIGTERM then SIGKILL to its process group; remove its temp dir."""
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                try:
+                    os.killpg(self.pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.2)
+            else:
+                continue
+            break
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("action", choices=["start", "stop"])
+    ap.add_argument("--state", default="runs/ray-head.json", help="where the head's PID, ports and token are kept")
+    ap.add_argument("--num-cpus", type=int, default=4)
+    a = ap.parse_args()
+    state = Path(a.state)
+    if a.action == "start":
+        head = LocalRayHead.start(num_cpus=a.num_cpus)
+        state.parent.mkdir(parents=True, exist_ok=True)
+        state.write_text(json.dumps(asdict(head)))
+        os.chmod(state, 0o600)
+        print(json.dumps({"dashboard": head.dashboard_url, "gcs": head.gcs_address, "state": str(state)}))
+    else:
+        LocalRayHead(**json.loads(state.read_text())).stop()
+        state.unlink()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""PPO-EWMA proximal policy: an exponentially weighted average of the learner's weights.
+
+PPO-EWMA (Hilton et al. 2022, "Batch size-invariance for policy optimization", section 4) uses as
+proximal policy an EWMA of past policy weights instead of the weights of one past version. vintage
+uses it where the exact old logits of a token's version are missing.
+
+Update, after every optimizer step, with the bias-corrected rule::
+
+    total'      = beta * total + 1
+    theta_ewma' = theta_ewma * (beta * total / total') + theta / total'
+
+so theta_ewma is the weighted mean of the initial weights and every later step's weights, with
+weights beta^age normalised to sum to 1 (case 11: from theta 0, total 1, beta 0.5, steps to 1 then 2
+give 0.666667 (total 1.5) then 1.428571 (total 1.75)). A reset sets theta_ewma <- theta and
+total <- 1; it happens when the discrepancy mask on pi_ewma/mu keeps less than ``reset_tau`` of the
+valid tokens, and is counted.
+
+Invariants: the EWMA holds exactly the names and shapes of the parameters it was created from
+(any mismatch raises); it is fp32 on ``config.device`` (CPU by default) whatever the model's dtype;
+a forward with EWMA weights never changes the model's own parameters. Parameters must be full
+tensors (under ZeRO-3, gather them first). This is a plain class; a Ray actor may wrap it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from trainer.loss_config import EwmaConfig
+
+ParamSource = nn.Module | Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]
+
+
+def beta_from_window(window: float) -> float:
+    """beta = W / (W + 2) for a staleness window W >= 0 (mean lag W / 2). W = 1, 2, 4, 8 ->
+    1/3, 1/2, 2/3, 4/5."""
+    if not window >= 0:
+        raise ValueError(f"window must be >= 0, got window={window!r}")
+    return window / (window + 2.0)
+
+
+def beta_from_lag(lag: float) -> float:
+    """beta = s / (1 + s) for a measured mean version lag s >= 0 (mean lag of the EWMA = s)."""
+    if not lag >= 0:
+        raise ValueError(f"lag must be >= 0, got lag={lag!r}")
+    return lag / (1.0 + lag)
+
+
+def _named(params: ParamSource) -> dict[str, Tensor]:
+    if isinstance(params, nn.Module):
+        return dict(params.named_parameters())
+    if isinstance(params, Mapping):
+        return dict(params)
+    return dict(params)
+
+
+class EwmaProximal:
+    """fp32 EWMA copy of a model's named parameters, with bias-corrected updates and resets."""
+
+    def __init__(self, params: ParamSource, config: EwmaConfig | None = None) -> None:
+        self.config = config or EwmaConfig()
+        self.params: dict[str, Tensor] = {
+            name: t.detach().to(device=self.config.device, dtype=torch.float32, copy=True)
+            for name, t in _named(params).items()
+        }
+        self.total = 1.0
+        self.updates = 0
+        self.resets = 0
+        self.lag = self.config.initial_lag
+
+    # -- decay ----------------------------------------------------------------------------------
+
+    @property
+    def beta(self) -> float:
+        """Current decay, from the configured source."""
+        if self.config.beta_source == "window":
+            return beta_from_window(self.config.window)
+        if self.config.beta_source == "lag":
+            return beta_from_lag(self.lag)
+        return self.config.beta
+
+    def observe_lag(self, mean_lag: float) -> None:
+        """Record the measured mean version lag of consumed tokens (used by the "lag" source)."""
+        if not (math.isfinite(mean_lag) and mean_lag >= 0):
+            raise ValueError(f"mean_lag must be finite and >= 0, got mean_lag={mean_lag!r}")
+        self.lag = float(mean_lag)
+
+    # -- updates --------------------------------------------------------------------------------
+
+    def _checked(self, params: ParamSource) -> dict[str, Tensor]:
+        named = _named(params)
+        if named.keys() != self.params.keys():
+            missing, extra = self.params.keys() - named.keys(), named.keys() - self.params.keys()
+            raise ValueError(
+                f"parameter names differ from the EWMA's: missing {sorted(missing)}, extra {sorted(extra)}"
+            )
+        for name, t in named.items():
+            if t.shape != self.params[name].shape:
+                raise ValueError(f"parameter {name!r}: shape {tuple(t.shape)} != EWMA {tuple(self.params[name].shape)}")
+        return named
+
+    @torch.no_grad()
+    def update(self, params: ParamSource) -> None:
+        """Fold the current weights in (call after every optimizer step): the bias-corrected rule."""
+        named = self._checked(params)
+        beta = self.beta
+        new_total = beta * self.total + 1.0
+        keep = beta * self.total / new_total
+        for name, t in named.items():
+            ewma = self.params[name]
+            ewma.mul_(keep).add_(t.detach().to(device=ewma.device, dtype=torch.float32), alpha=1.0 / new_total)
+        self.total = new_total
+        self.updates += 1
+
+    @torch.no_grad()
+    def reset(self, params: ParamSource) -> None:
+        """theta_ewma <- theta, total <- 1; counted in ``resets``."""
+        for name, t in self._checked(params).items():
+            self.params[name].copy_(t.detach())
+        self.total = 1.0
+        self.resets += 1
+
+    def maybe_reset(self, kept_fraction: float, params: ParamSource, tau: float | None = None) -> bool:
+        """Reset when the discrepancy-mask kept fraction on pi_ewma/mu is below ``tau``
+        (default ``config.reset_tau``). A NaN fraction (no valid tokens) never resets. Returns
+        whether it reset."""
+        tau = self.config.reset_tau if tau is None else tau
+        if math.isnan(kept_fraction) or kept_fraction >= tau:
+            return False
+        self.reset(params)
+        return True
+
+    # -- forward with EWMA weights --------------------------------------------------------------
+
+    @contextmanager
+    def swapped_into(self, model: nn.Module) -> Iterator[nn.Module]:
+        """Temporarily put the EWMA weights (cast to each parameter's dtype and device) into
+        ``model``; on exit the original parameter tensors are put back, bit for bit. Do not step an
+        optimizer inside: run forwards under ``torch.no_grad()``."""
+        named = self._checked(model)
+        saved: dict[str, Tensor] = {}
+        try:
+            for name, p in named.items():
+                saved[name] = p.data
+                p.data = self.params[name].to(device=p.device, dtype=p.dtype)
+            yield model
+        finally:
+            for name, data in saved.items():
+                named[name].data = data
+
+    @torch.no_grad()
+    def forward(self, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """``model(*args, **kwargs)`` with the EWMA weights, without touching the model (functional call)."""
+        named = self._checked(model)
+        weights = {name: self.params[name].to(device=p.device, dtype=p.dtype) for name, p in named.items()}
+        return torch.func.functional_call(model, weights, args, kwargs)
+
+    # -- accounting and checkpoints -------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Memory held by the EWMA copy, in bytes."""
+        return sum(t.numel() * t.element_size() for t in self.params.values())
+
+    def status(self) -> dict[str, float | int]:
+        """Fields of ``protocol.EwmaStatus`` plus the update count."""
+        return {
+            "beta": self.beta,
+            "total_weight": self.total,
+            "resets": self.resets,
+            "bytes_held": self.nbytes,
+            "updates": self.updates,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: weights (copies), total, counters, measured lag."""
+        return {
+            "params": {name: t.clone() for name, t in self.params.items()},
+            "total": self.total,
+            "updates": self.updates,
+            "resets": self.resets,
+            "lag": self.lag,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from :meth:`state_dict`; names and shapes must match this EWMA's."""
+        named = self._checked(state["params"])
+        for name, t in named.items():
+            self.params[name].copy_(t)
+        self.total = float(state["total"])
+        self.updates = int(state["updates"])
+        self.resets = int(state["resets"])
+        self.lag = float(state["lag"])

@@ -1,0 +1,130 @@
+"""Loss configuration and the named methods of the correction library. Imports no torch.
+
+A method is a preset of :class:`LossConfig` fields; :func:`loss_config` builds one by name with
+overrides. The learner passes the config to :func:`trainer.losses.compute_policy_loss`.
+
+| method           | reference for the clip (prox)      | discrepancy correction on prox/mu  |
+|------------------|------------------------------------|------------------------------------|
+| ppo              | mu (clip on pi_theta/mu)           | none (d = 1)                       |
+| grpo             | mu, group-normalised advantages    | none                               |
+| decoupled_ppo    | recompute at current version       | weight min(d, 5)                   |
+| tis              | recompute                          | weight min(d, 2)                   |
+| icepop           | recompute                          | mask 1[0.5 <= d <= 2]              |
+| linear_prox      | linear proxy (alpha = (k-1)/k)     | weight min(d, 5)                   |
+| loglinear_prox   | log-linear proxy                   | weight min(d, 5)                   |
+| snapshot, old_logit_model, interrupt_sync | exact pi_old, EWMA where missing | weight + mask |
+| ppo_ewma         | EWMA policy (PPO-EWMA)             | weight min(d, 5) and mask          |
+| gspo             | mu, sequence ratio                 | none                               |
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Proxy = Literal["behav", "recompute", "linear_prox", "loglinear_prox", "ewma"]
+OldLogitRoute = Literal["none", "snapshot", "old_logit_model", "interrupt_sync"]
+
+
+class LossConfig(BaseModel):
+    """Everything the policy loss needs to know; defaults are plain PPO on pi_theta/mu."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: str = "ppo"
+    """Name of the preset this config came from (informational, reported in metrics and logs)."""
+    policy_loss: Literal["ppo_clip", "gspo"] = "ppo_clip"
+    """Token-ratio PPO clip, or GSPO's length-normalised sequence ratio."""
+    proxy: Proxy = "behav"
+    """Reference for tokens without exact old logits: mu, recompute, linear/log-linear proxy, EWMA."""
+    old_logit_route: OldLogitRoute = "none"
+    """Exact pi_old route; when not "none" the learner must pass old log-probs (NaN where missing)."""
+    eps_low: float = Field(0.2, gt=0.0, lt=1.0)
+    """Lower clip: the ratio is clipped at 1 - eps_low."""
+    eps_high: float = Field(0.2, gt=0.0)
+    """Upper clip: the ratio is clipped at 1 + eps_high (> eps_low is DAPO's clip-higher)."""
+    dual_clip: float | None = Field(None, gt=1.0)
+    """Dual clip c for negative advantages (loss capped at -c A); None disables it."""
+    behav_weight_cap: float | None = Field(None, gt=0.0)
+    """Cap C of the truncated weight min(prox/mu, C); None applies no weight."""
+    discrepancy_mask: bool = False
+    """Zero the loss where prox/mu leaves [mask_low, mask_high] (IcePop / masked IS)."""
+    mask_low: float = Field(0.5, ge=0.0)
+    """Lower bound of the discrepancy mask (its kept fraction is reported even when not applied)."""
+    mask_high: float = Field(2.0, gt=0.0)
+    """Upper bound of the discrepancy mask."""
+    level: Literal["token", "seq_product", "seq_geomean"] = "token"
+    """Where the discrepancy ratio is formed: per token, sequence product, sequence geometric mean."""
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    """Loss denominator; token_mean divides by the global token count of the optimizer batch."""
+    advantage: Literal["grpo", "rloo", "reinforce"] = "grpo"
+    """Advantage estimator applied to the rewards before the loss (see trainer.advantages)."""
+    kl_kind: Literal["k1", "k2", "k3", "k3_plus"] = "k3"
+    """KL estimator against a frozen reference model (only used when kl_coef > 0)."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """Weight of the KL penalty; 0 disables it."""
+
+    @model_validator(mode="after")
+    def _check(self) -> LossConfig:
+        if self.mask_low >= self.mask_high:
+            raise ValueError(f"mask_low ({self.mask_low}) must be < mask_high ({self.mask_high})")
+        if self.dual_clip is not None and self.dual_clip <= 1 + self.eps_high:
+            raise ValueError(f"dual_clip ({self.dual_clip}) must be > 1 + eps_high ({1 + self.eps_high})")
+        if self.policy_loss == "gspo" and self.dual_clip is not None:
+            raise ValueError("dual_clip is not defined for policy_loss='gspo'")
+        return self
+
+
+_EXACT = {"proxy": "ewma", "behav_weight_cap": 5.0, "discrepancy_mask": True}
+
+METHODS: dict[str, dict[str, Any]] = {
+    "ppo": {"advantage": "rloo"},
+    "grpo": {"advantage": "grpo"},
+    "decoupled_ppo": {"proxy": "recompute", "behav_weight_cap": 5.0},
+    "tis": {"proxy": "recompute", "behav_weight_cap": 2.0},
+    "icepop": {"proxy": "recompute", "discrepancy_mask": True},
+    "linear_prox": {"proxy": "linear_prox", "behav_weight_cap": 5.0},
+    "loglinear_prox": {"proxy": "loglinear_prox", "behav_weight_cap": 5.0},
+    "snapshot": {**_EXACT, "old_logit_route": "snapshot"},
+    "old_logit_model": {**_EXACT, "old_logit_route": "old_logit_model"},
+    "interrupt_sync": {**_EXACT, "old_logit_route": "interrupt_sync"},
+    "ppo_ewma": {"proxy": "ewma", "behav_weight_cap": 5.0, "discrepancy_mask": True},
+    "gspo": {"policy_loss": "gspo", "eps_low": 3e-4, "eps_high": 4e-4, "aggregation": "seq_mean_token_mean"},
+}
+"""Named methods as field presets over :class:`LossConfig` defaults. "ppo" uses the leave-one-out
+baseline because vintage has no critic; every method can take any advantage estimator by override."""
+
+
+def loss_config(method: str, **overrides: Any) -> LossConfig:
+    """The :class:`LossConfig` of a named method, with field overrides; unknown names raise."""
+    if method not in METHODS:
+        raise ValueError(f"unknown loss method={method!r}; expected one of {sorted(METHODS)}")
+    return LossConfig(**{"method": method, **METHODS[method], **overrides})
+
+
+class EwmaConfig(BaseModel):
+    """PPO-EWMA proximal model (trainer.ewma.EwmaProximal).
+
+    Decay: the EWMA's mean lag is beta / (1 - beta) versions. "window" sets beta = W / (W + 2),
+    a mean lag of W / 2, the mean staleness of tokens spread evenly over [0, W] (W = max_staleness);
+    "lag" sets beta = s / (1 + s) from the measured mean version lag s, a mean lag of s; "fixed"
+    uses ``beta`` as given.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    beta_source: Literal["window", "lag", "fixed"] = "window"
+    """Where the decay comes from: staleness window, measured mean lag, or a fixed beta."""
+    window: float = Field(2.0, ge=0.0)
+    """Staleness window W for beta = W / (W + 2); the learner sets it to max_staleness."""
+    initial_lag: float = Field(1.0, ge=0.0)
+    """Mean lag assumed by the "lag" source until the first measurement arrives."""
+    beta: float = Field(0.5, ge=0.0, lt=1.0)
+    """Decay used by the "fixed" source."""
+    reset_tau: float = Field(0.5, ge=0.0, le=1.0)
+    """Reset the EWMA to the current weights when the discrepancy mask on pi_ewma/mu keeps less than
+    this fraction of valid tokens: below one half, the EWMA has drifted from what the rollouts sampled
+    more than the mask tolerates, and its reference would discard most of the batch."""
+    device: str = "cpu"
+    """Where the fp32 EWMA copy lives; host memory by default, so it costs no accelerator memory."""

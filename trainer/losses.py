@@ -1,0 +1,521 @@
+"""Policy losses for vintage: ratios, discrepancy corrections, policy losses, KL, aggregation.
+
+Small pure functions over tensors (no state, no Ray, no collectives). The algorithm is section 3 of
+``shared/design.md``; per generated token t with advantage A_t and loss mask m_t::
+
+    d_t  = exp(ref_t - mu_t)                        discrepancy ratio (detached)
+    w_t  = min(d_t, C)                              truncated IS weight (optional)
+    k_t  = m_t * 1[low <= d_t <= high]              two-sided discrepancy mask (optional)
+    r_t  = exp(logp_t - ref_t)                      staleness ratio (gradient through logp)
+    L    = -sum_t k_t * w_t * min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t) / N
+
+Conventions (each is tested in ``tests/unit/test_losses*.py``):
+
+- Shapes: per-token tensors are ``[batch, seq]``; log-probs are in nats. ``loss_mask`` is 1 only on
+  tokens the model sampled; ``advantages`` may be ``[batch]`` (broadcast over the sequence).
+- Staleness of a token ``k = policy_version - versions[t]`` where ``policy_version`` is the learner
+  version that consumes the batch (queue time counts), so ``k >= 0``.
+- Numerical safety: every log-ratio is formed with :func:`safe_log_ratio`, which puts 0 in masked or
+  non-finite slots *before* ``exp`` (so neither values nor gradients see ``0 * inf``) and clamps the
+  exponent to +-``MAX_LOG_RATIO``. A non-finite ``behav_logprobs`` on a masked-in token gives a
+  neutral discrepancy ratio 1 (as if mu equalled the reference); a non-finite proxy reference falls
+  back to the detached current log-prob. Both are counted in the metrics, never silently fixed.
+- Denominator N: fixed by ``loss_mask`` and the aggregation mode alone. Tokens rejected by the
+  discrepancy mask stay in N: N can then be counted once per optimizer step, before any forward, and
+  summed over micro-batches and data-parallel ranks; a rejected token lowers the loss magnitude
+  instead of re-weighting the survivors (``mask_kept_frac`` reports how much was rejected).
+- Every loss returns ``(loss, metrics)``: a scalar to minimise and a ``dict[str, float]``.
+
+Proximal references (which log-prob plays pi_old) live in :mod:`trainer.proximal`, advantages and
+length helpers in :mod:`trainer.advantages`, the named methods in :mod:`trainer.loss_config`;
+:func:`compute_policy_loss` ties them together for the learner.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from trainer.proximal import at_least_fp32, proximal_reference, resolve_exact_mask
+
+if TYPE_CHECKING:
+    from trainer.loss_config import LossConfig
+
+MAX_LOG_RATIO = 20.0
+"""Bound on every exponent argument (nats): exp(20) ~ 4.9e8 is finite in fp32 and bf16."""
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+LEVELS = ("token", "seq_product", "seq_geomean")
+
+
+# ----------------------------------------------------------------------------------------------
+# log-probs and ratios
+
+
+def token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float) -> Tensor:
+    """Log-prob (nats) of each given token under ``softmax(logits / temperature)``.
+
+    logits ``[B, T, V]`` (position t's logits are the ones that produced ``token_ids[:, t]``; the
+    caller does the shift), token_ids ``[B, T]`` -> ``[B, T]`` fp32. The temperature must be the
+    engine's sampling temperature so that the learner's log-probs and mu describe the same
+    distribution (case 1). Temperature 0 (greedy) has no usable log-probs and is refused.
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+        raise ValueError(f"temperature must be a number > 0, got temperature={temperature!r}")
+    if not math.isfinite(temperature) or temperature <= 0:
+        raise ValueError(
+            f"temperature must be finite and > 0, got temperature={temperature!r} "
+            "(greedy sampling has no log-probs to form an importance ratio with)"
+        )
+    scaled = at_least_fp32(logits) / temperature  # [B, T, V]
+    picked = scaled.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)  # [B, T]
+    return picked - torch.logsumexp(scaled, dim=-1)
+
+
+def _as_bool(loss_mask: Tensor) -> Tensor:
+    return loss_mask if loss_mask.dtype == torch.bool else loss_mask != 0
+
+
+def safe_log_ratio(num: Tensor, den: Tensor, loss_mask: Tensor, bound: float | None = MAX_LOG_RATIO) -> Tensor:
+    """``num - den`` ``[B, T]`` (fp32, nats) where masked-in and both finite, else 0; clamped to +-bound.
+
+    The replacement happens with ``torch.where`` before any ``exp``, so a NaN or an overflowing
+    difference in a masked slot gets a zero gradient instead of ``0 * inf = NaN``.
+    """
+    valid = _as_bool(loss_mask) & torch.isfinite(num) & torch.isfinite(den)
+    diff = torch.where(valid, at_least_fp32(num) - at_least_fp32(den), torch.zeros((), device=num.device))
+    return diff if bound is None else diff.clamp(-bound, bound)
+
+
+def _to_level(log_ratio: Tensor, loss_mask: Tensor, level: str) -> Tensor:
+    """Token log-ratios ``[B, T]`` -> the same at ``level``, broadcast back to ``[B, T]``."""
+    if level == "token":
+        return log_ratio
+    mask = _as_bool(loss_mask)
+    total = torch.where(mask, log_ratio, 0.0).sum(-1, keepdim=True)  # [B, 1]
+    if level == "seq_product":
+        seq = total
+    elif level == "seq_geomean":
+        seq = total / mask.sum(-1, keepdim=True).clamp(min=1)
+    else:
+        raise ValueError(f"unknown level={level!r}; expected one of {LEVELS}")
+    return seq.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).expand_as(log_ratio)
+
+
+def discrepancy_ratio(ref: Tensor, behav_logprobs: Tensor, loss_mask: Tensor, level: str = "token") -> Tensor:
+    """d = exp(ref - mu) ``[B, T]``, detached: the same-version train/inference mismatch.
+
+    ``level``: "token" (one ratio per token); "seq_product" (prod_t d_t over the sequence's
+    masked-in tokens, the exact sequence likelihood ratio); "seq_geomean" (its geometric mean
+    exp(mean_t log d_t), length-normalised as in GSPO). Sequence values are broadcast to every token.
+    Masked or non-finite slots contribute log d = 0, i.e. a neutral ratio 1.
+    """
+    log_d = safe_log_ratio(ref.detach(), behav_logprobs.detach(), loss_mask)
+    return torch.exp(_to_level(log_d, loss_mask, level))
+
+
+def staleness_ratio(logprobs: Tensor, ref: Tensor, loss_mask: Tensor) -> Tensor:
+    """r = exp(logp - ref) ``[B, T]``; gradient flows through ``logprobs`` only (ref is detached)."""
+    return torch.exp(safe_log_ratio(logprobs, ref.detach(), loss_mask))
+
+
+def tis_weight(d: Tensor, cap: float) -> Tensor:
+    """Truncated importance weight min(d, C) ``[B, T]``, detached (Yao et al. 2025, "Your efficient
+    RL framework secretly brings you off-policy RL training"; Ionides 2008 for truncated IS)."""
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got cap={cap!r}")
+    return d.detach().clamp(max=cap)
+
+
+def icepop_mask(d: Tensor, low: float, high: float) -> Tensor:
+    """Two-sided mask 1[low <= d <= high] ``[B, T]`` as float (IcePop / masked IS, Ling team 2025).
+
+    Tokens (or, with a sequence-level d, whole sequences) whose discrepancy ratio leaves the band get
+    no gradient. Multiply by ``loss_mask`` to get the kept set.
+    """
+    if not 0 <= low < high:
+        raise ValueError(f"need 0 <= low < high, got low={low!r}, high={high!r}")
+    d = d.detach()
+    return ((d >= low) & (d <= high)).float()
+
+
+# ----------------------------------------------------------------------------------------------
+# aggregation
+
+
+def local_counts(loss_mask: Tensor) -> dict[str, int]:
+    """Local denominators to sum over micro-batches and ranks: masked-in tokens, and sequences with
+    at least one masked-in token. Pass the sums as ``global_token_count`` / ``global_seq_count``."""
+    mask = _as_bool(loss_mask)
+    return {"tokens": int(mask.sum()), "seqs": int(mask.any(-1).sum())}
+
+
+def aggregate(
+    per_token: Tensor,
+    loss_mask: Tensor,
+    mode: str = "token_mean",
+    global_token_count: float | Tensor | None = None,
+    global_seq_count: float | Tensor | None = None,
+) -> Tensor:
+    """Reduce a per-token loss ``[B, T]`` to a scalar; masked slots (even NaN ones) are ignored.
+
+    - "token_mean": sum over masked-in tokens / N_tokens. N_tokens is ``global_token_count`` (the
+      token count of the whole optimizer batch, summed over micro-batches and data-parallel ranks)
+      or, if None, this call's own count. With the global count, summing the micro-batch losses
+      gives the same value and gradient whatever the split (case 6: 2 tokens of loss 1 + 8 of 0 ->
+      0.2). Data-parallel engines that *average* gradients over ranks need the loss scaled by the
+      world size.
+    - "seq_mean_token_mean": mean over sequences of each sequence's token mean (case 6: 0.5).
+    - "seq_mean_token_sum": mean over sequences of each sequence's token sum.
+    Sequence modes divide by ``global_seq_count`` (sequences with >= 1 masked-in token) or the local
+    count. Empty denominators count as 1, so an all-masked batch gives 0, not NaN.
+    """
+    mask = _as_bool(loss_mask)
+    values = torch.where(mask, per_token, torch.zeros((), dtype=per_token.dtype, device=per_token.device))
+    if mode == "token_mean":
+        denom = mask.sum() if global_token_count is None else global_token_count
+        return values.sum() / torch.as_tensor(denom, dtype=values.dtype, device=values.device).clamp(min=1)
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation mode={mode!r}; expected one of {AGGREGATIONS}")
+    seq_sum = values.sum(-1)  # [B]
+    if mode == "seq_mean_token_mean":
+        seq_sum = seq_sum / mask.sum(-1).clamp(min=1)
+    denom = mask.any(-1).sum() if global_seq_count is None else global_seq_count
+    return seq_sum.sum() / torch.as_tensor(denom, dtype=values.dtype, device=values.device).clamp(min=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# metrics helpers
+
+
+@torch.no_grad()
+def _stats(prefix: str, x: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    n = mask.sum().clamp(min=1)
+    x = x.detach().float()
+    empty = ~mask.any()
+    hi = torch.where(mask, x, -torch.inf).max()
+    lo = torch.where(mask, x, torch.inf).min()
+    return {
+        f"{prefix}_mean": torch.where(mask, x, 0.0).sum() / n,
+        f"{prefix}_max": torch.where(empty, 0.0, hi),
+        f"{prefix}_min": torch.where(empty, 0.0, lo),
+    }
+
+
+@torch.no_grad()
+def _frac(flag: Tensor, mask: Tensor) -> Tensor:
+    return (flag & mask).sum() / mask.sum().clamp(min=1)
+
+
+def _floats(metrics: dict[str, Tensor | float]) -> dict[str, float]:
+    """One device sync for all tensor metrics."""
+    keys = [k for k, v in metrics.items() if isinstance(v, Tensor)]
+    values = torch.stack([metrics[k].detach().float().reshape(()) for k in keys]).tolist() if keys else []
+    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, Tensor)}
+    out.update(zip(keys, values, strict=True))
+    return out
+
+
+def _token_advantages(advantages: Tensor, loss_mask: Tensor) -> Tensor:
+    """``[B]`` or ``[B, T]`` -> ``[B, T]`` fp32 with 0 in masked slots."""
+    adv = at_least_fp32(advantages.detach())
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1).expand(loss_mask.shape)
+    return torch.where(_as_bool(loss_mask), adv, 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# policy losses
+
+
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float, dual_clip: float | None) -> Tensor:
+    """Per-token -min(r A, clip(r, 1-eps_low, 1+eps_high) A), dual-clipped at -c A for A < 0."""
+    per_token = torch.maximum(-ratio * adv, -ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+    if dual_clip is not None:
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -dual_clip * adv), per_token)
+    return per_token
+
+
+def _check_clip(eps_low: float, eps_high: float, dual_clip: float | None) -> None:
+    if not 0 < eps_low < 1:
+        raise ValueError(f"eps_low must be in (0, 1), got eps_low={eps_low!r}")
+    if not eps_high > 0:
+        raise ValueError(f"eps_high must be > 0, got eps_high={eps_high!r}")
+    if dual_clip is not None and not dual_clip > 1 + eps_high:
+        raise ValueError(f"dual_clip must be > 1 + eps_high, got dual_clip={dual_clip!r}")
+
+
+def _policy_metrics(log_r: Tensor, adv: Tensor, mask: Tensor, eps_low, eps_high, dual_clip) -> dict[str, Tensor]:
+    with torch.no_grad():
+        r = log_r.detach().exp()
+        m = {
+            "clip_frac_low": _frac((r < 1 - eps_low) & (adv < 0), mask),
+            "clip_frac_high": _frac((r > 1 + eps_high) & (adv > 0), mask),
+            # k3 estimate of KL(ref || pi_theta) from tokens sampled near ref: (r - 1) - log r
+            "approx_kl": torch.where(mask, torch.expm1(log_r.detach()) - log_r.detach(), 0.0).sum()
+            / mask.sum().clamp(min=1),
+            "n_tokens": mask.sum().float(),
+            **_stats("ratio", r, mask),
+        }
+        if dual_clip is not None:
+            m["dual_clip_frac"] = _frac((r > dual_clip) & (adv < 0), mask)
+    return m
+
+
+def ppo_clip_loss(
+    logprobs: Tensor,
+    prox_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    weights: Tensor | None = None,
+    aggregation: str = "token_mean",
+    global_token_count: float | Tensor | None = None,
+    global_seq_count: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO clipped surrogate (Schulman et al. 2017, eq. 7) with asymmetric clip and dual clip.
+
+    r = exp(logprobs - prox_logprobs) ``[B, T]``, prox detached; per token
+    ``-w * min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``, and for A < 0 additionally capped at
+    ``-c A`` (dual clip, Ye et al. 2020, "Mastering complex control in MOBA games", c > 1 + eps_high).
+    ``weights`` ``[B, T]`` is a detached per-token factor (discrepancy weight times mask). With
+    ``prox_logprobs = behav_logprobs`` this is plain PPO on pi_theta/mu. Denominator: see
+    :func:`aggregate`. Gradient only through ``logprobs``.
+    """
+    _check_clip(eps_low, eps_high, dual_clip)
+    mask = _as_bool(loss_mask)
+    log_r = safe_log_ratio(logprobs, prox_logprobs.detach(), mask)  # [B, T]
+    adv = _token_advantages(advantages, mask)  # [B, T]
+    per_token = _clipped_surrogate(log_r.exp(), adv, eps_low, eps_high, dual_clip)
+    if weights is not None:
+        per_token = per_token * weights.detach()
+    loss = aggregate(per_token, mask, aggregation, global_token_count, global_seq_count)
+    return loss, _floats(_policy_metrics(log_r, adv, mask, eps_low, eps_high, dual_clip))
+
+
+def discrepancy_weights(
+    prox_logprobs: Tensor,
+    behav_logprobs: Tensor,
+    loss_mask: Tensor,
+    *,
+    level: str = "token",
+    weight_cap: float | None = 5.0,
+    mask_bounds: tuple[float, float] = (0.5, 2.0),
+    apply_mask: bool = False,
+    exact_mask: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Detached per-token factor w_t * keep_t ``[B, T]`` from d = exp(prox - mu) at ``level``.
+
+    ``weight_cap`` C gives w = min(d, C) (None: no weight, w = 1); ``apply_mask`` multiplies by the
+    two-sided mask on ``mask_bounds``. ``mask_kept_frac`` (fraction of masked-in tokens with d inside
+    the bounds) is reported even when the mask is not applied: PPO-EWMA resets on it. Also reports
+    d stats, the k3 discrepancy KL mean(d - 1 - log d), the fraction of non-finite mu on masked-in
+    tokens (given ratio 1), and with ``exact_mask`` the fraction of tokens with an exact reference.
+    Metrics are 0-dim tensors here, so the caller converts all of them with one device sync.
+    """
+    mask = _as_bool(loss_mask)
+    d = discrepancy_ratio(prox_logprobs, behav_logprobs, mask, level)  # [B, T]
+    keep = icepop_mask(d, *mask_bounds)
+    weights = torch.ones_like(d) if weight_cap is None else tis_weight(d, weight_cap)
+    if apply_mask:
+        weights = weights * keep
+    with torch.no_grad():
+        log_d = d.log()
+        metrics = {
+            # no valid token: nothing was rejected (1.0), so an empty batch never triggers an EWMA reset
+            "mask_kept_frac": torch.where(mask.any(), _frac(keep.bool(), mask), 1.0),
+            "weight_mean": torch.where(mask, weights, 0.0).sum() / mask.sum().clamp(min=1),
+            "weight_capped_frac": _frac(d > weight_cap, mask) if weight_cap is not None else torch.zeros(()),
+            "discrepancy_kl": torch.where(mask, torch.expm1(log_d) - log_d, 0.0).sum() / mask.sum().clamp(min=1),
+            "nonfinite_behav_frac": _frac(~torch.isfinite(behav_logprobs), mask),
+            **_stats("discrepancy", d, mask),
+        }
+        if exact_mask is not None:
+            metrics["exact_token_fraction"] = _frac(_as_bool(exact_mask), mask)
+    return weights, metrics
+
+
+def decoupled_ppo_loss(
+    logprobs: Tensor,
+    prox_logprobs: Tensor,
+    behav_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    behav_weight_cap: float | None = 5.0,
+    mask_bounds: tuple[float, float] = (0.5, 2.0),
+    apply_mask: bool = False,
+    level: str = "token",
+    exact_mask: Tensor | None = None,
+    aggregation: str = "token_mean",
+    global_token_count: float | Tensor | None = None,
+    global_seq_count: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy optimization", eq. 2;
+    AReaL, Fu et al. 2025): behaviour correction on pi_prox/mu, clip on pi_theta/pi_prox.
+
+    Per token ``-w * keep * min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` with
+    w = min(exp(prox - mu), behav_weight_cap) and keep the optional two-sided mask, both detached
+    (see :func:`discrepancy_weights`), and r = exp(logp - prox). Case 3: mu = 0.2, prox = 0.4,
+    pi_theta = 0.6, A = 1, eps 0.2 -> loss -2.4, zero gradient; pi_theta = 0.44 -> -2.2, gradient
+    -2.2. Shapes ``[B, T]``; denominator as in :func:`aggregate` (rejected tokens stay in it).
+    """
+    weights, dmetrics = discrepancy_weights(
+        prox_logprobs, behav_logprobs, loss_mask, level=level, weight_cap=behav_weight_cap,
+        mask_bounds=mask_bounds, apply_mask=apply_mask, exact_mask=exact_mask,
+    )  # fmt: skip
+    loss, metrics = ppo_clip_loss(
+        logprobs, prox_logprobs, advantages, loss_mask, eps_low=eps_low, eps_high=eps_high,
+        dual_clip=dual_clip, weights=weights, aggregation=aggregation,
+        global_token_count=global_token_count, global_seq_count=global_seq_count,
+    )  # fmt: skip
+    metrics.update(_floats(dmetrics))
+    return loss, metrics
+
+
+def gspo_loss(
+    logprobs: Tensor,
+    prox_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    weights: Tensor | None = None,
+    aggregation: str = "seq_mean_token_mean",
+    global_token_count: float | Tensor | None = None,
+    global_seq_count: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """GSPO sequence-ratio loss (Zheng et al. 2025, "Group Sequence Policy Optimization", GSPO-token).
+
+    s_i = exp(mean_t (logp - prox)) over sequence i's masked-in tokens; each token uses
+    s_it = sg[s_i] * exp(logp_t - sg[logp_t]) (value s_i, gradient s_i * grad log pi_t), clipped as
+    PPO with the paper's small eps. With a per-sequence advantage and the default
+    "seq_mean_token_mean" aggregation this equals the sequence-level GSPO objective.
+    """
+    _check_clip(eps_low, eps_high, None)
+    mask = _as_bool(loss_mask)
+    log_r = safe_log_ratio(logprobs, prox_logprobs.detach(), mask)  # [B, T]
+    log_s = _to_level(log_r.detach(), mask, "seq_geomean")  # [B, T], constant per row
+    log_s_tok = torch.where(mask, log_s + log_r - log_r.detach(), 0.0)
+    adv = _token_advantages(advantages, mask)
+    per_token = _clipped_surrogate(log_s_tok.exp(), adv, eps_low, eps_high, None)
+    if weights is not None:
+        per_token = per_token * weights.detach()
+    loss = aggregate(per_token, mask, aggregation, global_token_count, global_seq_count)
+    metrics = _policy_metrics(log_s_tok, adv, mask, eps_low, eps_high, None)
+    metrics["approx_kl"] = torch.where(mask, torch.expm1(log_r) - log_r, 0.0).detach().sum() / mask.sum().clamp(min=1)
+    return loss, _floats(metrics)
+
+
+# ----------------------------------------------------------------------------------------------
+# KL estimators (Schulman 2020, "Approximating KL divergence"), delta = logp - ref
+
+
+def _k1(delta: Tensor) -> Tensor:
+    return delta
+
+
+def _k2(delta: Tensor) -> Tensor:
+    return 0.5 * delta.square()
+
+
+def _k3(delta: Tensor) -> Tensor:
+    # clamped as a whole (zero gradient beyond the bound) rather than only inside exp, whose
+    # clamped gradient would point the wrong way for delta < -bound
+    delta = delta.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return torch.expm1(-delta) + delta
+
+
+def _k3_plus(delta: Tensor) -> Tensor:
+    k2 = _k2(delta)
+    return _k3(delta).detach() + (k2 - k2.detach())
+
+
+KL_ESTIMATORS = {"k1": _k1, "k2": _k2, "k3": _k3, "k3_plus": _k3_plus}
+
+
+def kl_estimator(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3", loss_mask: Tensor | None = None) -> Tensor:
+    """Per-token KL(pi_theta || ref) estimate ``[B, T]`` (nats) from delta = logp - ref (ref detached).
+
+    k1 = delta (grad 1); k2 = delta^2 / 2 (grad delta); k3 = e^-delta - 1 + delta (grad 1 - e^-delta);
+    k3_plus = straight-through: value of k3, gradient of k2. Case 8 (delta = 0.5): 0.5, 0.125,
+    0.106531, 0.106531 with gradients 1, 0.5, 0.393469, 0.5. Masked slots (and non-finite inputs)
+    give 0; k3 clamps delta to +-MAX_LOG_RATIO so it stays finite (zero gradient beyond).
+    """
+    fn = KL_ESTIMATORS.get(kind)
+    if fn is None:
+        raise ValueError(f"unknown KL estimator kind={kind!r}; expected one of {sorted(KL_ESTIMATORS)}")
+    mask = torch.ones_like(logprobs, dtype=torch.bool) if loss_mask is None else _as_bool(loss_mask)
+    delta = safe_log_ratio(logprobs, ref_logprobs.detach(), mask, bound=None)
+    return torch.where(mask, fn(delta), 0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# entry point
+
+
+def compute_policy_loss(
+    logprobs: Tensor,
+    behav_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    cfg: LossConfig,
+    *,
+    old_logprobs: Tensor | None = None,
+    exact_mask: Tensor | None = None,
+    ewma_logprobs: Tensor | None = None,
+    staleness: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    global_token_count: float | Tensor | None = None,
+    global_seq_count: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """The loss the learner calls: reference, discrepancy correction, policy loss, optional KL.
+
+    logprobs ``[B, T]`` (pi_theta, with gradient), behav_logprobs ``[B, T]`` (mu), advantages ``[B]``
+    or ``[B, T]``, loss_mask ``[B, T]``. ``old_logprobs`` (exact pi_old, NaN where missing) and
+    ``exact_mask`` are required when ``cfg.old_logit_route`` is set and ignored otherwise;
+    ``ewma_logprobs`` when the proxy is "ewma"; ``staleness`` ``[B, T]`` for the linear proxies;
+    ``ref_logprobs`` (frozen reference model) when ``cfg.kl_coef > 0``. Metrics add
+    ``exact_token_fraction`` (0 without a route) and ``kl`` when the KL term is on.
+    """
+    mask = _as_bool(loss_mask)
+    if cfg.old_logit_route == "none":
+        old_logprobs = exact_mask = None
+    elif old_logprobs is None:
+        raise ValueError(f"old_logit_route={cfg.old_logit_route!r} needs old_logprobs (NaN where missing)")
+    prox = proximal_reference(
+        cfg.proxy, logprobs, behav_logprobs, staleness=staleness, ewma_logprobs=ewma_logprobs,
+        old_logprobs=old_logprobs, exact_mask=exact_mask, loss_mask=mask,
+    )  # fmt: skip
+    exact = torch.zeros_like(mask) if old_logprobs is None else resolve_exact_mask(old_logprobs, exact_mask)
+    weights, dmetrics = discrepancy_weights(
+        prox, behav_logprobs, mask, level=cfg.level, weight_cap=cfg.behav_weight_cap,
+        mask_bounds=(cfg.mask_low, cfg.mask_high), apply_mask=cfg.discrepancy_mask, exact_mask=exact,
+    )  # fmt: skip
+    common = {
+        "eps_low": cfg.eps_low, "eps_high": cfg.eps_high, "weights": weights, "aggregation": cfg.aggregation,
+        "global_token_count": global_token_count, "global_seq_count": global_seq_count,
+    }  # fmt: skip
+    if cfg.policy_loss == "gspo":
+        loss, metrics = gspo_loss(logprobs, prox, advantages, mask, **common)
+    else:
+        loss, metrics = ppo_clip_loss(logprobs, prox, advantages, mask, dual_clip=cfg.dual_clip, **common)
+    if cfg.kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs ref_logprobs (log-probs of the frozen reference model)")
+        kl = aggregate(kl_estimator(logprobs, ref_logprobs, cfg.kl_kind, mask), mask, cfg.aggregation,
+                       global_token_count, global_seq_count)  # fmt: skip
+        loss = loss + cfg.kl_coef * kl
+        dmetrics["kl"] = kl.detach()
+    metrics.update(_floats(dmetrics))
+    return loss, metrics
