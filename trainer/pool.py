@@ -1,0 +1,86 @@
+"""The driver's handle on the rollout workers: create, scale, feed, poll and update them.
+
+Workers are independent Ray actors (:data:`rollout.worker.RolloutWorker`); adding or removing one
+never stops the others. A removed worker's unfinished samples are counted as lost by the caller.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import ray
+
+from protocol import RolloutRequest, Trajectory, WeightManifest, WorkerStatus
+from rollout.engine import EngineConfig
+from rollout.worker import RolloutWorker
+
+
+class WorkerPool:
+    """``num_workers`` rollout actors built from one :class:`EngineConfig`, addressed by id."""
+
+    def __init__(self, engine_config: EngineConfig, num_cpus: float = 1.0, max_in_flight: int = 64,
+                 interrupt_target: tuple[Any, str] | None = None):
+        self.engine_config, self.num_cpus, self.max_in_flight = engine_config, num_cpus, max_in_flight
+        self.interrupt_target = interrupt_target
+        self.workers: dict[str, Any] = {}
+        self.in_flight: dict[str, int] = {}
+        self._ids = itertools.count()
+        self._latest: tuple[WeightManifest, Any] | None = None
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def scale_to(self, n: int) -> tuple[list[str], dict[str, int]]:
+        """Add or remove workers to reach ``n``; returns (added ids, {removed id: lost samples})."""
+        added, removed = [], {}
+        while len(self.workers) < n:
+            wid = f"rollout-{next(self._ids)}"
+            actor = RolloutWorker.options(num_cpus=self.num_cpus, name=None).remote(
+                self.engine_config, worker_id=wid, max_in_flight=self.max_in_flight, interrupt_target=self.interrupt_target)
+            ray.get(actor.ready.remote())
+            if self._latest is not None:  # a late joiner starts at the current version
+                ray.get(actor.update_weights.remote(*self._latest))
+            self.workers[wid], self.in_flight[wid] = actor, 0
+            added.append(wid)
+        while len(self.workers) > n:
+            wid = max(self.workers, key=lambda w: int(w.split("-")[1]))
+            actor = self.workers.pop(wid)
+            removed[wid] = self.in_flight.pop(wid)
+            try:
+                ray.get(actor.close.remote(), timeout=30)
+            finally:
+                ray.kill(actor)
+        return added, removed
+
+    def submit(self, requests: list[RolloutRequest]) -> int:
+        """Spread requests over workers, fewest in-flight first; returns samples submitted."""
+        if not self.workers:
+            return 0
+        total = 0
+        for r in requests:
+            wid = min(self.in_flight, key=self.in_flight.get)
+            n = ray.get(self.workers[wid].submit.remote([r]))
+            self.in_flight[wid] += n
+            total += n
+        return total
+
+    def poll(self) -> list[Trajectory]:
+        """Finished trajectories from every worker."""
+        ids = list(self.workers)
+        out: list[Trajectory] = []
+        for wid, got in zip(ids, ray.get([self.workers[w].poll.remote() for w in ids]), strict=True):
+            self.in_flight[wid] -= len(got)
+            out += got
+        return out
+
+    def update_weights(self, manifest: WeightManifest, payload_ref: Any) -> list[int]:
+        """Apply a publication on every worker (interrupt, update, resume); returns their versions."""
+        self._latest = (manifest, payload_ref)
+        return ray.get([w.update_weights.remote(manifest, payload_ref) for w in self.workers.values()])
+
+    def statuses(self) -> list[WorkerStatus]:
+        return ray.get([w.status.remote() for w in self.workers.values()])
+
+    def shutdown(self) -> None:
+        self.scale_to(0)
