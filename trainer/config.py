@@ -99,7 +99,10 @@ class ControllerConfig(_Section):
     time_budget_s: float | None = Field(None, gt=0.0)
     """Stop after this many seconds even if ``total_steps`` is not reached."""
     checkpoint_every: int = Field(0, ge=0)
-    """Checkpoint every N steps (0: only at the end)."""
+    """Checkpoint every N steps into ``<run_dir>/checkpoints`` (0: only at the end)."""
+    resume_from: str | None = None
+    """Checkpoint directory to resume from: weights, optimizer, version counter, EWMA state and buffer
+    accounting continue; ``total_steps`` counts versions, so a resumed run stops at the same final version."""
     seed: int = 0
 
 

@@ -39,14 +39,26 @@ from trainer.config import JobConfig, write_resolved
 from trainer.metrics_log import MetricsLog, plot_run
 from trainer.server import ApiServer, StatusBoard
 
-ENV_VARS = ("OMP_NUM_THREADS", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TOKENIZERS_PARALLELISM",
-            "VINTAGE_CACHE_DIR", "HF_HUB_DISABLE_PROGRESS_BARS")
+ENV_VARS = (
+    "OMP_NUM_THREADS",
+    "DS_ACCELERATOR",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "TOKENIZERS_PARALLELISM",
+    "VINTAGE_CACHE_DIR",
+    "HF_HUB_DISABLE_PROGRESS_BARS",
+)
 
 
 def _defaults_env() -> None:
-    for k, v in (("OMP_NUM_THREADS", "1"), ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"),
-                 ("TOKENIZERS_PARALLELISM", "false"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
-                 ("RAY_memory_monitor_refresh_ms", "0")):
+    for k, v in (
+        ("OMP_NUM_THREADS", "1"),
+        ("HF_HUB_OFFLINE", "1"),
+        ("TRANSFORMERS_OFFLINE", "1"),
+        ("TOKENIZERS_PARALLELISM", "false"),
+        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+        ("RAY_memory_monitor_refresh_ms", "0"),
+    ):
         os.environ.setdefault(k, v)
     try:
         import torch
@@ -70,9 +82,18 @@ def ray_session(cfg: JobConfig):
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, runtime_env=env, log_to_driver=True)
     else:
-        need = cfg.rollout.num_workers * cfg.rollout.num_cpus + cfg.learner.world_size * cfg.learner.num_cpus + cfg.oldlogit.num_cpus
-        ray.init(num_cpus=cfg.ray.num_cpus or max(2, int(np.ceil(need)) + 2), include_dashboard=False,
-                 _temp_dir=tempfile.mkdtemp(prefix="vintage-ray-"), runtime_env=env, log_to_driver=True)
+        need = (
+            cfg.rollout.num_workers * cfg.rollout.num_cpus
+            + cfg.learner.world_size * cfg.learner.num_cpus
+            + cfg.oldlogit.num_cpus
+        )
+        ray.init(
+            num_cpus=cfg.ray.num_cpus or max(2, int(np.ceil(need)) + 2),
+            include_dashboard=False,
+            _temp_dir=tempfile.mkdtemp(prefix="vintage-ray-"),
+            runtime_env=env,
+            log_to_driver=True,
+        )
     try:
         yield
     finally:
@@ -93,12 +114,19 @@ def resolve_model(cfg: JobConfig) -> Path:
     return p
 
 
-def make_requests(cfg: JobConfig, seeds: list[int], prefix: str, version: int, n: int | None = None) -> list[RolloutRequest]:
+def make_requests(
+    cfg: JobConfig, seeds: list[int], prefix: str, version: int, n: int | None = None
+) -> list[RolloutRequest]:
     """One request (a group of ``sampling.n`` samples) per env seed."""
     sampling = cfg.rollout.sampling if n is None else cfg.rollout.sampling.model_copy(update={"n": n})
     return [
-        RolloutRequest(request_id=f"{prefix}{s}", group_id=f"{prefix}{s}", env=EnvRef(path=cfg.env.path, kwargs=cfg.env.kwargs, seed=s),
-                       sampling=sampling, admitted_version=version)
+        RolloutRequest(
+            request_id=f"{prefix}{s}",
+            group_id=f"{prefix}{s}",
+            env=EnvRef(path=cfg.env.path, kwargs=cfg.env.kwargs, seed=s),
+            sampling=sampling,
+            admitted_version=version,
+        )
         for s in seeds
     ]
 
@@ -121,9 +149,18 @@ class Job:
         self.route = cfg.oldlogit_route
         ewma = cfg.ewma.model_copy(update={"window": max(cfg.ewma.window, c.max_staleness)})
         settings = LearnerSettings(
-            model_path=str(self.model_path), zero_stage=cfg.learner.zero_stage, dtype=cfg.learner.dtype, lr=cfg.learner.lr,
-            weight_decay=cfg.learner.weight_decay, grad_clip=cfg.learner.grad_clip, micro_batch_size=cfg.learner.micro_batch_size,
-            loss=cfg.loss, ewma=ewma, temperature=s.temperature, max_token_staleness=c.max_token_staleness, seed=c.seed,
+            model_path=str(self.model_path),
+            zero_stage=cfg.learner.zero_stage,
+            dtype=cfg.learner.dtype,
+            lr=cfg.learner.lr,
+            weight_decay=cfg.learner.weight_decay,
+            grad_clip=cfg.learner.grad_clip,
+            micro_batch_size=cfg.learner.micro_batch_size,
+            loss=cfg.loss,
+            ewma=ewma,
+            temperature=s.temperature,
+            max_token_staleness=c.max_token_staleness,
+            seed=c.seed,
         )
         with console.status("starting learner ..."):
             self.learner = LearnerGroup(settings, world_size=cfg.learner.world_size, num_cpus=cfg.learner.num_cpus)
@@ -131,17 +168,31 @@ class Job:
         if self.route != "none":
             with console.status(f"starting old-logit service ({self.route}) ..."):
                 self.oldlogit = OldLogitServer.options(num_cpus=cfg.oldlogit.num_cpus).remote(
-                    str(self.model_path), route=self.route, max_staleness=c.max_staleness,
-                    memory_budget_bytes=cfg.oldlogit.memory_budget_bytes)
+                    str(self.model_path),
+                    route=self.route,
+                    max_staleness=c.max_staleness,
+                    memory_budget_bytes=cfg.oldlogit.memory_budget_bytes,
+                )
                 ray.get(self.oldlogit.ready.remote())
-        engine = EngineConfig(kind=cfg.rollout.engine, model_path=str(self.model_path), dtype=cfg.rollout.dtype,
-                              kv_cache_gib=cfg.rollout.kv_cache_gib, gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-                              max_num_seqs=cfg.rollout.max_batch, seed=c.seed)
+        engine = EngineConfig(
+            kind=cfg.rollout.engine,
+            model_path=str(self.model_path),
+            dtype=cfg.rollout.dtype,
+            kv_cache_gib=cfg.rollout.kv_cache_gib,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            max_num_seqs=cfg.rollout.max_batch,
+            seed=c.seed,
+        )
         self.pool = WorkerPool(engine, num_cpus=cfg.rollout.num_cpus, max_in_flight=cfg.rollout.max_batch)
         with console.status(f"starting {cfg.rollout.num_workers} rollout worker(s) ..."):
             self.pool.scale_to(cfg.rollout.num_workers)
         self.version = 0
-        self.seeds = iter(range(10**9))
+        if c.resume_from:
+            extra = self.learner.load_checkpoint(c.resume_from)
+            self.buffer.load_state_dict(extra.get("buffer", {"submitted": 0, "consumed": 0, "dropped": {}}))
+            self.version = self.learner.version()
+            console.print(f"resumed from {c.resume_from} at version {self.version}")
+        self.seeds = iter(range(self.buffer.submitted, 10**9))
         self.times = Counter()
         self.tokens_exact = self.tokens_total = 0
         self.last_publish: dict[str, float] = {}
@@ -167,14 +218,23 @@ class Job:
 
     def top_up(self) -> None:
         """Submit as many new groups as the staleness admission rule allows."""
-        room = admission_capacity(self.version, self.cfg.controller.max_staleness, self.batch_size, self.buffer.submitted)
+        room = admission_capacity(
+            self.version, self.cfg.controller.max_staleness, self.batch_size, self.buffer.submitted
+        )
         groups = room // self.group_size
         if groups and len(self.pool):
             seeds = [next(self.seeds) % self.cfg.env.train_seeds for _ in range(groups)]
             reqs = make_requests(self.cfg, seeds, f"v{self.version}-", self.version)
             # request ids must be unique: the seed may repeat, the submission counter does not
-            reqs = [r.model_copy(update={"request_id": f"{r.request_id}-{self.buffer.submitted + i}",
-                                         "group_id": f"{r.group_id}-{self.buffer.submitted + i}"}) for i, r in enumerate(reqs)]
+            reqs = [
+                r.model_copy(
+                    update={
+                        "request_id": f"{r.request_id}-{self.buffer.submitted + i}",
+                        "group_id": f"{r.group_id}-{self.buffer.submitted + i}",
+                    }
+                )
+                for i, r in enumerate(reqs)
+            ]
             self.buffer.note_submitted(self.pool.submit(reqs))
 
     def collect(self, got: list[Trajectory] | None = None) -> None:
@@ -198,8 +258,11 @@ class Job:
         answer = None
         t0 = time.perf_counter()
         if self.route == "snapshot":
-            req = OldLogitRequest(request_id=f"step-{self.version}", temperature=self.cfg.rollout.sampling.temperature,
-                                  items=items_from_trajectories(batch))
+            req = OldLogitRequest(
+                request_id=f"step-{self.version}",
+                temperature=self.cfg.rollout.sampling.temperature,
+                items=items_from_trajectories(batch),
+            )
             answer = ray.get(self.oldlogit.score.remote(req))
         t1 = time.perf_counter()
         m = self.learner.train_step(batch, answer)
@@ -215,10 +278,18 @@ class Job:
         exact = float(m.get("exact_token_fraction", 0.0))
         self.tokens_exact += exact * m["tokens"]
         self.tokens_total += m["tokens"]
-        m.update(reward_mean=float(np.mean(rewards)), reward_max=float(np.max(rewards)), exact_fraction=exact,
-                 staleness_mean=sum(k * v for k, v in hist.items()) / max(n, 1), staleness_max=max(hist, default=0),
-                 staleness_hist=hist, publish_s=self.last_publish.get("seconds", 0.0), old_logits_s=t1 - t0,
-                 train_s=t2 - t1, **{f"dropped_{k}": v for k, v in self.buffer.dropped.items()})
+        m.update(
+            reward_mean=float(np.mean(rewards)),
+            reward_max=float(np.max(rewards)),
+            exact_fraction=exact,
+            staleness_mean=sum(k * v for k, v in hist.items()) / max(n, 1),
+            staleness_max=max(hist, default=0),
+            staleness_hist=hist,
+            publish_s=self.last_publish.get("seconds", 0.0),
+            old_logits_s=t1 - t0,
+            train_s=t2 - t1,
+            **{f"dropped_{k}": v for k, v in self.buffer.dropped.items()},
+        )
         return m
 
     def evaluate(self, tag: str) -> dict[str, float]:
@@ -240,6 +311,10 @@ class Job:
         r = [t.reward for t in got]
         return {"reward": float(np.mean(r)), "success_rate": float(np.mean([x > 0.5 for x in r])), "episodes": len(r)}
 
+    def checkpoint(self) -> str:
+        """Learner state (weights, optimizer, version, EWMA) plus the buffer accounting."""
+        return self.learner.save_checkpoint(str(self.run_dir / "checkpoints"), {"buffer": self.buffer.state_dict()})
+
     def apply_controls(self, board: StatusBoard) -> None:
         want = board.desired_workers
         if want is not None and want != len(self.pool):
@@ -252,19 +327,35 @@ class Job:
     def status_fields(self, m: dict[str, Any] | None) -> dict[str, Any]:
         st = ray.get(self.oldlogit.status.remote()) if self.oldlogit is not None else None
         f = dict(
-            learner_version=self.version, workers=self.pool.statuses(), buffer_size=len(self.buffer),
-            buffer_staleness_hist=self.buffer.staleness_histogram(self.version), generated=self.buffer.submitted,
-            consumed=self.buffer.consumed, in_flight=self.buffer.in_flight, dropped=dict(self.buffer.dropped), oldlogit=st,
-            last_publish_s=self.last_publish.get("seconds"), last_publish_unix=self.last_publish.get("unix"),
+            learner_version=self.version,
+            workers=self.pool.statuses(),
+            buffer_size=len(self.buffer),
+            buffer_staleness_hist=self.buffer.staleness_histogram(self.version),
+            generated=self.buffer.submitted,
+            consumed=self.buffer.consumed,
+            in_flight=self.buffer.in_flight,
+            dropped=dict(self.buffer.dropped),
+            oldlogit=st,
+            last_publish_s=self.last_publish.get("seconds"),
+            last_publish_unix=self.last_publish.get("unix"),
         )
         if m is not None:
             exact = m["exact_fraction"]
-            f.update(last_batch_staleness_hist=m["staleness_hist"], exact_fraction_by_route={self.route: exact},
-                     proxy_fraction=1.0 - exact, mask_kept_fraction=m.get("mask_kept_frac"),
-                     tokens_per_s=m.get("tokens_per_s", 0.0), skipped_steps=int(m["skipped_steps"]))
+            f.update(
+                last_batch_staleness_hist=m["staleness_hist"],
+                exact_fraction_by_route={self.route: exact},
+                proxy_fraction=1.0 - exact,
+                mask_kept_fraction=m.get("mask_kept_frac"),
+                tokens_per_s=m.get("tokens_per_s", 0.0),
+                skipped_steps=int(m["skipped_steps"]),
+            )
             if "ewma_beta" in m:
-                f["ewma"] = EwmaStatus(beta=m["ewma_beta"], total_weight=m["ewma_total_weight"], resets=int(m["ewma_resets"]),
-                                       bytes_held=int(m.get("ewma_bytes", 0)))
+                f["ewma"] = EwmaStatus(
+                    beta=m["ewma_beta"],
+                    total_weight=m["ewma_total_weight"],
+                    resets=int(m["ewma_resets"]),
+                    bytes_held=int(m.get("ewma_bytes", 0)),
+                )
         return f
 
     def shutdown(self) -> None:
@@ -272,6 +363,9 @@ class Job:
             self.pool.shutdown()
         with contextlib.suppress(Exception):
             self.learner.shutdown()
+        if self.oldlogit is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(self.oldlogit)
 
 
 def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
@@ -314,7 +408,8 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
 
 def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float) -> dict[str, Any]:
     cfg, console = job.cfg, job.console
-    # version 0 is the model folder itself: every consumer loaded it at start, nothing to publish
+    if job.version > 0:  # resumed: consumers loaded the folder (version 0); give them the resumed weights
+        job.publish()
     before = job.evaluate("before")
     console.print(f"held-out reward before training: {before}")
     board.update(state="running", **job.status_fields(None))
@@ -334,6 +429,8 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float) -> dict
             continue
         m = job.train(batch)
         log.log(job.version, m)
+        if cfg.controller.checkpoint_every and job.version % cfg.controller.checkpoint_every == 0:
+            job.checkpoint()
         board.update(**job.status_fields(m))
         console.print(
             f"step {int(m['consumed_version'])}->{job.version}  reward {m['reward_mean']:.3f}  staleness mean {m['staleness_mean']:.2f} "
@@ -343,14 +440,24 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float) -> dict
     loop_s = time.perf_counter() - t_loop
     after = job.evaluate("after")
     console.print(f"held-out reward after training: {after}")
-    if cfg.controller.checkpoint_every >= 0:
-        job.learner.save_checkpoint(str(job.run_dir / "checkpoints"), {"buffer": job.buffer.state_dict()})
+    job.checkpoint()
     return {
-        "state": "finished", "steps": job.version, "reward_before": before, "reward_after": after,
-        "tokens_exact": job.tokens_exact, "tokens_total": job.tokens_total,
+        "state": "finished",
+        "steps": job.version,
+        "reward_before": before,
+        "reward_after": after,
+        "tokens_exact": job.tokens_exact,
+        "tokens_total": job.tokens_total,
         "exact_fraction": job.tokens_exact / job.tokens_total if job.tokens_total else 0.0,
-        "ewma_resets": int(m.get("ewma_resets", 0)) if m else 0, "skipped_steps": int(m["skipped_steps"]) if m else 0,
-        "generated": job.buffer.submitted, "consumed": job.buffer.consumed, "dropped": dict(job.buffer.dropped),
-        "accounting_ok": job.buffer.accounting_ok(), "loop_s": loop_s, "time_split_s": dict(job.times),
-        "wall_s": time.perf_counter() - t_start, "route": job.route, "method": cfg.loss.method,
+        "ewma_resets": int(m.get("ewma_resets", 0)) if m else 0,
+        "skipped_steps": int(m["skipped_steps"]) if m else 0,
+        "generated": job.buffer.submitted,
+        "consumed": job.buffer.consumed,
+        "dropped": dict(job.buffer.dropped),
+        "accounting_ok": job.buffer.accounting_ok(),
+        "loop_s": loop_s,
+        "time_split_s": dict(job.times),
+        "wall_s": time.perf_counter() - t_start,
+        "route": job.route,
+        "method": cfg.loss.method,
     }

@@ -19,8 +19,13 @@ from rollout.worker import RolloutWorker
 class WorkerPool:
     """``num_workers`` rollout actors built from one :class:`EngineConfig`, addressed by id."""
 
-    def __init__(self, engine_config: EngineConfig, num_cpus: float = 1.0, max_in_flight: int = 64,
-                 interrupt_target: tuple[Any, str] | None = None):
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        num_cpus: float = 1.0,
+        max_in_flight: int = 64,
+        interrupt_target: tuple[Any, str] | None = None,
+    ):
         self.engine_config, self.num_cpus, self.max_in_flight = engine_config, num_cpus, max_in_flight
         self.interrupt_target = interrupt_target
         self.workers: dict[str, Any] = {}
@@ -37,7 +42,11 @@ class WorkerPool:
         while len(self.workers) < n:
             wid = f"rollout-{next(self._ids)}"
             actor = RolloutWorker.options(num_cpus=self.num_cpus, name=None).remote(
-                self.engine_config, worker_id=wid, max_in_flight=self.max_in_flight, interrupt_target=self.interrupt_target)
+                self.engine_config,
+                worker_id=wid,
+                max_in_flight=self.max_in_flight,
+                interrupt_target=self.interrupt_target,
+            )
             ray.get(actor.ready.remote())
             if self._latest is not None:  # a late joiner starts at the current version
                 ray.get(actor.update_weights.remote(*self._latest))
