@@ -31,9 +31,19 @@ import httpx
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on this machine now (all bound at once, so never the same twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 @dataclass
@@ -65,7 +75,9 @@ class LocalRayHead:
         """
         temp_dir = tempfile.mkdtemp(prefix="vray-")
         token = secrets.token_hex(16)
-        gcs, dash = free_port(), free_port()
+        # Ray's fixed defaults (agent HTTP 52365, client server 10001) collide with any other Ray
+        # on the machine (a test session's ray.init, another head): every port is picked free here.
+        gcs, dash, agent_http, client = free_ports(4)
         bindir = str(Path(sys.executable).parent)  # job entrypoints (`vintage run`) use this environment
         env = {
             **os.environ,
@@ -85,6 +97,8 @@ class LocalRayHead:
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dash}",
             "--include-dashboard=true",
+            f"--dashboard-agent-listen-port={agent_http}",
+            f"--ray-client-server-port={client}",
             f"--temp-dir={temp_dir}",
             f"--num-cpus={num_cpus}",
             "--disable-usage-stats",
