@@ -1,1 +1,25 @@
-"""vintage oldlogit_service."""
+"""vintage oldlogit_service: versioned exact old log-probs (snapshot, old-logit model, interruption
+sync) with per-token honest "missing" answers, and the proxy-error meter. The Ray actor lives in
+``oldlogit_service.actor`` (imported on demand so this package does not import ray)."""
+
+from oldlogit_service.proxy_error import ProxyError, ProxyErrorMeter, proxy_error
+from oldlogit_service.service import (
+    ROUTES,
+    OldLogitService,
+    Route,
+    items_from_trajectories,
+    merge_old_logprobs,
+    status_from_old_logprobs,
+)
+
+__all__ = [
+    "ROUTES",
+    "OldLogitService",
+    "ProxyError",
+    "ProxyErrorMeter",
+    "Route",
+    "items_from_trajectories",
+    "merge_old_logprobs",
+    "proxy_error",
+    "status_from_old_logprobs",
+]

@@ -1,0 +1,68 @@
+"""``OldLogitServer``: the Ray actor around :class:`oldlogit_service.service.OldLogitService`.
+
+A thin wrapper: every public method of the plain class is an actor method with the same
+arguments and results (protocol messages and numpy arrays travel through Ray's object store).
+Pass the weight payload as an ``ObjectRef`` from ``ray.put`` (resolved by Ray before the call), so
+one published payload is shared with every consumer. Calls run one at a time, in order, so an
+interrupt_sync driver that calls ``score_prefixes`` then ``update_weights`` gets the outgoing
+version for the prefixes.
+
+Example::
+
+    server = OldLogitServer.options(num_cpus=0.5).remote(str(folder), route="snapshot", max_staleness=2)
+    ray.get(server.update_weights.remote(manifest, ray.put(payload)))
+    answer = ray.get(server.score.remote(request))
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+
+from oldlogit_service.service import OldLogitService
+
+
+class _OldLogitActorBody(OldLogitService):
+    """:class:`OldLogitService` plus the actor-only bits: thread count and a readiness probe."""
+
+    def __init__(self, *args: Any, torch_threads: int | None = None, **kwargs: Any) -> None:
+        import torch
+
+        torch.set_num_threads(torch_threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
+        super().__init__(*args, **kwargs)
+
+    def ready(self) -> bool:
+        """True once the model is loaded (``ray.get(server.ready.remote())`` waits for it)."""
+        return True
+
+
+OldLogitServer = ray.remote(num_cpus=0.5, max_restarts=0)(_OldLogitActorBody)
+"""Ray actor class: ``OldLogitServer.remote(model_path, route=..., max_staleness=..., memory_budget_bytes=...,
+device=..., dtype=..., initial_version=..., torch_threads=None)``; same methods as OldLogitService."""
+
+
+def start_server(
+    model_path: str,
+    route: str = "snapshot",
+    max_staleness: int = 2,
+    memory_budget_bytes: int | None = None,
+    num_cpus: float = 0.5,
+    name: str | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Start an :data:`OldLogitServer` and wait until its model is loaded; returns the actor handle.
+
+    Raises:
+        ray.exceptions.RayActorError: the constructor failed (e.g. an unknown ``route``); the
+            original ``ValueError`` text names the argument.
+    """
+    opts: dict[str, Any] = {"num_cpus": num_cpus}
+    if name:
+        opts["name"] = name
+    handle = OldLogitServer.options(**opts).remote(
+        str(model_path), route=route, max_staleness=max_staleness, memory_budget_bytes=memory_budget_bytes, **kwargs
+    )
+    ray.get(handle.ready.remote())
+    return handle

@@ -1,0 +1,588 @@
+"""The versioned old-logit service: exact ``pi_old`` per token, or an honest "missing, because ...".
+
+For each sampled token t with version ``v_t`` the service answers ``log pi_old(token | prefix)``
+computed with the *learner's* model code and numerics (HF transformers forward +
+:func:`trainer.scoring.sequence_logprobs`, temperature applied the same way) under the weights of
+version ``v_t`` - or says per token why it cannot (:class:`protocol.TokenStatus`). Design brief
+section 4, known-failure case 13.
+
+Routes (``route=``):
+
+* ``"snapshot"``: a CPU copy of the weights of every version in ``[V - W, V]`` (``V`` the newest
+  published version, ``W`` = ``max_staleness``); older versions are evicted because no token of
+  theirs can be consumed any more, and the oldest versions go first when the copies exceed
+  ``memory_budget_bytes``. A request costs one forward per distinct *held* version present in it,
+  batched over the items that contain that version; each token keeps its own version's value.
+* ``"old_logit_model"``: one scorer replica kept in step with every broadcast (newest version
+  only). Workers or the driver call :meth:`OldLogitService.score_segments` /
+  :meth:`OldLogitService.attach_old_logprobs` on each finished segment before its version is
+  superseded, so the :class:`protocol.Trajectory` arrives with ``old_logprobs`` attached.
+* ``"interrupt_sync"``: the same single replica; at each weight update the in-flight prefixes are
+  scored at the outgoing version (:meth:`OldLogitService.score_prefixes`) *before*
+  :meth:`OldLogitService.update_weights` installs the new one; generation then resumes.
+* ``"none"``: holds nothing, loads no model; every sampled token is ``MISSING_NEVER_STORED``.
+
+On every route :meth:`OldLogitService.score` answers exact for tokens whose version is held, so the
+single-replica routes answer exact only for the loaded version.
+
+Exactness: the forward for version v is the learner's forward (right-padded ``[rows, seq_v]``) of
+the request's items that contain v, cut after the last version-v token among them (a causal model
+needs no later tokens). A learner forward of that same batch with the same weights gives
+bit-identical values (fp32, CPU); a learner that pads or cuts differently differs only by fp32
+round-off (observed <= 2e-6 nats on the tiny model), never by a version.
+
+Conventions: versions as in ``docs/architecture.md``; log-probs in nats; ``old_logprobs`` is NaN on
+every token that is not ``EXACT`` (context tokens included); bytes are host bytes of the held weight
+tensors (tied tensors counted once); seconds are wall seconds (``time.perf_counter``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from protocol import (
+    OldLogitAnswer,
+    OldLogitItem,
+    OldLogitRequest,
+    OldLogitServiceStatus,
+    ProtocolError,
+    TokenStatus,
+    Trajectory,
+    WeightManifest,
+)
+from trainer.scoring import sequence_logprobs
+from trainer.weights import torch_dtype, unpack_weights
+
+Route = Literal["snapshot", "old_logit_model", "interrupt_sync", "none"]
+ROUTES: tuple[str, ...] = get_args(Route)
+
+EVICT_STALENESS = "staleness"
+"""Eviction reason: the version is older than ``V - max_staleness`` (no token of it is consumable)."""
+EVICT_BUDGET = "memory_budget"
+"""Eviction reason: the held copies exceeded ``memory_budget_bytes`` (oldest first)."""
+EVICT_SUPERSEDED = "superseded"
+"""Eviction reason (single-replica routes): a newer broadcast replaced the loaded version."""
+
+
+def _unique_bytes(tensors: Mapping[str, Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (tied aliases counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors.values():
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+class _Bound:
+    """A callable that runs ``model`` with the given weights (functional call; the model is untouched)."""
+
+    def __init__(self, model: torch.nn.Module, weights: Mapping[str, Tensor]) -> None:
+        self.model, self.weights = model, weights
+
+    def __call__(self, **kwargs: Any) -> Any:
+        return torch.func.functional_call(self.model, self.weights, (), kwargs, tie_weights=True, strict=False)
+
+
+class OldLogitService:
+    """Versioned old-logit server (plain class; :data:`oldlogit_service.actor.OldLogitServer` wraps it).
+
+    Args:
+        model_path: HF model folder (``trainer.modelhub.prepare_smollm2()`` / ``make_tiny_model()``);
+            gives the architecture and, when ``initial_version`` is not None, the weights of that version.
+        route: ``"snapshot" | "old_logit_model" | "interrupt_sync" | "none"``.
+        max_staleness: W >= 0; the snapshot route keeps versions ``[V - W, V]``.
+        memory_budget_bytes: host bytes the snapshot copies may take (None: unbounded); the oldest
+            version is evicted first. Only the snapshot route is bounded by it (the single-replica
+            routes hold exactly one copy by construction).
+        device: where forwards run (``"cpu"`` default; snapshots stay on the CPU and are moved per forward).
+        dtype: ``"float32"`` (default, learner numerics) or ``"bfloat16"`` / ``"float16"``; weights
+            are stored and run in it.
+        initial_version: version of the folder's weights (default 0: the learner starts from the same
+            folder); None holds nothing until the first :meth:`update_weights`.
+
+    Raises:
+        ValueError: an unknown route, negative ``max_staleness`` / budget, or an unknown dtype
+            (the message names the argument).
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path | None,
+        route: Route = "snapshot",
+        max_staleness: int = 2,
+        memory_budget_bytes: int | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        initial_version: int | None = 0,
+    ) -> None:
+        if route not in ROUTES:
+            raise ValueError(f"route: {route!r} is not one of {list(ROUTES)}")
+        if not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ValueError(f"max_staleness: must be an int >= 0, got {max_staleness!r}")
+        if memory_budget_bytes is not None and memory_budget_bytes < 0:
+            raise ValueError(f"memory_budget_bytes: must be >= 0 or None, got {memory_budget_bytes}")
+        if initial_version is not None and initial_version < 0:
+            raise ValueError(f"initial_version: must be >= 0 or None, got {initial_version}")
+        self.route: str = route
+        self.max_staleness = max_staleness
+        self.memory_budget_bytes = memory_budget_bytes
+        self.device = torch.device(device)
+        self.dtype = torch_dtype(dtype)
+        self._store_device = torch.device("cpu") if route == "snapshot" else self.device
+
+        self._held: OrderedDict[int, dict[str, Tensor]] = OrderedDict()  # ascending versions
+        self._held_bytes: dict[int, int] = {}
+        self._checksums: dict[int, str] = {}
+        self.evicted: dict[int, str] = {}
+        """Versions once held and evicted, with the reason (:data:`EVICT_STALENESS`, ...)."""
+        self.latest_version: int | None = None
+        """Newest version published to the service (held or not)."""
+
+        self.forwards = 0
+        """Model forwards run so far (one per distinct held version per request)."""
+        self.tokens_exact = 0
+        self.tokens_missing: Counter[str] = Counter()
+        self.evictions: Counter[str] = Counter()
+        self.seconds: Counter[str] = Counter()
+        """Wall seconds by kind: ``score``, ``segments``, ``prefixes`` (interruption stall), ``update``."""
+        self.requests = 0
+        self.last_request_seconds = 0.0
+
+        self.model: torch.nn.Module | None = None
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self.vocab_size = 0
+        if route == "none":
+            return
+        if model_path is None:
+            raise ValueError(f"model_path: required for route {route!r}")
+        from trainer.modelhub import load_causal_lm
+
+        model = load_causal_lm(model_path, dtype=str(self.dtype).removeprefix("torch.")).to(self.device)
+        state = model.state_dict()
+        self._shapes = {k: tuple(v.shape) for k, v in state.items()}
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        if initial_version is not None:
+            # the folder's weights become the first held version (no copy: the template gives them up)
+            self.latest_version = initial_version
+            self._store(initial_version, {k: v.detach().to(self._store_device) for k, v in state.items()})
+        with torch.no_grad():  # the template keeps its code and buffers, not its weights
+            for p in model.parameters():
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        model.requires_grad_(False)
+        self.model = model
+
+    # ------------------------------------------------------------------------------------------
+    # weights
+    # ------------------------------------------------------------------------------------------
+
+    @property
+    def versions_held(self) -> list[int]:
+        """Versions whose weights are held now, ascending."""
+        return list(self._held)
+
+    @property
+    def bytes_held(self) -> int:
+        """Host (or device) bytes of the held weight copies, tied tensors counted once."""
+        return sum(self._held_bytes.values())
+
+    def _store(self, version: int, weights: dict[str, Tensor]) -> None:
+        # tensors that are views of the same memory become one object (tied weights stay tied)
+        same: dict[tuple, Tensor] = {}
+        weights = {
+            k: same.setdefault((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()), t) for k, t in weights.items()
+        }
+        self._held[version] = weights
+        self._held_bytes[version] = _unique_bytes(weights)
+        self.evicted.pop(version, None)
+
+    def _evict(self, version: int, reason: str) -> None:
+        self._held.pop(version)
+        self._held_bytes.pop(version)
+        self._checksums.pop(version, None)
+        self.evicted[version] = reason
+        self.evictions[reason] += 1
+
+    def update_weights(
+        self, manifest: WeightManifest | Mapping[str, Any], payload: Mapping[str, Tensor], verify: bool = True
+    ) -> int:
+        """Take the weight publication of version ``manifest.version`` (call it on every publication).
+
+        The payload is verified whole (:func:`trainer.weights.unpack_weights`) and its tensors are
+        copied (cast to the service dtype) before any held version is touched, so a bad payload
+        leaves the service as it was. Snapshot route: versions older than ``V - max_staleness``
+        are evicted (reason ``staleness``), then the oldest until the copies fit the memory budget
+        (reason ``memory_budget``; a version that alone exceeds the budget is recorded as evicted
+        at once). Single-replica routes: the new version replaces the loaded one (``superseded``).
+        Route ``none``: only the version number is recorded. Republishing the newest version with
+        the same checksum is a no-op.
+
+        Args:
+            manifest: :class:`protocol.WeightManifest` (or its dict form).
+            payload: ``{hf_name: cpu tensor}`` from :func:`trainer.weights.pack_weights` (tied aliases left out).
+            verify: check shapes, byte counts and checksum against the manifest (default True).
+
+        Returns:
+            The version now current (``manifest.version``).
+
+        Raises:
+            pydantic.ValidationError: a malformed manifest dict.
+            protocol.ProtocolError: the payload does not match the manifest, or its tensor names or
+                shapes do not match the model (the message names the tensor).
+            ValueError: ``manifest.version`` is older than the newest version already published, or
+                republishes it with different weights.
+        """
+        t0 = time.perf_counter()
+        if not isinstance(manifest, WeightManifest):
+            manifest = WeightManifest.model_validate(manifest)
+        v = manifest.version
+        if self.latest_version is not None:
+            if v < self.latest_version:
+                raise ValueError(
+                    f"manifest.version: {v} is older than the newest published version {self.latest_version}; versions only move forward"
+                )
+            if v == self.latest_version and (v in self._checksums or self.route == "none" or v in self.evicted):
+                if self._checksums.get(v, manifest.checksum) != manifest.checksum:
+                    raise ValueError(
+                        f"manifest.version: {v} republished with a different checksum ({manifest.checksum} != {self._checksums[v]})"
+                    )
+                return v
+        if self.route == "none":
+            self.latest_version = v
+            self.seconds["update"] += time.perf_counter() - t0
+            return v
+        full = unpack_weights(manifest, payload, verify=verify)
+        if set(full) != set(self._shapes):
+            missing, extra = sorted(set(self._shapes) - set(full)), sorted(set(full) - set(self._shapes))
+            raise ProtocolError(f"payload: tensors do not match the model: missing {missing}, unexpected {extra}")
+        for name, t in full.items():
+            if tuple(t.shape) != self._shapes[name]:
+                raise ProtocolError(f"payload[{name!r}].shape: {list(t.shape)} != model {list(self._shapes[name])}")
+        if v in self._held:  # the folder's copy of this version is replaced by the published one
+            self._held.pop(v)
+            self._held_bytes.pop(v)
+        new_bytes = sum(math.prod(spec.shape) for spec in manifest.tensors) * self.dtype.itemsize
+        self.latest_version = v
+        if self.route == "snapshot":
+            for old in [u for u in self._held if u < v - self.max_staleness]:
+                self._evict(old, EVICT_STALENESS)
+            budget = self.memory_budget_bytes
+            if budget is not None:
+                while self._held and self.bytes_held + new_bytes > budget:
+                    self._evict(next(iter(self._held)), EVICT_BUDGET)
+                if new_bytes > budget:  # cannot hold even this one copy
+                    self.evicted[v] = EVICT_BUDGET
+                    self.evictions[EVICT_BUDGET] += 1
+                    self.seconds["update"] += time.perf_counter() - t0
+                    return v
+        else:
+            for old in list(self._held):
+                self._evict(old, EVICT_SUPERSEDED)
+        own: dict[str, Tensor] = {}
+        for spec in manifest.tensors:  # copy: the publisher may keep training on these tensors
+            own[spec.name] = full[spec.name].detach().to(self._store_device, self.dtype, copy=True)
+        for alias, src in manifest.tied.items():
+            own[alias] = own[src]
+        self._store(v, own)
+        self._checksums[v] = manifest.checksum
+        self.seconds["update"] += time.perf_counter() - t0
+        return v
+
+    # ------------------------------------------------------------------------------------------
+    # scoring
+    # ------------------------------------------------------------------------------------------
+
+    def _validate_items(self, items: Sequence[OldLogitItem]) -> None:
+        for i, it in enumerate(items):
+            ids = it.token_ids
+            if self.vocab_size and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
+                bad = int(ids[(ids < 0) | (ids >= self.vocab_size)][0])
+                raise ValueError(f"items[{i}].token_ids: id {bad} outside the vocabulary [0, {self.vocab_size})")
+            if it.loss_mask[0]:
+                raise ValueError(
+                    f"items[{i}].loss_mask: offset 0 is marked to score, but a first token has no prefix to condition on"
+                )
+
+    def _missing_reason(self, v: int) -> TokenStatus:
+        if self.latest_version is None or v > self.latest_version:
+            return TokenStatus.MISSING_FUTURE if self.latest_version is not None else TokenStatus.MISSING_NEVER_STORED
+        if v in self.evicted:
+            return TokenStatus.MISSING_EVICTED
+        return TokenStatus.MISSING_NEVER_STORED
+
+    @torch.no_grad()
+    def _forward(self, version: int, ids: Tensor, mask: Tensor, temperature: float) -> Tensor:
+        weights = self._held[version]
+        if self._store_device != self.device:
+            moved: dict[int, Tensor] = {}
+            weights = {k: moved.setdefault(id(t), t.to(self.device, non_blocking=True)) for k, t in weights.items()}
+        self.forwards += 1
+        assert self.model is not None
+        return sequence_logprobs(
+            _Bound(self.model, weights), ids.to(self.device), mask.to(self.device), temperature
+        ).cpu()  # type: ignore[arg-type]
+
+    def _score_items(
+        self, items: Sequence[OldLogitItem], temperature: float
+    ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per-item ``(old_logprobs [seq] float32, status [seq] int8)``, and the token counters."""
+        if not temperature > 0:
+            raise ValueError(f"temperature: must be > 0, got {temperature}")
+        self._validate_items(items)
+        lps = [np.full(len(it.token_ids), np.nan, np.float32) for it in items]
+        sts = [
+            np.where(it.loss_mask.astype(bool), np.int8(-1), np.int8(TokenStatus.CONTEXT)).astype(np.int8)
+            for it in items
+        ]
+        present = sorted({int(v) for it in items for v in np.unique(it.versions[it.loss_mask.astype(bool)])})
+        held = [v for v in present if v in self._held]
+        for v in present:
+            if v not in held:
+                reason = self._missing_reason(v)
+                for it, st in zip(items, sts, strict=True):
+                    st[it.loss_mask.astype(bool) & (it.versions == v)] = reason
+        if held:
+            seq = max(len(it.token_ids) for it in items)
+            ids = torch.zeros(len(items), seq, dtype=torch.long)
+            mask = torch.zeros(len(items), seq, dtype=torch.long)
+            for r, it in enumerate(items):
+                ids[r, : len(it.token_ids)] = torch.from_numpy(it.token_ids.astype(np.int64))
+                mask[r, : len(it.token_ids)] = 1
+            for v in held:
+                sel = [it.loss_mask.astype(bool) & (it.versions == v) for it in items]
+                rows = [r for r, s in enumerate(sel) if s.any()]
+                end = max(int(np.flatnonzero(sel[r]).max()) for r in rows) + 1  # causal: later tokens are not needed
+                lp = self._forward(v, ids[rows, :end], mask[rows, :end], temperature).numpy()
+                for k, r in enumerate(rows):
+                    s = sel[r]
+                    lps[r][s] = lp[k, : len(s)][s[:end]]
+                    sts[r][s] = TokenStatus.EXACT
+        for st in sts:
+            for code, n in zip(*np.unique(st, return_counts=True), strict=True):
+                if code == TokenStatus.EXACT:
+                    self.tokens_exact += int(n)
+                elif code != TokenStatus.CONTEXT:
+                    self.tokens_missing[TokenStatus(int(code)).name] += int(n)
+        return lps, sts
+
+    def score(self, request: OldLogitRequest | Mapping[str, Any]) -> OldLogitAnswer:
+        """Exact old log-probs of each sampled token under its own version, or why not.
+
+        Per item and token: ``EXACT`` with ``log pi_old`` (nats, temperature applied) when the
+        token's version is held; ``CONTEXT`` where ``loss_mask`` is 0; otherwise
+        ``MISSING_EVICTED`` (held once), ``MISSING_NEVER_STORED`` (never held: skipped, route
+        ``none``, or older than the first held version) or ``MISSING_FUTURE`` (newer than any
+        published version). ``old_logprobs`` is NaN wherever the status is not ``EXACT``.
+        One forward per distinct held version present, over the items containing it.
+
+        Args:
+            request: :class:`protocol.OldLogitRequest` (or its dict/JSON-decoded form); each item
+                carries ``token_ids``, ``loss_mask`` and ``versions``, all ``[seq]``.
+
+        Returns:
+            :class:`protocol.OldLogitAnswer` with per-item ``old_logprobs`` (float32 ``[seq]``) and
+            ``status`` (int8 ``[seq]``), and the wall seconds spent.
+
+        Raises:
+            pydantic.ValidationError: a malformed request dict (the message names the field).
+            TypeError: ``request`` is neither a request nor a mapping.
+            ValueError: ``items[i].token_ids`` outside the vocabulary, or ``items[i].loss_mask``
+                marks offset 0 (no prefix to score it with).
+        """
+        t0 = time.perf_counter()
+        if isinstance(request, Mapping):
+            request = OldLogitRequest.model_validate(request)
+        if not isinstance(request, OldLogitRequest):
+            raise TypeError(f"request: expected OldLogitRequest or a mapping, got {type(request).__name__}")
+        lps, sts = self._score_items(request.items, request.temperature)
+        dt = time.perf_counter() - t0
+        self._account("score", dt)
+        return OldLogitAnswer(request_id=request.request_id, route=self.route, old_logprobs=lps, status=sts, seconds=dt)
+
+    def _score_current(
+        self, items: Sequence[Any], temperature: float, kind: str, known: Sequence[np.ndarray | None] | None
+    ) -> list[np.ndarray]:
+        t0 = time.perf_counter()
+        its = [_as_item(x, i) for i, x in enumerate(items)]
+        if known is not None:
+            if len(known) != len(its):
+                raise ValueError(f"old_logprobs: {len(known)} arrays for {len(its)} items")
+            prev = [_extend(k, len(it.token_ids), i) for i, (k, it) in enumerate(zip(known, its, strict=True))]
+            # tokens that already carry a value are not scored (nor counted) again
+            its = [
+                it.model_copy(update={"loss_mask": np.where(np.isnan(p), it.loss_mask, 0).astype(np.int8)})
+                for it, p in zip(its, prev, strict=True)
+            ]
+        lps, _ = self._score_items(its, temperature)
+        if known is not None:
+            lps = [merge_old_logprobs(p, lp) for p, lp in zip(prev, lps, strict=True)]
+        self._account(kind, time.perf_counter() - t0)
+        return lps
+
+    def score_segments(
+        self,
+        items: Sequence[OldLogitItem | Trajectory],
+        temperature: float,
+        old_logprobs: Sequence[np.ndarray | None] | None = None,
+    ) -> list[np.ndarray]:
+        """old_logit_model route: score finished segments at the loaded (newest) version.
+
+        Call it with each finished segment (a whole trajectory or one version's segment of a
+        partial rollout) *before* its version is superseded. Tokens sampled at a held version (on
+        the single-replica routes: the loaded one) get exact ``pi_old``; every other token is NaN
+        and counted missing with its reason (an older, superseded version counts as evicted).
+
+        Args:
+            items: :class:`protocol.OldLogitItem` / :class:`protocol.Trajectory` objects (or item
+                dicts), ``[seq]`` each.
+            temperature: the sampling temperature (> 0).
+            old_logprobs: optional, per item, the values attached so far (``[seq']``, seq' <= seq,
+                NaN where missing; None for none). Finite positions are kept and not scored again;
+                the rest of the item is scored.
+
+        Returns:
+            One float32 ``[seq]`` array per item: nats, NaN where not exact (merged with
+            ``old_logprobs`` when given).
+
+        Raises:
+            TypeError: an item of another type (``items[i]``).
+            ValueError: as :meth:`score` (field named ``items[i]...``), temperature <= 0, or
+                ``old_logprobs`` of the wrong count or longer than its item.
+        """
+        return self._score_current(items, temperature, "segments", old_logprobs)
+
+    def score_prefixes(
+        self,
+        items: Sequence[OldLogitItem | Trajectory],
+        temperature: float,
+        old_logprobs: Sequence[np.ndarray | None] | None = None,
+    ) -> list[np.ndarray]:
+        """interrupt_sync route: score interrupted in-flight prefixes at the outgoing version.
+
+        The update protocol is: workers interrupt and send their prefixes (token ids, loss mask,
+        versions of each token); the service scores them with this method while it still holds
+        the outgoing version; then :meth:`update_weights` installs the new version and generation
+        resumes (continue, not restart). Tokens of earlier versions in a prefix were scored at
+        earlier interruptions: pass what the sequence carries so far as ``old_logprobs`` and they
+        are kept (not rescored); the answer is the merged ``[seq]`` array. The time spent is the
+        interruption stall (``stats()["seconds"]["prefixes"]``).
+
+        Args / Returns / Raises: as :meth:`score_segments`.
+        """
+        return self._score_current(items, temperature, "prefixes", old_logprobs)
+
+    def attach_old_logprobs(self, trajectories: Sequence[Trajectory], temperature: float) -> list[Trajectory]:
+        """Score ``trajectories`` at the loaded version and return copies carrying ``old_logprobs``.
+
+        Values already attached (earlier segments, earlier interruptions) are kept; only NaN
+        positions are filled. Shapes: ``old_logprobs`` ``[seq]`` float32, NaN where not exact.
+
+        Raises:
+            TypeError: an element is not a :class:`protocol.Trajectory`.
+        """
+        for i, t in enumerate(trajectories):
+            if not isinstance(t, Trajectory):
+                raise TypeError(f"trajectories[{i}]: expected Trajectory, got {type(t).__name__}")
+        new = self._score_current(trajectories, temperature, "segments", [t.old_logprobs for t in trajectories])
+        return [t.model_copy(update={"old_logprobs": lp}) for t, lp in zip(trajectories, new, strict=True)]
+
+    # ------------------------------------------------------------------------------------------
+    # accounting
+    # ------------------------------------------------------------------------------------------
+
+    def _account(self, kind: str, seconds: float) -> None:
+        self.seconds[kind] += seconds
+        self.requests += 1
+        self.last_request_seconds = seconds
+
+    def status(self) -> OldLogitServiceStatus:
+        """Versions and bytes held, exact/missing token counts (by reason), seconds and requests."""
+        return OldLogitServiceStatus(
+            route=self.route,  # type: ignore[arg-type]
+            versions_held=self.versions_held,
+            bytes_held=self.bytes_held,
+            tokens_exact=self.tokens_exact,
+            tokens_missing=dict(self.tokens_missing),
+            seconds_total=float(sum(self.seconds.values())),
+            requests=self.requests,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """:meth:`status` fields plus ``forwards``, ``latest_version``, ``evicted`` ({version:
+        reason}), ``evictions`` (count by reason), ``seconds`` (by kind), ``seconds_per_request``
+        (mean over score/segment/prefix calls), ``last_request_seconds`` and ``exact_fraction``."""
+        out = self.status().model_dump()
+        scored = self.seconds["score"] + self.seconds["segments"] + self.seconds["prefixes"]
+        missing = sum(self.tokens_missing.values())
+        out.update(
+            forwards=self.forwards,
+            latest_version=self.latest_version,
+            evicted=dict(self.evicted),
+            evictions=dict(self.evictions),
+            seconds=dict(self.seconds),
+            seconds_per_request=scored / self.requests if self.requests else 0.0,
+            last_request_seconds=self.last_request_seconds,
+            exact_fraction=self.tokens_exact / (self.tokens_exact + missing) if self.tokens_exact + missing else 1.0,
+        )
+        return out
+
+
+def _as_item(x: OldLogitItem | Trajectory | Mapping[str, Any], i: int) -> OldLogitItem:
+    if isinstance(x, OldLogitItem):
+        return x
+    if isinstance(x, Trajectory):
+        return OldLogitItem(
+            trajectory_id=x.trajectory_id, token_ids=x.token_ids, loss_mask=x.loss_mask, versions=x.versions
+        )
+    if isinstance(x, Mapping):
+        return OldLogitItem.model_validate(x)
+    raise TypeError(f"items[{i}]: expected OldLogitItem, Trajectory or a mapping, got {type(x).__name__}")
+
+
+def _extend(known: np.ndarray | None, n: int, i: int) -> np.ndarray:
+    out = np.full(n, np.nan, np.float32)
+    if known is not None:
+        k = np.asarray(known, np.float32).reshape(-1)
+        if len(k) > n:
+            raise ValueError(f"old_logprobs[{i}]: length {len(k)} > item length {n}")
+        out[: len(k)] = k
+    return out
+
+
+def merge_old_logprobs(base: np.ndarray | None, new: np.ndarray) -> np.ndarray:
+    """Fill the NaN positions of ``base`` (``[seq]``, nats) with ``new``; ``base=None`` takes ``new``.
+
+    Raises:
+        ValueError: the lengths differ.
+    """
+    new = np.asarray(new, np.float32)
+    if base is None:
+        return new.copy()
+    base = np.asarray(base, np.float32)
+    if base.shape != new.shape:
+        raise ValueError(f"old_logprobs: length {base.shape} != new {new.shape}")
+    return np.where(np.isnan(base), new, base).astype(np.float32)
+
+
+def items_from_trajectories(trajectories: Sequence[Trajectory]) -> list[OldLogitItem]:
+    """The :class:`protocol.OldLogitItem` of each trajectory (token ids, loss mask, versions)."""
+    return [_as_item(t, i) for i, t in enumerate(trajectories)]
+
+
+def status_from_old_logprobs(old_logprobs: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
+    """Per-token status of an attached ``old_logprobs`` ``[seq]``: EXACT where finite on a sampled
+    token, CONTEXT where ``loss_mask`` is 0, MISSING_EVICTED elsewhere (it was not scored in time)."""
+    m = np.asarray(loss_mask).astype(bool)
+    fin = np.isfinite(np.asarray(old_logprobs))
+    st = np.full(m.shape, TokenStatus.MISSING_EVICTED, np.int8)
+    st[m & fin] = TokenStatus.EXACT
+    st[~m] = TokenStatus.CONTEXT
+    return st
