@@ -16,6 +16,8 @@ app = typer.Typer(
 )
 model_app = typer.Typer(help="Model preparation (offline).", no_args_is_help=True)
 app.add_typer(model_app, name="model")
+bench_app = typer.Typer(help="Benchmarks that compare methods or routes side by side.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
 console = Console()
 
 DEFAULT_URL = os.environ.get("VINTAGE_URL", "http://127.0.0.1:8477")
@@ -37,6 +39,17 @@ def model_prepare(
     console.print(f"[green]model ready:[/green] {path}")
     if tiny:
         console.print(f"[green]tiny model ready:[/green] {make_tiny_model(0, cache_dir, tokenizer_from=path)}")
+
+
+@bench_app.command("methods")
+def bench_methods(
+    out: Annotated[Path, typer.Option(help="Results folder (JSON, markdown table, PNG plots).")] = Path("results/methods"),
+    quick: Annotated[bool, typer.Option(help="A reduced grid (CI-sized) instead of the full one.")] = False,
+) -> None:
+    """Methods x staleness x discrepancy on the real pipeline (issue 8); writes results under --out."""
+    from benchmarks.methods import main as methods_main
+
+    methods_main(out_dir=out, quick=quick, console=console)
 
 
 @app.command()

@@ -56,6 +56,10 @@ class RolloutConfig(_Section):
     """Most sequences one worker generates at once."""
     num_cpus: float = Field(1.0, gt=0.0)
     """Ray CPUs reserved by each worker actor."""
+    inject_mismatch_std: float = Field(0.0, ge=0.0, le=1.0)
+    """Experiments only: weights published to the rollout workers (not the learner or the old-logit
+    service) are multiplied by ``1 + N(0, std)`` per element, injecting train-inference mismatch.
+    Applies from version 1 on (version 0 is the model folder)."""
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=1.0, max_tokens=64, n=8))
     """Sampling of every rollout; ``n`` is the group size."""
 

@@ -131,6 +131,21 @@ def make_requests(
     ]
 
 
+def perturbed(manifest, payload: dict, std: float, seed: int):
+    """``payload`` with every floating tensor multiplied by ``1 + N(0, std)`` (re-packed, new checksum)."""
+    import torch
+
+    from trainer.weights import pack_weights, unpack_weights
+
+    g = torch.Generator().manual_seed(seed)
+    named = unpack_weights(manifest, payload, verify=False)
+    noisy = {k: v if k in manifest.tied else v * (1 + std * torch.randn(v.shape, generator=g, dtype=torch.float32).to(v.dtype))
+             for k, v in named.items()}
+    for alias, src in manifest.tied.items():  # keep ties: same tensor object under both names
+        noisy[alias] = noisy[src]
+    return pack_weights(noisy.items(), manifest.version, manifest.tensors[0].dtype)
+
+
 class Job:
     """The parts of one running job and the bookkeeping the loop needs (see the module docstring)."""
 
@@ -202,15 +217,19 @@ class Job:
     def publish(self) -> None:
         """Publish the learner's current version to every rollout worker and the old-logit service."""
         t0 = time.perf_counter()
+        noise = self.cfg.rollout.inject_mismatch_std
         manifest, payload = self.learner.publish(self.cfg.rollout.dtype)
         ref = ray.put(payload)
         refs = []
         if self.oldlogit is not None:
-            if self.cfg.rollout.dtype != "float32":
+            if self.cfg.rollout.dtype != "float32" or noise > 0:
                 manifest32, payload32 = self.learner.publish("float32")
                 refs.append(self.oldlogit.update_weights.remote(manifest32, ray.put(payload32)))
             else:
                 refs.append(self.oldlogit.update_weights.remote(manifest, ref))
+        if noise > 0:
+            manifest, payload = perturbed(manifest, payload, noise, seed=self.cfg.controller.seed * 100_003 + manifest.version)
+            ref = ray.put(payload)
         self.pool.update_weights(manifest, ref)
         ray.get(refs)
         self.last_publish = {"seconds": time.perf_counter() - t0, "bytes": manifest.total_bytes, "unix": time.time()}

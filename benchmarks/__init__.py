@@ -1,0 +1,1 @@
+"""vintage benchmarks: speed, memory and method comparisons (``make bench``, ``make bench-methods``)."""
