@@ -1,0 +1,232 @@
+"""The DeepSpeed learner for real on CPU (gloo, torch AdamW) with the tiny random Llama.
+
+Rollouts are synthetic: random token ids whose behaviour log-probs (mu) are the tiny model's own
+log-probs at version 0 plus a little noise (the engine/learner numerics gap), so the discrepancy
+mask keeps them and the loss has gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from protocol import Trajectory
+from trainer.batch import Batch, collate
+from trainer.learner import LearnerCore, LearnerGroup, LearnerSettings, free_port
+from trainer.loss_config import loss_config
+from trainer.modelhub import load_causal_lm
+from trainer.scoring import sequence_logprobs
+from trainer.weights import unpack_weights
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def make_trajs(tiny_model_path):
+    model = load_causal_lm(tiny_model_path)
+
+    def make(n=4, length=12, prompt=4, seed=0, version=0, noise=0.05, lengths=None):
+        rng = np.random.default_rng(seed)
+        out = []
+        for i in range(n):
+            L = lengths[i] if lengths else length
+            ids = rng.integers(3, 2000, L)
+            with torch.no_grad():
+                lp = sequence_logprobs(model, torch.tensor(ids)[None], torch.ones(1, L, dtype=torch.long), 1.0)[
+                    0
+                ].numpy()
+            mask = np.zeros(L, np.int8)
+            mask[prompt:] = 1
+            mu = np.where(mask == 1, np.minimum(lp + rng.normal(0, noise, L), 0.0), 0.0).astype(np.float32)
+            out.append(Trajectory(
+                trajectory_id=f"t{seed}-{i}", group_id=f"g{i // 2}", token_ids=ids, loss_mask=mask, behav_logprobs=mu,
+                versions=np.where(mask == 1, version, -1), policy_version=version, prompt_len=prompt,
+                finish_reason="stop", reward=float(i % 2),
+            ))  # fmt: skip
+        return out
+
+    return make
+
+
+def settings(path, **kw) -> LearnerSettings:
+    base = dict(model_path=str(path), lr=1e-3, micro_batch_size=4, master_port=free_port())
+    base.update(kw)
+    return LearnerSettings(**base)
+
+
+def weights(core: LearnerCore) -> dict[str, torch.Tensor]:
+    return core.state_dict_full()
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.parametrize("stage,dtype", [(0, "float32"), (3, "float32"), (1, "bfloat16")])
+def test_one_step_changes_weights_and_bumps_version(tiny_model_path, make_trajs, stage, dtype):
+    core = LearnerCore(settings(tiny_model_path, zero_stage=stage, dtype=dtype))
+    before = weights(core)
+    m = core.train_step(make_trajs())
+    assert m["applied"] == 1.0 and core.version == 1 and m["version"] == 1.0 and m["consumed_version"] == 0.0
+    # at version 0 the EWMA weights are the current weights: the staleness ratio is exactly 1
+    # (the EWMA forward uses the learner's numerics, also in bf16)
+    assert m["ratio_max"] == 1.0 and m["ratio_min"] == 1.0
+    assert math.isfinite(m["loss"]) and m["grad_norm"] > 0 and m["tokens"] == 32
+    assert m["mask_kept_frac"] == pytest.approx(1.0) and m["exact_token_fraction"] == 0.0
+    assert m["ewma_updates"] == 1 and m["ewma_resets"] == 0 and m["ewma_beta"] == pytest.approx(0.5)
+    assert max_diff(weights(core), before) > 1e-4
+    # the next batch is consumed at version 1: its version-0 tokens have staleness 1
+    m2 = core.train_step(make_trajs(seed=1))
+    assert core.version == 2 and m2["staleness_mean"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_case6_token_mean_independent_of_micro_batches(tiny_model_path, make_trajs, stage):
+    """Same batch, 1 micro-batch vs 3 (unequal lengths): identical accumulated gradient."""
+    trajs = make_trajs(n=3, lengths=[6, 14, 9], seed=3)
+    grads = []
+    for mbs in (3, 1):
+        core = LearnerCore(settings(tiny_model_path, zero_stage=stage, micro_batch_size=mbs))
+        acc: dict[str, torch.Tensor] = {}
+
+        def hook(name, acc=acc):
+            return lambda g: acc.__setitem__(name, acc.get(name, 0) + g.detach().clone())
+
+        handles = [p.register_hook(hook(n)) for n, p in core.engine.module.named_parameters()]
+        m = core.train_step(trajs)
+        for h in handles:
+            h.remove()
+        assert m["micro_batches"] == (1 if mbs == 3 else 3) and m["applied"] == 1.0
+        grads.append((acc, m["loss"], m["grad_norm"]))
+    (g1, l1, n1), (g3, l3, n3) = grads
+    assert l1 == pytest.approx(l3, rel=1e-5) and n1 == pytest.approx(n3, rel=1e-4)
+    for k in g1:
+        torch.testing.assert_close(g1[k], g3[k], rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_nonfinite_loss_skips_step_keeps_version_and_weights(tiny_model_path, make_trajs, stage):
+    core = LearnerCore(settings(tiny_model_path, zero_stage=stage))
+    good = collate(make_trajs(), consuming_version=0)
+    adv = good.advantages.clone()
+    adv[0, 5] = float("nan")  # one sampled token: raw tensor path, a Trajectory would refuse it
+    bad = Batch(**{**good.__dict__, "advantages": adv})
+    before = weights(core)
+    m = core.train_batch(bad)
+    assert m["applied"] == 0.0 and not math.isfinite(m["loss"])
+    assert core.version == 0 and m["version"] == 0.0 and core.skipped_steps == 1 and m["skipped_steps"] == 1.0
+    assert max_diff(weights(core), before) == 0.0
+    assert core.ewma.updates == 0
+    # the learner recovers: DeepSpeed's gradient buffers were cleared, the next good step applies
+    m = core.train_batch(good)
+    assert m["applied"] == 1.0 and core.version == 1 and math.isfinite(m["grad_norm"])
+
+
+def test_nonfinite_gradient_with_finite_loss_skips_step(tiny_model_path, make_trajs, monkeypatch):
+    """Case 2: the guard also looks at gradients. sqrt(|0 * logp|) adds 0 to the loss but a NaN
+    gradient (inf * 0); stage 0 has no DeepSpeed overflow check to fall back on."""
+    import trainer.learner as learner_mod
+
+    real = learner_mod.compute_policy_loss
+
+    def poisoned(logprobs, *args, **kwargs):
+        loss, m = real(logprobs, *args, **kwargs)
+        return loss + (logprobs * 0).abs().sqrt().sum() * 0, m
+
+    core = LearnerCore(settings(tiny_model_path))
+    before = weights(core)
+    monkeypatch.setattr(learner_mod, "compute_policy_loss", poisoned)
+    m = core.train_step(make_trajs())
+    assert math.isfinite(m["loss"]) and m["applied"] == 0.0 and core.version == 0 and core.skipped_steps == 1
+    assert max_diff(weights(core), before) == 0.0
+    monkeypatch.setattr(learner_mod, "compute_policy_loss", real)
+    assert core.train_step(make_trajs())["applied"] == 1.0 and core.version == 1
+
+
+def test_case2a_nan_mu_on_sampled_token_is_neutral(tiny_model_path, make_trajs):
+    core = LearnerCore(settings(tiny_model_path))
+    good = collate(make_trajs(), consuming_version=0)
+    mu = good.behav_logprobs.clone()
+    mu[1, 6] = float("nan")
+    m = core.train_batch(Batch(**{**good.__dict__, "behav_logprobs": mu}))
+    assert m["applied"] == 1.0 and math.isfinite(m["loss"]) and m["nonfinite_behav_frac"] == pytest.approx(1 / 32)
+
+
+def test_exact_old_logits_and_proxy_error(tiny_model_path, make_trajs):
+    """Exact pi_old on some tokens (case 13 style): exact fraction and proxy-vs-exact error reported."""
+    core = LearnerCore(settings(tiny_model_path, loss=loss_config("snapshot")))
+    trajs = make_trajs()
+    b = collate(trajs, consuming_version=0)
+    lp = core.logprobs(b).numpy()
+    old = [
+        np.where(np.arange(len(t.token_ids)) < 8, lp[i, : len(t.token_ids)], np.nan).astype(np.float32)
+        for i, t in enumerate(trajs)
+    ]
+    m = core.train_step(trajs, old_logits=old)
+    assert m["exact_token_fraction"] == pytest.approx(0.5) and m["proxy_err_tokens"] == 16
+    assert m["proxy_abs_err"] < 1e-4  # EWMA == current weights at version 0: the proxy is exact here
+
+
+def test_checkpoint_resume_continues_versions_and_ewma(tiny_model_path, make_trajs, tmp_path):
+    s = settings(tiny_model_path)
+    core = LearnerCore(s)
+    core.train_step(make_trajs(seed=0))
+    path = core.save_checkpoint(
+        str(tmp_path), extra={"buffer": {"consumed": 4, "dropped": {"stale": 1}}, "snapshots": [0, 1]}
+    )
+    assert path.endswith("v1")
+    resumed = LearnerCore(s.model_copy(update={"seed": 123}))
+    extra = resumed.load_checkpoint(str(tmp_path))
+    assert extra == {"buffer": {"consumed": 4, "dropped": {"stale": 1}}, "snapshots": [0, 1]}
+    assert resumed.version == 1 and max_diff(weights(resumed), weights(core)) == 0.0
+    assert resumed.ewma.total == core.ewma.total and resumed.ewma.updates == 1
+    assert max(float((resumed.ewma.params[k] - core.ewma.params[k]).abs().max()) for k in core.ewma.params) == 0.0
+    # both continue with the same batch: same optimizer state -> same weights, version 2
+    nxt = make_trajs(seed=1)
+    m1, m2 = core.train_step(nxt), resumed.train_step(nxt)
+    assert m1["version"] == m2["version"] == 2.0
+    assert max_diff(weights(resumed), weights(core)) < 1e-6
+
+
+def test_publish_roundtrip_fresh_model_identical_logprobs(tiny_model_path, make_trajs):
+    core = LearnerCore(settings(tiny_model_path))
+    core.train_step(make_trajs())
+    manifest, payload = core.publish("float32")
+    assert manifest.version == 1 and manifest.tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert core.last_publish["bytes"] == manifest.total_bytes and core.last_publish["seconds"] > 0
+    fresh = load_causal_lm(tiny_model_path)
+    fresh.load_state_dict(unpack_weights(manifest, payload))
+    b = collate(make_trajs(seed=5), consuming_version=1)
+    with torch.no_grad():
+        got = sequence_logprobs(fresh, b.token_ids, b.attention_mask, 1.0)
+    torch.testing.assert_close(got, core.logprobs(b), rtol=0, atol=0)
+    m16, p16 = core.publish("bfloat16")
+    assert m16.total_bytes * 2 == manifest.total_bytes and next(iter(p16.values())).dtype == torch.bfloat16
+
+
+def test_world_size_2_ray_ranks_agree(tiny_model_path, make_trajs, ray_cluster):
+    """Two Ray actors (gloo, ZeRO-2) do one step; both ranks hold the same weights, and the
+    gradient norm equals a single rank's on the whole batch (global token count, case 6)."""
+    import ray
+
+    trajs = make_trajs(n=6, seed=7)
+    s = settings(tiny_model_path, zero_stage=2, micro_batch_size=2)
+    group = LearnerGroup(s, world_size=2)
+    try:
+        m = group.train_step(trajs)
+        assert m["applied"] == 1.0 and m["version"] == 1.0 and m["tokens"] == 48
+        w0, w1 = ray.get([a.state_dict_full.remote() for a in group.actors])
+        assert max_diff(w0, w1) == 0.0
+        manifest, _ = group.publish()
+        assert manifest.version == 1 and group.version() == 1
+    finally:
+        group.shutdown()
+    single = LearnerCore(s.model_copy(update={"master_port": free_port()}))
+    ms = single.train_step(trajs)
+    assert ms["grad_norm"] == pytest.approx(m["grad_norm"], rel=1e-5) and ms["loss"] == pytest.approx(
+        m["loss"], rel=1e-5
+    )
+    assert max_diff(weights(single), w0) < 1e-5

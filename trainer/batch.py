@@ -1,0 +1,292 @@
+"""Collate :class:`protocol.Trajectory` lists into padded ``[batch, seq]`` tensors for the learner.
+
+One :class:`Batch` is what one optimizer step consumes. Conventions (``docs/architecture.md``):
+
+* Rows are right-padded to the longest sequence; ``attention_mask`` is 1 on real tokens.
+* ``sampled_mask`` is the trajectory's own ``loss_mask`` (1 on tokens the model sampled);
+  ``loss_mask`` is what the loss trains on: ``sampled_mask`` minus tokens over
+  ``max_token_staleness`` (case 5, they stay as context), minus whole rows whose engine finish
+  reason says they were truncated when the overlong filter is on (case 9), minus position 0
+  (no prefix to score it with). The token-mean denominator is ``loss_mask.sum()`` over the whole
+  optimizer batch (all micro-batches and data-parallel ranks), so it never depends on the split
+  (case 6), and tool/prompt tokens never count (case 7).
+* ``behav_logprobs`` (mu, nats) holds the engine value recorded when each token was sampled, NaN on
+  context/padding tokens (a placeholder that the loss never reads).
+* ``versions`` is the sampling version per token, ``-1`` off sampled tokens; ``staleness`` is
+  ``consuming_version - versions`` on sampled tokens and 0 elsewhere (queue time counts).
+* ``old_logprobs`` is exact pi_old where a route supplied it (NaN elsewhere), ``exact_mask`` the
+  tokens where it is usable (sampled, flagged exact, finite).
+* ``advantages`` ``[batch, seq]``: one value per sequence from its group's rewards
+  (GRPO/RLOO/REINFORCE, computed over the whole batch before any split), broadcast to the sampled
+  tokens, 0 elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from protocol import NO_VERSION, OldLogitAnswer, TokenStatus, Trajectory
+from trainer.advantages import TRUNCATED_REASONS, grpo_advantages, rloo_advantages
+
+_ROW_TENSORS = (
+    "token_ids", "attention_mask", "loss_mask", "sampled_mask", "behav_logprobs", "versions", "staleness",
+    "old_logprobs", "exact_mask", "advantages", "rewards", "seq_advantages",
+)  # fmt: skip
+
+
+@dataclass
+class Batch:
+    """Padded tensors of one batch. Per-token fields are ``[batch, seq]``; per-sequence ``[batch]``.
+
+    Can be built by :func:`collate` or directly from tensors (tests inject values that a
+    ``Trajectory`` would refuse, e.g. a NaN mu on a sampled token).
+    """
+
+    token_ids: Tensor  # [B, T] int64
+    attention_mask: Tensor  # [B, T] int64, 1 on real tokens
+    loss_mask: Tensor  # [B, T] bool, tokens the loss trains on
+    behav_logprobs: Tensor  # [B, T] fp32 nats, mu; NaN off sampled tokens
+    advantages: Tensor  # [B, T] fp32, 0 off loss_mask
+    consuming_version: int = 0
+    """Learner version that consumes the batch (staleness is measured against it)."""
+    temperature: float = 1.0
+    """Sampling temperature the engine used; the learner applies the same one (case 1)."""
+    sampled_mask: Tensor | None = None  # [B, T] bool, the trajectories' own loss_mask
+    versions: Tensor | None = None  # [B, T] int64, -1 off sampled tokens
+    staleness: Tensor | None = None  # [B, T] int64, 0 off sampled tokens
+    old_logprobs: Tensor | None = None  # [B, T] fp32 nats, NaN where not exact
+    exact_mask: Tensor | None = None  # [B, T] bool
+    rewards: Tensor | None = None  # [B] fp32
+    seq_advantages: Tensor | None = None  # [B] fp32
+    stats: dict[str, float] = field(default_factory=dict)
+    """Counts from collation: ``stale_masked_tokens``, ``overlong_masked_seqs``, ``sampled_tokens``..."""
+
+    def __post_init__(self) -> None:
+        b, t = self.token_ids.shape
+        self.loss_mask = self.loss_mask.bool()
+        if self.sampled_mask is None:
+            self.sampled_mask = self.loss_mask.clone()
+        if self.versions is None:
+            self.versions = torch.where(self.sampled_mask, self.consuming_version, NO_VERSION).long()
+        if self.staleness is None:
+            self.staleness = torch.where(self.sampled_mask, self.consuming_version - self.versions, 0).long()
+        if self.old_logprobs is None:
+            self.old_logprobs = torch.full((b, t), float("nan"))
+        if self.exact_mask is None:
+            self.exact_mask = self.loss_mask & torch.isfinite(self.old_logprobs)
+        if self.rewards is None:
+            self.rewards = torch.zeros(b)
+        if self.seq_advantages is None:
+            self.seq_advantages = torch.zeros(b)
+        for name in _ROW_TENSORS:
+            v = getattr(self, name)
+            want = (b,) if name in ("rewards", "seq_advantages") else (b, t)
+            if tuple(v.shape) != want:
+                raise ValueError(f"Batch.{name}: shape {tuple(v.shape)} != {want}")
+
+    @property
+    def size(self) -> int:
+        """Number of sequences (rows)."""
+        return int(self.token_ids.shape[0])
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens the loss trains on (this batch's share of the token-mean denominator)."""
+        return int(self.loss_mask.sum())
+
+    def select(self, rows: Sequence[int] | Tensor) -> Batch:
+        """The given rows, with trailing all-padding columns trimmed (at least 2 columns kept)."""
+        idx = torch.as_tensor(list(rows) if not isinstance(rows, Tensor) else rows, dtype=torch.long)
+        picked = {n: getattr(self, n).index_select(0, idx) for n in _ROW_TENSORS}
+        width = int(picked["attention_mask"].sum(-1).max()) if idx.numel() else 2
+        width = max(width, 2)
+        for n, v in picked.items():
+            if v.dim() == 2:
+                picked[n] = v[:, :width].contiguous()
+        return replace(self, **picked, stats={})
+
+    def shard(self, rank: int, world_size: int) -> Batch:
+        """Rows ``rank, rank + world_size, ...`` (data-parallel share; may be empty)."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} not in [0, {world_size})")
+        return self.select(range(rank, self.size, world_size))
+
+    def micro_batches(self, micro_batch_size: int, count: int | None = None) -> list[Batch]:
+        """Split into chunks of ``micro_batch_size`` rows, padded with empty (all-masked) chunks up to
+        ``count`` so that every data-parallel rank runs the same number of forward/backward passes."""
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        out = [
+            self.select(range(s, min(s + micro_batch_size, self.size))) for s in range(0, self.size, micro_batch_size)
+        ]
+        need = len(out) if count is None else count
+        if need < len(out):
+            raise ValueError(f"count={count} < {len(out)} micro-batches needed")
+        while len(out) < need:
+            out.append(empty_batch(self.consuming_version, self.temperature))
+        return out
+
+
+def empty_batch(consuming_version: int = 0, temperature: float = 1.0, pad_token_id: int = 0) -> Batch:
+    """One padding row of 2 tokens with nothing to train on (keeps collectives aligned across ranks)."""
+    ids = torch.full((1, 2), pad_token_id, dtype=torch.long)
+    return Batch(
+        token_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.zeros(1, 2, dtype=torch.bool),
+        behav_logprobs=torch.full((1, 2), float("nan")), advantages=torch.zeros(1, 2),
+        consuming_version=consuming_version, temperature=temperature,
+    )  # fmt: skip
+
+
+def sequence_advantages(rewards: Tensor, group_ids: Sequence[str], estimator: str = "grpo") -> Tensor:
+    """Per-sequence advantages ``[B]`` from outcome rewards ``[B]`` grouped by ``group_ids``.
+
+    "grpo": (r - mean_g) / max(std_g, 1e-3), population std (``trainer.advantages``); "rloo":
+    leave-one-out baseline; "reinforce": the raw reward (gamma = 1, no baseline). Raises ValueError
+    on an unknown estimator.
+    """
+    codes = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
+    gid = torch.tensor([codes[g] for g in group_ids], dtype=torch.long)
+    if estimator == "grpo":
+        return grpo_advantages(rewards, gid)
+    if estimator == "rloo":
+        return rloo_advantages(rewards, gid)
+    if estimator == "reinforce":
+        return rewards.float().clone()
+    raise ValueError(f"unknown advantage estimator={estimator!r}; expected grpo, rloo or reinforce")
+
+
+def _old_from_answer(answer: OldLogitAnswer, i: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    lp = np.asarray(answer.old_logprobs[i], dtype=np.float32)
+    st = np.asarray(answer.status[i])
+    if len(lp) != n:
+        raise ValueError(f"old-logit answer item {i}: length {len(lp)} != trajectory length {n}")
+    return lp, st == TokenStatus.EXACT
+
+
+def collate(
+    trajectories: Sequence[Trajectory],
+    consuming_version: int,
+    *,
+    old_logits: OldLogitAnswer | Sequence[np.ndarray | None] | None = None,
+    temperature: float = 1.0,
+    pad_token_id: int = 0,
+    max_token_staleness: int | None = None,
+    overlong_filter: bool = False,
+    advantage: str = "grpo",
+) -> Batch:
+    """Build the padded :class:`Batch` that the learner at ``consuming_version`` trains on.
+
+    Args:
+        trajectories: sequences of one optimizer batch (whole GRPO groups; advantages are computed
+            over all of them before any micro-batch or rank split).
+        consuming_version: the learner version that consumes them; staleness = it - versions.
+        old_logits: exact pi_old, aligned with ``trajectories``: an :class:`OldLogitAnswer` (exact
+            where ``status == EXACT``) or one array per trajectory (NaN where missing, ``None`` for
+            none). When None, each trajectory's own ``old_logprobs`` (if attached) is used.
+        temperature: sampling temperature of the rollouts (> 0).
+        pad_token_id: id written into padding slots (they are masked everywhere).
+        max_token_staleness: tokens with staleness above it are masked out of the loss (kept as
+            context). Case 5: versions [3,3,3,4,4,5] at V = 6, limit 2 -> first 3 masked, N = 3.
+        overlong_filter: mask whole sequences whose engine ``finish_reason`` is "length" or "abort"
+            or that are flagged ``truncated`` (case 9: decided by the finish reason, never an EOS id).
+        advantage: "grpo", "rloo" or "reinforce" (see :func:`sequence_advantages`).
+
+    Raises:
+        ValueError: empty input, a sampled token newer than ``consuming_version``, a misaligned
+            old-logit answer, or a non-positive temperature.
+    """
+    if not trajectories:
+        raise ValueError("collate: no trajectories")
+    if not temperature > 0:
+        raise ValueError(f"temperature: must be > 0, got {temperature}")
+    if isinstance(old_logits, OldLogitAnswer) and len(old_logits.old_logprobs) != len(trajectories):
+        raise ValueError(
+            f"old-logit answer has {len(old_logits.old_logprobs)} items for {len(trajectories)} trajectories"
+        )
+    if old_logits is not None and not isinstance(old_logits, OldLogitAnswer) and len(old_logits) != len(trajectories):
+        raise ValueError(f"old_logits has {len(old_logits)} entries for {len(trajectories)} trajectories")
+    b, t = len(trajectories), max(len(tr.token_ids) for tr in trajectories)
+    ids = np.full((b, t), pad_token_id, np.int64)
+    attn = np.zeros((b, t), np.int64)
+    sampled = np.zeros((b, t), bool)
+    mu = np.full((b, t), np.nan, np.float32)
+    ver = np.full((b, t), NO_VERSION, np.int64)
+    old = np.full((b, t), np.nan, np.float32)
+    exact = np.zeros((b, t), bool)
+    truncated = np.zeros(b, bool)
+    for i, tr in enumerate(trajectories):
+        n = len(tr.token_ids)
+        ids[i, :n] = tr.token_ids
+        attn[i, :n] = 1
+        s = tr.loss_mask.astype(bool)
+        sampled[i, :n] = s
+        mu[i, :n] = np.where(s, tr.behav_logprobs, np.nan)
+        ver[i, :n] = np.where(s, tr.versions, NO_VERSION)
+        if isinstance(old_logits, OldLogitAnswer):
+            lp, ok = _old_from_answer(old_logits, i, n)
+        elif old_logits is not None and old_logits[i] is not None:
+            lp = np.asarray(old_logits[i], dtype=np.float32)
+            if len(lp) != n:
+                raise ValueError(f"old_logits[{i}]: length {len(lp)} != trajectory length {n}")
+            ok = np.isfinite(lp)
+        elif old_logits is None and tr.old_logprobs is not None:
+            lp, ok = tr.old_logprobs, np.isfinite(tr.old_logprobs)
+        else:
+            lp, ok = np.full(n, np.nan, np.float32), np.zeros(n, bool)
+        ok = ok & s & np.isfinite(lp)
+        old[i, :n] = np.where(ok, lp, np.nan)
+        exact[i, :n] = ok
+        truncated[i] = tr.finish_reason in TRUNCATED_REASONS or tr.truncated
+    stale = np.where(sampled, consuming_version - ver, 0)
+    if (stale < 0).any():
+        i, j = map(int, np.argwhere(stale < 0)[0])
+        raise ValueError(
+            f"trajectory {trajectories[i].trajectory_id!r} token {j}: version {int(ver[i, j])} is newer than "
+            f"the consuming learner version {consuming_version}"
+        )
+    train = sampled.copy()
+    train[:, 0] = False  # no prefix to score position 0 with
+    stale_masked = 0
+    if max_token_staleness is not None:
+        over = train & (stale > max_token_staleness)
+        stale_masked = int(over.sum())
+        train &= ~over
+    overlong_seqs = 0
+    if overlong_filter:
+        overlong_seqs = int((truncated & train.any(-1)).sum())
+        train &= ~truncated[:, None]
+    rewards = torch.tensor([float(tr.reward) for tr in trajectories], dtype=torch.float32)
+    seq_adv = sequence_advantages(rewards, [tr.group_id for tr in trajectories], advantage)
+    train_t = torch.from_numpy(train)
+    exact_t = torch.from_numpy(exact) & train_t
+    stats = {
+        "sequences": float(b),
+        "sampled_tokens": float(sampled.sum()),
+        "train_tokens": float(train.sum()),
+        "stale_masked_tokens": float(stale_masked),
+        "overlong_masked_seqs": float(overlong_seqs),
+        "staleness_mean": float(stale[sampled].mean()) if sampled.any() else 0.0,
+        "staleness_max": float(stale[sampled].max()) if sampled.any() else 0.0,
+        "exact_tokens": float(exact_t.sum()),
+    }
+    return Batch(
+        token_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(attn), loss_mask=train_t,
+        behav_logprobs=torch.from_numpy(mu), advantages=torch.where(train_t, seq_adv[:, None], 0.0),
+        consuming_version=consuming_version, temperature=float(temperature),
+        sampled_mask=torch.from_numpy(sampled), versions=torch.from_numpy(ver), staleness=torch.from_numpy(stale),
+        old_logprobs=torch.from_numpy(old), exact_mask=exact_t, rewards=rewards, seq_advantages=seq_adv, stats=stats,
+    )  # fmt: skip
+
+
+def staleness_histogram(batch: Batch) -> dict[int, int]:
+    """``{staleness: sampled-token count}`` of a batch (all sampled tokens, masked or not)."""
+    vals, counts = torch.unique(batch.staleness[batch.sampled_mask], return_counts=True)
+    return {int(v): int(c) for v, c in zip(vals.tolist(), counts.tolist(), strict=True)}
+
+
+__all__ = ["Batch", "collate", "empty_batch", "sequence_advantages", "staleness_histogram"]

@@ -1,0 +1,129 @@
+"""Checkpoint and resume of the learner: weights, optimizer, version counter, EWMA, extra state.
+
+Layout of ``directory`` (one sub-folder per checkpoint, tag ``v{version}``)::
+
+    directory/
+      v12/                      DeepSpeed's files (model + ZeRO-partitioned optimizer states, all ranks)
+      v12/vintage_state.pt      version, skipped steps, EWMA state, settings, the caller's extra dict
+      latest                    DeepSpeed's pointer (written by DeepSpeed)
+      vintage_latest            vintage's pointer, written last: a checkpoint is complete only once
+                                this names it, so a crash mid-save never becomes the resume point
+
+Every rank must call :func:`save_checkpoint` / :func:`load_checkpoint` (DeepSpeed saves and loads
+each rank's optimizer partition). ``extra`` is opaque to the learner: the controller stores its
+buffer accounting and the old-logit snapshot index there. It must hold plain Python values
+(dict, list, str, int, float, bool, None) and tensors, because it is read back with
+``torch.load(weights_only=True)``.
+
+A resumed learner continues the version sequence: after loading ``v12`` the next applied step
+publishes version 13.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from trainer.learner import LearnerCore
+
+STATE_FILE = "vintage_state.pt"
+LATEST_FILE = "vintage_latest"
+FORMAT = 1
+
+
+def _barrier(core: LearnerCore) -> None:
+    if core.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def save_checkpoint(
+    core: LearnerCore, directory: str | Path, *, extra: dict[str, Any] | None = None, tag: str | None = None
+) -> Path:
+    """Save ``core`` under ``directory/tag`` (default tag ``v{version}``) and return that folder.
+
+    Saved: model weights and optimizer state (DeepSpeed, every rank's partition), the version
+    counter, skipped-step count, the EWMA weights/total/counters, the settings (for information)
+    and ``extra``. Raises whatever DeepSpeed or the filesystem raises; the ``vintage_latest``
+    pointer is only moved after everything is written.
+    """
+    directory = Path(directory)
+    tag = tag or f"v{core.version}"
+    directory.mkdir(parents=True, exist_ok=True)
+    core.engine.save_checkpoint(str(directory), tag=tag, client_state={"vintage_version": core.version})
+    if core.rank == 0:
+        state = {
+            "format": FORMAT,
+            "version": core.version,
+            "skipped_steps": core.skipped_steps,
+            "ewma": core.ewma.state_dict() if core.ewma is not None else None,
+            "settings": core.settings.model_dump(mode="json"),
+            "extra": extra or {},
+        }
+        tmp = directory / tag / (STATE_FILE + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, directory / tag / STATE_FILE)
+        tmp_latest = directory / (LATEST_FILE + ".tmp")
+        tmp_latest.write_text(tag)
+        os.replace(tmp_latest, directory / LATEST_FILE)
+    _barrier(core)
+    return directory / tag
+
+
+def latest_tag(directory: str | Path) -> str | None:
+    """Tag of the newest complete checkpoint in ``directory``, or None if there is none."""
+    p = Path(directory) / LATEST_FILE
+    return p.read_text().strip() if p.is_file() else None
+
+
+def read_state(directory: str | Path, tag: str | None = None) -> dict[str, Any]:
+    """vintage's own state of a checkpoint (version, EWMA, extra...) without touching a learner.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint (or not that tag) in ``directory``.
+    """
+    tag = tag or latest_tag(directory)
+    if tag is None:
+        raise FileNotFoundError(f"no complete checkpoint in {directory} ({LATEST_FILE} missing)")
+    path = Path(directory) / tag / STATE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} missing: checkpoint {tag!r} is incomplete")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state.get("format") != FORMAT:
+        raise ValueError(f"{path}: checkpoint format {state.get('format')!r}, this build reads {FORMAT}")
+    return state
+
+
+def load_checkpoint(core: LearnerCore, directory: str | Path, *, tag: str | None = None) -> dict[str, Any]:
+    """Restore ``core`` from ``directory`` (the newest complete checkpoint unless ``tag``).
+
+    Restores weights and optimizer state (DeepSpeed), ``version``, ``skipped_steps`` and the EWMA
+    state, and returns the ``extra`` dict saved with it.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint.
+        ValueError: the checkpoint has EWMA state but ``core`` has no EWMA (or the reverse), or an
+            unknown format.
+    """
+    state = read_state(directory, tag)
+    tag = tag or latest_tag(directory)
+    load_path, _ = core.engine.load_checkpoint(
+        str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+    )
+    if load_path is None:
+        raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {directory}")
+    if (state["ewma"] is None) != (core.ewma is None):
+        raise ValueError(
+            f"checkpoint {tag!r} {'has no' if state['ewma'] is None else 'has an'} EWMA state but the learner's proxy is {core.settings.loss.proxy!r}"
+        )
+    if core.ewma is not None:
+        core.ewma.load_state_dict(state["ewma"])
+    core.version = int(state["version"])
+    core.skipped_steps = int(state["skipped_steps"])
+    _barrier(core)
+    return dict(state["extra"])

@@ -1,0 +1,526 @@
+"""The DeepSpeed learner: one optimizer step per batch, versioned weights, a non-finite guard.
+
+:class:`LearnerCore` is a plain class around a DeepSpeed engine (tested without Ray);
+:data:`Learner` is its ``ray.remote`` wrapper, one actor per data-parallel rank, and
+:class:`LearnerGroup` drives the ranks from the controller.
+
+One :meth:`LearnerCore.train_step` at learner version ``V``:
+
+1. collate the trajectories (:func:`trainer.batch.collate`): per-token staleness ``V - v_t``,
+   exact old log-probs where a route supplied them (NaN elsewhere), GRPO advantages over the whole
+   batch; each rank then takes rows ``rank::world_size``;
+2. the global token count ``N`` (all-reduced over ranks) is the token-mean denominator of every
+   micro-batch (case 6), and the loss is multiplied by ``world_size`` because DeepSpeed averages
+   gradients over data-parallel ranks;
+3. per micro-batch: with the PPO-EWMA proxy a no-grad forward with the EWMA weights, the forward
+   of the current policy, :func:`trainer.losses.compute_policy_loss` (exact reference where known,
+   the configured proxy elsewhere), ``engine.backward``; gradient accumulation is driven by hand
+   (``set_gradient_accumulation_boundary``), so the number of micro-batches may change per step;
+4. the non-finite guard: a hook on every parameter flags a non-finite local gradient, the loss is
+   checked, and the flag is all-reduced; if set, ``engine.step()`` runs with the inner torch
+   optimizer's ``step`` suppressed (DeepSpeed still clears its gradient buffers, weights and
+   optimizer state stay untouched), the skip is counted and the version is *not* bumped, so those
+   weights can never be published. A step DeepSpeed itself skips (its own overflow check) counts
+   the same way;
+5. otherwise the optimizer steps, the EWMA folds the new weights in, the EWMA resets when the
+   discrepancy mask on pi_ewma/mu keeps less than ``ewma.reset_tau`` of the tokens, and
+   ``version += 1``.
+
+ZeRO stages 0, 1, 2 and 3 all run on CPU with gloo and a torch ``AdamW`` passed in (DeepSpeed's
+fused/CPU Adam would JIT-compile for minutes and is never used). bf16 keeps fp32 master weights in
+the DeepSpeed optimizer wrapper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+import ray
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from protocol import OldLogitAnswer, Trajectory, WeightManifest
+from trainer.batch import Batch, collate
+from trainer.ewma import EwmaProximal
+from trainer.loss_config import EwmaConfig, LossConfig, loss_config
+from trainer.losses import compute_policy_loss, discrepancy_ratio, icepop_mask
+from trainer.proximal import proximal_reference
+from trainer.scoring import sequence_logprobs
+from trainer.weights import pack_weights
+
+
+class LearnerSettings(BaseModel):
+    """Everything one learner rank needs. Field names match ``trainer.config.LearnerConfig``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_path: str
+    """HF model folder (``trainer.modelhub``); loaded in fp32 on CPU, cast by DeepSpeed for bf16."""
+    zero_stage: int = Field(0, ge=0, le=3)
+    """DeepSpeed ZeRO stage; 0-3 all work on CPU with gloo."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype; bf16 keeps fp32 master weights in DeepSpeed's optimizer wrapper."""
+    lr: float = Field(1e-5, gt=0.0)
+    """AdamW learning rate (constant)."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0.0)
+    fused_adam: bool = True
+    """Use torch's own fused AdamW kernel (``torch.optim.AdamW(fused=True)``, about 2x faster on CPU
+    than the default loop; no JIT build). DeepSpeed's FusedAdam/CPUAdam are never used."""
+    grad_clip: float = Field(1.0, ge=0.0)
+    """Global gradient-norm clip (DeepSpeed ``gradient_clipping``); 0 disables it."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Sequences per forward/backward on one rank; the loss does not depend on it."""
+    loss: LossConfig = Field(default_factory=lambda: loss_config("ppo_ewma"))
+    """Correction method (``trainer.loss_config``); proxy "ewma" keeps an EWMA copy of the weights."""
+    ewma: EwmaConfig = Field(default_factory=EwmaConfig)
+    """PPO-EWMA decay and reset threshold (used when ``loss.proxy == "ewma"``)."""
+    temperature: float = Field(1.0, gt=0.0)
+    """The rollouts' sampling temperature; every learner log-prob uses it (case 1)."""
+    max_token_staleness: int | None = Field(None, ge=0)
+    """Tokens staler than this are masked out of the loss, kept as context (case 5)."""
+    overlong_filter: bool = False
+    """Mask sequences truncated by the length budget (finish reason, case 9)."""
+    seed: int = 0
+    master_addr: str = "127.0.0.1"
+    """Rendezvous address of rank 0 (``MASTER_ADDR``)."""
+    master_port: int = Field(29500, ge=1, le=65535)
+    """Rendezvous port (``MASTER_PORT``); :class:`LearnerGroup` picks a free one."""
+    dist_backend: str | None = None
+    """torch.distributed backend; None: gloo on CPU, the accelerator's own otherwise."""
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _init_distributed(settings: LearnerSettings, rank: int, world_size: int) -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError(
+                f"process group already initialized as rank {dist.get_rank()}/{dist.get_world_size()}, wanted {rank}/{world_size}"
+            )
+        return
+    os.environ.update(
+        MASTER_ADDR=settings.master_addr, MASTER_PORT=str(settings.master_port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0") if world_size == 1 else str(rank),
+    )  # fmt: skip
+    backend = settings.dist_backend
+    if backend is None:
+        from deepspeed.accelerator import get_accelerator
+
+        backend = "gloo" if get_accelerator().device_name() == "cpu" else get_accelerator().communication_backend_name()
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+
+
+def _sum_max_min(means: dict[str, float], weight: float, acc: dict[str, list[float]]) -> None:
+    for k, v in means.items():
+        if k == "n_tokens":
+            continue
+        a = acc.setdefault(k, [0.0, 0.0, -math.inf, math.inf])
+        if weight > 0:
+            a[0] += v * weight
+            a[1] += weight
+            a[2] = max(a[2], v)
+            a[3] = min(a[3], v)
+
+
+class LearnerCore:
+    """One data-parallel rank of the learner around a DeepSpeed engine.
+
+    Args:
+        settings: :class:`LearnerSettings`.
+        rank: this process's data-parallel rank.
+        world_size: number of ranks; every rank must be constructed concurrently (collective init).
+
+    Attributes:
+        version: optimizer steps applied (initial weights: 0); a skipped step leaves it alone.
+        skipped_steps: steps refused by the non-finite guard (or DeepSpeed's overflow check).
+        ewma: the :class:`trainer.ewma.EwmaProximal`, or None when the proxy is not "ewma".
+    """
+
+    def __init__(self, settings: LearnerSettings, rank: int = 0, world_size: int = 1) -> None:
+        import deepspeed
+
+        from trainer.modelhub import load_causal_lm
+
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        self.settings, self.rank, self.world_size = settings, rank, world_size
+        _init_distributed(settings, rank, world_size)
+        torch.manual_seed(settings.seed)
+        model = load_causal_lm(settings.model_path, "float32")
+        model.config.use_cache = False
+        self.pad_token_id = int(model.config.pad_token_id if model.config.pad_token_id is not None else 0)
+        use_ewma = settings.loss.proxy == "ewma"
+        scorer = None
+        if use_ewma:  # a plain copy for EWMA forwards; like DeepSpeed, cast parameters only (buffers stay fp32)
+            scorer = copy.deepcopy(model).eval().requires_grad_(False)
+            for p in scorer.parameters():
+                p.data = p.data.to(self._torch_dtype)
+        model.train()
+        self._optimizer = torch.optim.AdamW(
+            model.parameters(), lr=settings.lr, betas=settings.betas, eps=settings.adam_eps,
+            weight_decay=settings.weight_decay, fused=settings.fused_adam or None,
+        )  # fmt: skip
+        self._install_step_guard()
+        ds_config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": settings.micro_batch_size,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": settings.grad_clip,
+            "zero_optimization": {"stage": settings.zero_stage},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False,
+        }
+        if settings.dtype == "bfloat16":
+            ds_config["bf16"] = {"enabled": True}
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self._optimizer, config=ds_config)
+        self._grad_bad = torch.zeros((), dtype=torch.bool)
+        self._hooks = [p.register_hook(self._grad_hook) for p in self.engine.module.parameters() if p.requires_grad]
+        self.version = 0
+        self.skipped_steps = 0
+        self.last_publish: dict[str, float] = {}
+        self.ewma: EwmaProximal | None = None
+        self._scorer = scorer
+        if use_ewma:
+            with self._full_params():
+                self.ewma = EwmaProximal(self.engine.module, settings.ewma)
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    @property
+    def _torch_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.settings.dtype == "bfloat16" else torch.float32
+
+    def _install_step_guard(self) -> None:
+        """Wrap the torch optimizer's ``step`` so a flagged step runs DeepSpeed's bookkeeping only."""
+        inner = self._optimizer.step
+        self._suppress_step = False
+        self._inner_steps = 0
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            self._inner_steps += 1
+            return None if self._suppress_step else inner(*args, **kwargs)
+
+        self._optimizer.step = step  # instance attribute shadows the class method
+
+    def _grad_hook(self, grad: torch.Tensor) -> None:
+        if not bool(torch.isfinite(grad).all()):
+            self._grad_bad.fill_(True)
+
+    def _full_params(self) -> contextlib.AbstractContextManager:
+        """Context in which ``engine.module``'s parameters are whole tensors (ZeRO-3 gathers them)."""
+        if self.settings.zero_stage == 3:
+            import deepspeed
+
+            return deepspeed.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None)
+        return contextlib.nullcontext()
+
+    def _all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
+        if self.world_size == 1 or not values:
+            return values
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+        return t.tolist()
+
+    def _ewma_logprobs(self, mb: Batch) -> torch.Tensor:
+        """``[b, T]`` log-probs under the EWMA weights (no grad, learner numerics and temperature)."""
+        assert self.ewma is not None and self._scorer is not None
+        with torch.no_grad(), self.ewma.swapped_into(self._scorer):
+            return sequence_logprobs(self._scorer, mb.token_ids, mb.attention_mask, mb.temperature)
+
+    # -- training -------------------------------------------------------------------------------
+
+    def train_step(
+        self,
+        trajectories: Sequence[Trajectory],
+        old_logits: OldLogitAnswer | Sequence[np.ndarray | None] | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step on a batch of trajectories consumed at the current version.
+
+        Every rank gets the *same* full list (advantages need whole groups) and trains on its rows.
+        ``old_logits``: exact pi_old aligned with ``trajectories`` (an :class:`OldLogitAnswer` or
+        arrays with NaN where missing); None uses each trajectory's attached ``old_logprobs``.
+        Returns :meth:`train_batch`'s metrics.
+        """
+        s = self.settings
+        batch = collate(
+            trajectories, self.version, old_logits=old_logits, temperature=s.temperature, pad_token_id=self.pad_token_id,
+            max_token_staleness=s.max_token_staleness, overlong_filter=s.overlong_filter, advantage=s.loss.advantage,
+        )  # fmt: skip
+        return self.train_batch(batch)
+
+    def train_batch(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step on a collated (or hand-built) :class:`Batch` of the whole optimizer batch.
+
+        Returns a dict of floats: ``loss`` (global token-mean loss), ``applied`` (1/0), ``version``
+        (after the step), ``consumed_version``, ``skipped_steps``, ``grad_norm`` (before clipping,
+        NaN when skipped), ``tokens`` (global N), ``sequences``, the loss library's metrics averaged
+        over tokens (``clip_frac_low/high``, ``mask_kept_frac``, ``exact_token_fraction``,
+        ``discrepancy_kl``, ``ratio_mean`` ...; ``*_max``/``*_min`` as extremes), ``proxy_abs_err``
+        (mean |proxy - exact| in nats over exact tokens, NaN without any) and ``proxy_err_tokens``,
+        ``ewma_*`` (beta, total_weight, resets, kept_frac, reset, bytes), ``step_s``, ``tokens_per_s``,
+        phase seconds (``ewma_forward_s``, ``forward_backward_s``, ``optimizer_s``, ``ewma_update_s``)
+        and the collation counts (``stale_masked_tokens``, ``overlong_masked_seqs``, ``staleness_*``).
+
+        Raises:
+            ValueError: the batch was collated for another version than the learner's.
+        """
+        if batch.consuming_version != self.version:
+            raise ValueError(f"batch collated for version {batch.consuming_version}, learner is at {self.version}")
+        t0 = time.perf_counter()
+        cfg, eng = self.settings.loss, self.engine
+        local = batch.shard(self.rank, self.world_size) if self.world_size > 1 else batch
+        rows_per_rank = -(-batch.size // self.world_size)
+        n_micro = max(1, -(-rows_per_rank // self.settings.micro_batch_size))
+        micro = local.micro_batches(self.settings.micro_batch_size, n_micro)
+        n_tok, n_seq = self._all_reduce([float(local.n_tokens), float(local.loss_mask.any(-1).sum())])
+        scale = float(self.world_size)  # DeepSpeed averages gradients over data-parallel ranks
+        self._grad_bad.fill_(False)
+        acc: dict[str, list[float]] = {}
+        sums = {"loss": 0.0, "err": 0.0, "err_n": 0.0, "ewma_keep": 0.0, "ewma_n": 0.0}
+        timing = {"ewma_forward_s": 0.0, "forward_backward_s": 0.0}
+        eng.train()
+        for i, mb in enumerate(micro):
+            eng.set_gradient_accumulation_boundary(i == len(micro) - 1)
+            mask = mb.loss_mask
+            ta = time.perf_counter()
+            ewma_lp = self._ewma_logprobs(mb) if self.ewma is not None else None
+            tb = time.perf_counter()
+            lp = sequence_logprobs(eng, mb.token_ids, mb.attention_mask, mb.temperature)
+            loss, m = compute_policy_loss(
+                lp, mb.behav_logprobs, mb.advantages, mask, cfg, old_logprobs=mb.old_logprobs,
+                exact_mask=mb.exact_mask, ewma_logprobs=ewma_lp, staleness=mb.staleness,
+                global_token_count=n_tok, global_seq_count=n_seq,
+            )  # fmt: skip
+            eng.backward(loss * scale)
+            timing["ewma_forward_s"] += tb - ta
+            timing["forward_backward_s"] += time.perf_counter() - tb
+            sums["loss"] += float(loss.detach())
+            _sum_max_min(m, float(mask.sum()), acc)
+            with torch.no_grad():
+                exact = mb.exact_mask & mask
+                if bool(exact.any()):
+                    proxy = proximal_reference(
+                        cfg.proxy, lp, mb.behav_logprobs, staleness=mb.staleness, ewma_logprobs=ewma_lp
+                    )
+                    sums["err"] += float((proxy - mb.old_logprobs).abs()[exact].sum())
+                    sums["err_n"] += float(exact.sum())
+                if ewma_lp is not None:
+                    keep = icepop_mask(discrepancy_ratio(ewma_lp, mb.behav_logprobs, mask), cfg.mask_low, cfg.mask_high)
+                    sums["ewma_keep"] += float((keep.bool() & mask).sum())
+                    sums["ewma_n"] += float(mask.sum())
+        grad_norm = self._stage0_grad_norm()
+        keys = sorted(sums)
+        glob = dict(zip(keys, self._all_reduce([sums[k] for k in keys]), strict=True))
+        bad = not math.isfinite(sums["loss"]) or bool(self._grad_bad)
+        bad = self._all_reduce([float(bad)], "max")[0] > 0
+        before, tc = self._inner_steps, time.perf_counter()
+        self._suppress_step = bad
+        try:
+            eng.step()
+        finally:
+            self._suppress_step = False
+        applied = not bad and self._inner_steps > before and eng.was_step_applied()
+        timing["optimizer_s"] = time.perf_counter() - tc
+        if grad_norm is None:
+            g = eng.get_global_grad_norm()
+            grad_norm = float(g) if g is not None else math.nan
+        out: dict[str, float] = {"consumed_version": float(self.version)}
+        ewma_reset = False
+        kept = glob["ewma_keep"] / glob["ewma_n"] if glob["ewma_n"] > 0 else math.nan
+        td = time.perf_counter()
+        if applied:
+            self.version += 1
+            if self.ewma is not None:
+                if self.ewma.config.beta_source == "lag" and bool(batch.sampled_mask.any()):
+                    # measured mean version lag of the consumed tokens (same full batch on every rank)
+                    self.ewma.observe_lag(float(batch.staleness[batch.sampled_mask].float().mean()))
+                with self._full_params():
+                    self.ewma.update(self.engine.module)
+                    ewma_reset = self.ewma.maybe_reset(kept, self.engine.module)
+        else:
+            self.skipped_steps += 1
+        timing["ewma_update_s"] = time.perf_counter() - td
+        out.update(self._reduce_metrics(acc))
+        out.update(timing)
+        step_s = time.perf_counter() - t0
+        out.update(
+            loss=glob["loss"], applied=float(applied), version=float(self.version), skipped_steps=float(self.skipped_steps),
+            grad_norm=grad_norm if applied else math.nan, tokens=n_tok, sequences=float(batch.size),
+            proxy_abs_err=glob["err"] / glob["err_n"] if glob["err_n"] > 0 else math.nan, proxy_err_tokens=glob["err_n"],
+            ewma_kept_frac=kept, ewma_reset=float(ewma_reset), step_s=step_s, tokens_per_s=n_tok / step_s if step_s > 0 else 0.0,
+            micro_batches=float(len(micro)),
+        )  # fmt: skip
+        if self.ewma is not None:
+            out.update({f"ewma_{k}": float(v) for k, v in self.ewma.status().items()})
+        out.update({k: float(v) for k, v in batch.stats.items() if k not in out})
+        return out
+
+    def _stage0_grad_norm(self) -> float | None:
+        """Pre-clip global gradient norm for stage 0 fp32 (DeepSpeed does not keep it there)."""
+        if self.settings.zero_stage != 0 or self.settings.dtype != "float32":
+            return None
+        sq = [p.grad.detach().float().square().sum() for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
+
+    def _reduce_metrics(self, acc: dict[str, list[float]]) -> dict[str, float]:
+        """Token-weighted means (``*_max``/``*_min``: extremes) of the loss metrics over micro-batches and ranks."""
+        keys = sorted(acc)
+        sums = self._all_reduce([acc[k][0] for k in keys] + [acc[k][1] for k in keys])
+        hi = self._all_reduce([acc[k][2] for k in keys] + [-acc[k][3] for k in keys], "max")
+        out = {}
+        for j, k in enumerate(keys):
+            w = sums[len(keys) + j]
+            if k.endswith("_max"):
+                out[k] = hi[j] if w > 0 else 0.0
+            elif k.endswith("_min"):
+                out[k] = -hi[len(keys) + j] if w > 0 else 0.0
+            else:
+                out[k] = sums[j] / w if w > 0 else 0.0
+        return out
+
+    # -- inspection and publication -------------------------------------------------------------
+
+    @torch.no_grad()
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        """``[batch, seq]`` fp32 log-probs (nats) of ``batch`` under the current weights (no grad).
+
+        Under ZeRO-3 with several ranks every rank must call it (the forward gathers parameters).
+        """
+        was_training = self.engine.module.training
+        self.engine.module.eval()
+        try:
+            return sequence_logprobs(
+                self.engine.module, batch.token_ids, batch.attention_mask, batch.temperature
+            ).float()
+        finally:
+            self.engine.module.train(was_training)
+
+    def state_dict_full(self) -> dict[str, torch.Tensor]:
+        """CPU fp32 copy of the full weights in HF naming (tied tensors appear under both names)."""
+        with self._full_params():
+            return {
+                k: v.detach().to("cpu", torch.float32, copy=True) for k, v in self.engine.module.state_dict().items()
+            }
+
+    def publish(self, dtype: str = "float32") -> tuple[WeightManifest, dict[str, torch.Tensor]]:
+        """Pack the current weights as version :attr:`version` for the rollout workers and the
+        old-logit service (:func:`trainer.weights.pack_weights`: cast to ``dtype``, tied tensors sent
+        once, checksummed). Records ``last_publish`` = {seconds, bytes, version}.
+
+        Under ZeRO-3 with several ranks every rank must call it (parameters are gathered).
+        """
+        t0 = time.perf_counter()
+        with self._full_params():
+            manifest, payload = pack_weights(self.engine.module.state_dict().items(), self.version, dtype)
+        self.last_publish = {
+            "seconds": time.perf_counter() - t0,
+            "bytes": float(manifest.total_bytes),
+            "version": float(self.version),
+        }
+        return manifest, payload
+
+    def get_version(self) -> int:
+        """The current version (for Ray callers; the attribute :attr:`version` locally)."""
+        return self.version
+
+    def status(self) -> dict[str, Any]:
+        """Version, skipped steps, EWMA state, last publish measurements, rank info."""
+        return {
+            "version": self.version, "skipped_steps": self.skipped_steps, "rank": self.rank, "world_size": self.world_size,
+            "zero_stage": self.settings.zero_stage, "dtype": self.settings.dtype, "last_publish": dict(self.last_publish),
+            "ewma": self.ewma.status() if self.ewma is not None else None,
+        }  # fmt: skip
+
+    def save_checkpoint(self, directory: str, extra: dict[str, Any] | None = None) -> str:
+        """See :func:`trainer.checkpoint.save_checkpoint` (every rank must call it)."""
+        from trainer.checkpoint import save_checkpoint
+
+        return str(save_checkpoint(self, directory, extra=extra))
+
+    def load_checkpoint(self, directory: str, tag: str | None = None) -> dict[str, Any]:
+        """See :func:`trainer.checkpoint.load_checkpoint` (every rank must call it); returns ``extra``."""
+        from trainer.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, directory, tag=tag)
+
+
+Learner = ray.remote(LearnerCore)
+"""The Ray actor wrapping :class:`LearnerCore`: one per data-parallel rank, created concurrently."""
+
+
+class LearnerGroup:
+    """Driver-side handle on ``world_size`` learner actors (one per rank) acting as one learner.
+
+    Rank 0 is pinned to the driver's node, whose IP and a free port there are the rendezvous address;
+    all ranks are created at once (DeepSpeed's init is collective). Every call fans out to all ranks
+    and returns rank 0's answer.
+    """
+
+    def __init__(self, settings: LearnerSettings, world_size: int = 1, num_cpus: float = 1.0) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        settings = settings.model_copy(
+            update={
+                "master_addr": ray.util.get_node_ip_address() if world_size > 1 else "127.0.0.1",
+                "master_port": free_port(),
+            }
+        )
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        self.world_size, self.zero_stage = world_size, settings.zero_stage
+        self.actors = [
+            Learner.options(num_cpus=num_cpus, scheduling_strategy=here if r == 0 else "DEFAULT").remote(
+                settings, r, world_size
+            )
+            for r in range(world_size)
+        ]
+        ray.get([a.get_version.remote() for a in self.actors])  # wait for the collective init
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return ray.get([getattr(a, method).remote(*args) for a in self.actors])
+
+    def train_step(self, trajectories: Sequence[Trajectory], old_logits: Any = None) -> dict[str, float]:
+        """Every rank gets the same batch (put once in the object store); returns rank 0's metrics."""
+        traj_ref, old_ref = ray.put(list(trajectories)), ray.put(old_logits)
+        return ray.get([a.train_step.remote(traj_ref, old_ref) for a in self.actors])[0]
+
+    def publish(self, dtype: str = "float32") -> tuple[WeightManifest, dict[str, torch.Tensor]]:
+        """Rank 0's publication (under ZeRO-3 every rank takes part in the gather)."""
+        if self.zero_stage == 3:
+            return self._all("publish", dtype)[0]
+        return ray.get(self.actors[0].publish.remote(dtype))
+
+    def version(self) -> int:
+        return self._all("get_version")[0]
+
+    def status(self) -> dict[str, Any]:
+        return self._all("status")[0]
+
+    def save_checkpoint(self, directory: str, extra: dict[str, Any] | None = None) -> str:
+        return self._all("save_checkpoint", directory, extra)[0]
+
+    def load_checkpoint(self, directory: str, tag: str | None = None) -> dict[str, Any]:
+        return self._all("load_checkpoint", directory, tag)[0]
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
