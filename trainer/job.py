@@ -87,7 +87,16 @@ def ray_session(cfg: JobConfig):
             + cfg.learner.world_size * cfg.learner.num_cpus
             + cfg.oldlogit.num_cpus
         )
+        custom: Counter = Counter()  # declare the groups' custom resources on the single local node
+        for group, count in (
+            (cfg.rollout, cfg.rollout.num_workers),
+            (cfg.learner, cfg.learner.world_size),
+            (cfg.oldlogit, 1),
+        ):
+            for k, v in group.resources.items():
+                custom[k] += v * max(count, 1) * (4 if group is cfg.rollout else 1)  # room to scale workers up
         ray.init(
+            resources=dict(custom) or None,
             num_cpus=cfg.ray.num_cpus or max(2, int(np.ceil(need)) + 2),
             include_dashboard=False,
             _temp_dir=tempfile.mkdtemp(prefix="vintage-ray-"),
@@ -139,8 +148,12 @@ def perturbed(manifest, payload: dict, std: float, seed: int):
 
     g = torch.Generator().manual_seed(seed)
     named = unpack_weights(manifest, payload, verify=False)
-    noisy = {k: v if k in manifest.tied else v * (1 + std * torch.randn(v.shape, generator=g, dtype=torch.float32).to(v.dtype))
-             for k, v in named.items()}
+    noisy = {
+        k: v
+        if k in manifest.tied
+        else v * (1 + std * torch.randn(v.shape, generator=g, dtype=torch.float32).to(v.dtype))
+        for k, v in named.items()
+    }
     for alias, src in manifest.tied.items():  # keep ties: same tensor object under both names
         noisy[alias] = noisy[src]
     return pack_weights(noisy.items(), manifest.version, manifest.tensors[0].dtype)
@@ -178,11 +191,11 @@ class Job:
             seed=c.seed,
         )
         with console.status("starting learner ..."):
-            self.learner = LearnerGroup(settings, world_size=cfg.learner.world_size, num_cpus=cfg.learner.num_cpus)
+            self.learner = LearnerGroup(settings, world_size=cfg.learner.world_size, **cfg.learner.actor_options())
         self.oldlogit = None
         if self.route != "none":
             with console.status(f"starting old-logit service ({self.route}) ..."):
-                self.oldlogit = OldLogitServer.options(num_cpus=cfg.oldlogit.num_cpus).remote(
+                self.oldlogit = OldLogitServer.options(**cfg.oldlogit.actor_options()).remote(
                     str(self.model_path),
                     route=self.route,
                     max_staleness=c.max_staleness,
@@ -198,7 +211,7 @@ class Job:
             max_num_seqs=cfg.rollout.max_batch,
             seed=c.seed,
         )
-        self.pool = WorkerPool(engine, num_cpus=cfg.rollout.num_cpus, max_in_flight=cfg.rollout.max_batch)
+        self.pool = WorkerPool(engine, actor_options=cfg.rollout.actor_options(), max_in_flight=cfg.rollout.max_batch)
         with console.status(f"starting {cfg.rollout.num_workers} rollout worker(s) ..."):
             self.pool.scale_to(cfg.rollout.num_workers)
         self.version = 0
@@ -228,7 +241,9 @@ class Job:
             else:
                 refs.append(self.oldlogit.update_weights.remote(manifest, ref))
         if noise > 0:
-            manifest, payload = perturbed(manifest, payload, noise, seed=self.cfg.controller.seed * 100_003 + manifest.version)
+            manifest, payload = perturbed(
+                manifest, payload, noise, seed=self.cfg.controller.seed * 100_003 + manifest.version
+            )
             ref = ray.put(payload)
         self.pool.update_weights(manifest, ref)
         ray.get(refs)

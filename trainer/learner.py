@@ -475,7 +475,14 @@ class LearnerGroup:
     and returns rank 0's answer.
     """
 
-    def __init__(self, settings: LearnerSettings, world_size: int = 1, num_cpus: float = 1.0) -> None:
+    def __init__(
+        self,
+        settings: LearnerSettings,
+        world_size: int = 1,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        resources: dict[str, float] | None = None,
+    ) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         settings = settings.model_copy(
@@ -487,9 +494,12 @@ class LearnerGroup:
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
         self.world_size, self.zero_stage = world_size, settings.zero_stage
         self.actors = [
-            Learner.options(num_cpus=num_cpus, scheduling_strategy=here if r == 0 else "DEFAULT").remote(
-                settings, r, world_size
-            )
+            Learner.options(
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                resources=resources or {},
+                scheduling_strategy=here if r == 0 else "DEFAULT",
+            ).remote(settings, r, world_size)
             for r in range(world_size)
         ]
         ray.get([a.get_version.remote() for a in self.actors])  # wait for the collective init

@@ -22,11 +22,12 @@ class WorkerPool:
     def __init__(
         self,
         engine_config: EngineConfig,
-        num_cpus: float = 1.0,
+        actor_options: dict | None = None,
         max_in_flight: int = 64,
         interrupt_target: tuple[Any, str] | None = None,
     ):
-        self.engine_config, self.num_cpus, self.max_in_flight = engine_config, num_cpus, max_in_flight
+        self.engine_config, self.max_in_flight = engine_config, max_in_flight
+        self.actor_options = actor_options or {"num_cpus": 1.0}
         self.interrupt_target = interrupt_target
         self.workers: dict[str, Any] = {}
         self.in_flight: dict[str, int] = {}
@@ -41,7 +42,7 @@ class WorkerPool:
         added, removed = [], {}
         while len(self.workers) < n:
             wid = f"rollout-{next(self._ids)}"
-            actor = RolloutWorker.options(num_cpus=self.num_cpus, name=None).remote(
+            actor = RolloutWorker.options(**self.actor_options).remote(
                 self.engine_config,
                 worker_id=wid,
                 max_in_flight=self.max_in_flight,
