@@ -1,0 +1,472 @@
+"""Rollout worker: turns RolloutRequests into Trajectories, taking weight updates mid-generation.
+
+:class:`RolloutWorkerCore` is a plain class (tested without Ray); :data:`RolloutWorker` is its thin
+Ray actor wrapper. A background thread steps the engine one token at a time while the caller
+submits work, polls finished trajectories and pushes weights.
+
+Invariants:
+
+* every sampled token is stamped with ``engine.version`` at the step that sampled it; all tokens
+  of one step come from one version, because weights change only between steps (under the lock);
+* a weight update interrupts every running request *between two tokens*, applies the new version,
+  and resumes each one from its generated prefix (prompt + tokens so far, budget = what is left).
+  The version boundary therefore falls at the exact token; a request that had produced nothing yet
+  gets the version of its first token. Versions never decrease within a sequence;
+* ``on_interrupt(prefixes, outgoing_version)`` (optional) is called after the interruption and
+  before the new weights are applied, with one :class:`protocol.OldLogitItem` per unfinished
+  sequence that holds tokens of the outgoing version (interrupt_sync route of the old-logit service);
+* a failed update (bad payload, engine error) raises; interrupted requests resume under the old
+  version, which keeps serving;
+* every submitted sample leaves exactly once through :meth:`poll`, finished (``stop``/``length``)
+  or ``abort`` with the reason in ``info["error"]``.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import ray
+
+from protocol import OldLogitItem, RolloutRequest, Trajectory, WeightManifest, WorkerStatus
+from rollout.agent import ChatFormat, Episode, TemplateChatFormat
+from rollout.engine import EngineConfig, EngineRequest, GenerationEngine, make_engine
+from rollout.envs import check_reset, check_step, load_env
+
+InterruptHook = Callable[[list[OldLogitItem], int], None]
+
+
+class RolloutWorkerCore:
+    """Generation loop over one engine (see the module invariants).
+
+    Args:
+        engine: a started :class:`rollout.engine.GenerationEngine`.
+        chat: chat-template renderer; default: the tokenizer of ``engine.config.model_path``.
+        worker_id: name reported in trajectories and status.
+        max_in_flight: most sequences handed to the engine at once (the rest wait, in order).
+        on_interrupt: hook called at each weight update with the in-flight prefixes.
+
+    Raises:
+        ValueError: ``max_in_flight`` < 1.
+    """
+
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        chat: ChatFormat | None = None,
+        worker_id: str = "rollout-0",
+        max_in_flight: int = 64,
+        on_interrupt: InterruptHook | None = None,
+    ):
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight: must be >= 1, got {max_in_flight}")
+        if chat is None:
+            from transformers import AutoTokenizer
+
+            chat = TemplateChatFormat(AutoTokenizer.from_pretrained(engine.config.model_path))
+        self.engine, self.chat, self.worker_id = engine, chat, worker_id
+        self.max_in_flight, self.on_interrupt = max_in_flight, on_interrupt
+        self.max_context = engine.config.max_model_len
+        self._lock = threading.RLock()
+        self._waiting = 0  # callers waiting for the lock: the loop yields to them between steps
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pending: collections.deque[Episode] = collections.deque()
+        self._running: dict[str, Episode] = {}
+        self._done: list[Trajectory] = []
+        self._ids = itertools.count()
+        self._known: set[str] = set()
+        self.generated_tokens = self.generated_trajectories = self.errors = self.updates = 0
+        self.busy_seconds = 0.0
+        self.last_update_seconds: float | None = None
+        self.last_error = ""
+        self.state = "running"
+
+    # --- public API --------------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """Weight version now serving."""
+        return self.engine.version
+
+    def submit(self, requests: list[RolloutRequest] | RolloutRequest) -> int:
+        """Queue requests (``n`` samples each). Returns the number of samples queued.
+
+        Raises:
+            ValueError: a request id is already queued, or its prompt/env cannot be built (the
+                message names the request and field). Nothing of a failing call is queued.
+            TypeError: an environment returns malformed messages from ``reset``.
+        """
+        reqs = [requests] if isinstance(requests, RolloutRequest) else list(requests)
+        built: list[Episode] = []
+        for r in reqs:
+            if not isinstance(r, RolloutRequest):
+                r = RolloutRequest.model_validate(r)
+            for i in range(r.sampling.n):
+                tid = r.request_id if r.sampling.n == 1 else f"{r.request_id}/{i}"
+                built.append(self._new_episode(r, tid))
+        with self._locked():
+            ids = [ep.trajectory_id for ep in built]
+            dup = sorted({t for t in ids if t in self._known or ids.count(t) > 1})
+            if dup:
+                raise ValueError(f"request_id: {dup[:3]} already queued on {self.worker_id}")
+            for ep in built:
+                self._known.add(ep.trajectory_id)
+                if ep.finish_reason:  # no room for even one token
+                    self._finalize(ep)
+                else:
+                    self._pending.append(ep)
+        self._wake.set()
+        return len(built)
+
+    def poll(self, max_items: int | None = None) -> list[Trajectory]:
+        """Finished trajectories since the last call (oldest first), at most ``max_items``."""
+        with self._locked():
+            k = len(self._done) if max_items is None else max(0, max_items)
+            out, self._done = self._done[:k], self._done[k:]
+            for t in out:
+                self._known.discard(t.trajectory_id)
+        return out
+
+    def update_weights(self, manifest: WeightManifest, payload: Mapping[str, Any]) -> int:
+        """Interrupt in-flight requests, apply weights ``manifest.version``, resume; returns the version.
+
+        ``payload`` is ``{hf_name: tensor}`` from ``trainer.weights.pack_weights``; it is verified
+        (checksum, shapes) before anything is interrupted.
+
+        Raises:
+            protocol.ProtocolError: the payload does not match the manifest.
+            ValueError: the version is not newer than the serving one, or tensors do not fit.
+            rollout.engine.EngineError: the engine failed while copying.
+        """
+        from trainer.weights import unpack_weights
+
+        if manifest.version <= self.engine.version:
+            raise ValueError(
+                f"manifest.version: {manifest.version} is not newer than serving version {self.engine.version}"
+            )
+        named = unpack_weights(manifest, payload)
+        t0 = time.perf_counter()
+        with self._locked():
+            self._interrupt()
+            outgoing = self.engine.version
+            if self.on_interrupt is not None:
+                items = self._prefixes(outgoing)
+                try:
+                    self.on_interrupt(items, outgoing)
+                except Exception as e:  # the service then reports those tokens missing; we keep going
+                    self._record_error(f"on_interrupt failed: {e!r}")
+            self.engine.update_weights(named, manifest.version)
+            self.updates += 1
+            self.last_update_seconds = time.perf_counter() - t0
+        self._wake.set()
+        return self.engine.version
+
+    def status(self) -> WorkerStatus:
+        """Version, in-flight samples, throughput (tokens / second spent stepping) and errors."""
+        with self._locked():
+            return WorkerStatus(
+                worker_id=self.worker_id,
+                policy_version=self.engine.version,
+                in_flight=len(self._pending) + len(self._running),
+                generated_trajectories=self.generated_trajectories,
+                generated_tokens=self.generated_tokens,
+                tokens_per_s=self.generated_tokens / self.busy_seconds if self.busy_seconds > 0 else 0.0,
+                errors=self.errors,
+                state=self.state,
+                last_error=self.last_error[-500:],
+            )
+
+    def step(self) -> int:
+        """Admit waiting samples and run one engine step; returns tokens produced, -1 when idle."""
+        with self._locked():
+            self._admit()
+            if not self._running and not self.engine.has_unfinished():
+                return -1
+            t0 = time.perf_counter()
+            deltas = self.engine.step()
+            self.busy_seconds += time.perf_counter() - t0
+            version, n = self.engine.version, 0
+            for d in deltas:
+                n += len(d.token_ids)
+                self._on_delta(d, version)
+            self.generated_tokens += n
+            return n
+
+    def run_until_idle(self, timeout_s: float = 600.0) -> list[Trajectory]:
+        """Step on the caller's thread until nothing is queued or running; returns :meth:`poll`.
+
+        Raises:
+            TimeoutError: still busy after ``timeout_s`` seconds.
+        """
+        end = time.monotonic() + timeout_s
+        while self.step() >= 0:
+            if time.monotonic() > end:
+                raise TimeoutError(
+                    f"timeout_s: still {len(self._running) + len(self._pending)} samples in flight after {timeout_s} s"
+                )
+        return self.poll()
+
+    def start(self) -> None:
+        """Start the background generation thread (idempotent)."""
+        if self._thread and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name=f"{self.worker_id}-gen", daemon=True)
+        self._thread.start()
+
+    def stop(self, abort_in_flight: bool = False, timeout_s: float = 30.0) -> None:
+        """Stop the background thread; optionally emit every unfinished sample as ``abort``."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread:
+            self._thread.join(timeout_s)
+        if abort_in_flight:
+            with self._locked():
+                self._interrupt()
+                while self._pending:
+                    ep = self._pending.popleft()
+                    ep.finish_reason, ep.info["error"] = "abort", "worker stopped"
+                    self._finalize(ep)
+        self.state = "stopping" if abort_in_flight else "paused"
+
+    def close(self) -> None:
+        """Stop and release the engine."""
+        self.stop()
+        self.engine.close()
+
+    # --- internals ---------------------------------------------------------------------------
+
+    class _Locked:
+        def __init__(self, core: RolloutWorkerCore):
+            self.core = core
+
+        def __enter__(self):
+            self.core._waiting += 1
+            self.core._lock.acquire()
+            self.core._waiting -= 1
+
+        def __exit__(self, *exc):
+            self.core._lock.release()
+
+    def _locked(self) -> RolloutWorkerCore._Locked:
+        return RolloutWorkerCore._Locked(self)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                n = self.step()
+            except Exception as e:  # keep the actor alive; the error is visible in status()
+                self._record_error(f"step failed: {e!r}\n{traceback.format_exc(limit=3)}")
+                if self.engine.failed:
+                    self.state = "failed"
+                    return
+                n = -1
+            if n < 0:
+                self._wake.wait(0.05)
+                self._wake.clear()
+            elif self._waiting:
+                time.sleep(0.0005)  # the lock is not fair: let a waiting update/poll in
+
+    def _record_error(self, msg: str) -> None:
+        self.errors += 1
+        self.last_error = msg
+
+    def _new_episode(self, r: RolloutRequest, tid: str) -> Episode:
+        seed = r.sampling.seed if r.sampling.n == 1 else None
+        ep = Episode(trajectory_id=tid, request=r, seed=seed)
+        try:
+            if r.prompt is not None:
+                prompt = self.chat.text_ids(r.prompt)
+            elif r.messages is not None:
+                prompt = self.chat.prompt_ids(r.messages)
+            elif r.prompt_ids is not None:
+                prompt = [int(x) for x in r.prompt_ids]
+            else:
+                ep.env = load_env(r.env.path, **r.env.kwargs)
+                msgs, info = check_reset(ep.env.reset(r.env.seed), r.env.path)
+                ep.info["env"] = {"path": r.env.path, "seed": r.env.seed, **info}
+                prompt = self.chat.prompt_ids(msgs)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"request {r.request_id!r}: {e}") from e
+        if not prompt:
+            raise ValueError(f"request {r.request_id!r}: prompt renders to no tokens")
+        ep.add_context(prompt)
+        ep.prompt_len = len(prompt)
+        if not self._start_turn(ep):
+            ep.info["error"] = f"prompt length {len(prompt)} leaves no room in max_model_len {self.max_context}"
+        return ep
+
+    def _start_turn(self, ep: Episode) -> bool:
+        budget = min(ep.request.sampling.max_tokens, self.max_context - len(ep.token_ids))
+        if budget < 1:  # context budget exhausted: that is truncation too (case 9, multi-turn)
+            ep.finish_reason, ep.truncated = "length", True
+            ep.info["context_exhausted"] = True
+            return False
+        ep.start_turn(budget)
+        return True
+
+    def _admit(self) -> None:
+        while self._pending and len(self._running) < self.max_in_flight:
+            ep = self._pending.popleft()
+            rid = f"{ep.trajectory_id}@{next(self._ids)}"
+            s = ep.request.sampling
+            try:
+                self.engine.add(
+                    EngineRequest(
+                        rid, list(ep.token_ids), ep.turn_budget, s.temperature, list(s.stop_token_ids), ep.seed
+                    )
+                )
+            except ValueError as e:
+                ep.finish_reason, ep.info["error"] = "abort", f"engine refused request: {e}"
+                self._record_error(ep.info["error"])
+                self._finalize(ep)
+                continue
+            ep.engine_rid = rid
+            self._running[rid] = ep
+
+    def _on_delta(self, d, version: int) -> None:
+        ep = self._running.get(d.request_id)
+        if ep is None:  # output of a request we aborted: never recorded
+            return
+        ep.add_sampled(d.token_ids, d.logprobs, version)
+        if d.finish_reason:
+            del self._running[d.request_id]
+            ep.engine_rid = None
+            self._end_turn(ep, d.finish_reason)
+
+    def _end_turn(self, ep: Episode, reason: str) -> None:
+        turn = ep.turn_ids
+        ep.turn_boundaries.append((ep.turn_start, len(ep.token_ids)))
+        ep.turns += 1
+        ep.finish_reason = reason
+        ep.truncated = ep.truncated or reason == "length"
+        if reason == "abort" or ep.env is None:
+            return self._finalize(ep)
+        try:
+            obs, reward, done, info = check_step(ep.env.step(self.chat.decode(turn)), ep.request.env.path)
+        except Exception as e:  # a broken env ends its episode, not the worker
+            ep.finish_reason, ep.info["error"] = "abort", f"env.step failed: {e!r}"
+            self._record_error(ep.info["error"])
+            return self._finalize(ep)
+        ep.turn_rewards.append(reward)
+        ep.info.setdefault("turn_info", []).append(info)
+        if done or ep.turns >= getattr(ep.env, "max_turns", 1):
+            ep.info["env_done"] = bool(done)
+            return self._finalize(ep)
+        if not obs:
+            ep.finish_reason, ep.info["error"] = "abort", "env returned no observation and not done"
+            return self._finalize(ep)
+        ctx = self.chat.close_ids(turn, reason) + self.chat.observation_ids(obs)
+        if len(ep.token_ids) + len(ctx) >= self.max_context:  # no room for the observation + 1 token
+            ep.finish_reason, ep.truncated = "length", True
+            ep.info["context_exhausted"] = True
+            return self._finalize(ep)
+        ep.add_context(ctx)
+        if not self._start_turn(ep):
+            return self._finalize(ep)
+        self._pending.appendleft(ep)  # continue the conversation before admitting new work
+
+    def _finalize(self, ep: Episode) -> None:
+        try:
+            self._done.append(ep.to_trajectory(self.worker_id, self.engine.version))
+            self.generated_trajectories += 1
+        except Exception as e:  # an internal bug; say so loudly rather than emit a bad sample
+            self._record_error(f"trajectory {ep.trajectory_id} invalid, dropped: {e}")
+
+    def _interrupt(self) -> None:
+        """Abort every running request between two tokens; they wait, first in line, to resume."""
+        if not self._running:
+            return
+        self.engine.abort(list(self._running))
+        for ep in reversed(list(self._running.values())):
+            ep.engine_rid = None
+            ep.resumes += 1
+            self._pending.appendleft(ep)
+        self._running.clear()
+
+    def _prefixes(self, version: int) -> list[OldLogitItem]:
+        out = []
+        for ep in list(self._pending) + list(self._running.values()):
+            v = np.asarray(ep.versions, np.int32)
+            if (v == version).any():
+                out.append(
+                    OldLogitItem(
+                        trajectory_id=ep.trajectory_id,
+                        token_ids=np.asarray(ep.token_ids, np.int32),
+                        loss_mask=np.asarray(ep.loss_mask, np.int8),
+                        versions=v,
+                    )
+                )
+        return out
+
+
+class RolloutWorkerActor:
+    """Ray actor body: builds its engine from an :class:`EngineConfig` and runs the core's thread.
+
+    ``interrupt_target=(actor_handle, method_name)`` makes every weight update call
+    ``ray.get(actor_handle.<method_name>.remote(prefixes, outgoing_version))`` before applying.
+    """
+
+    def __init__(
+        self,
+        engine_config: EngineConfig | dict,
+        worker_id: str = "rollout-0",
+        max_in_flight: int = 64,
+        interrupt_target: tuple[Any, str] | None = None,
+        autostart: bool = True,
+    ):
+        cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.model_validate(engine_config)
+        hook = None
+        if interrupt_target is not None:
+            handle, method = interrupt_target
+
+            def hook(items, version):
+                ray.get(getattr(handle, method).remote(items, version))
+
+        self.core = RolloutWorkerCore(
+            make_engine(cfg), worker_id=worker_id, max_in_flight=max_in_flight, on_interrupt=hook
+        )
+        self.engine_start_seconds = getattr(self.core.engine, "start_seconds", None)
+        if autostart:
+            self.core.start()
+
+    def ready(self) -> dict[str, Any]:
+        """Blocks until built; returns ``{"worker_id", "version", "engine_start_seconds"}``."""
+        return {
+            "worker_id": self.core.worker_id,
+            "version": self.core.version,
+            "engine_start_seconds": self.engine_start_seconds,
+        }
+
+    def submit(self, requests: list[RolloutRequest]) -> int:
+        return self.core.submit(requests)
+
+    def poll(self, max_items: int | None = None) -> list[Trajectory]:
+        return self.core.poll(max_items)
+
+    def update_weights(self, manifest: WeightManifest, payload: Mapping[str, Any]) -> int:
+        return self.core.update_weights(manifest, payload)
+
+    def status(self) -> WorkerStatus:
+        return self.core.status()
+
+    def start(self) -> None:
+        self.core.start()
+
+    def stop(self, abort_in_flight: bool = False) -> None:
+        self.core.stop(abort_in_flight)
+
+    def close(self) -> None:
+        self.core.close()
+
+
+RolloutWorker = ray.remote(num_cpus=1)(RolloutWorkerActor)
+"""Ray actor of :class:`RolloutWorkerActor`: ``RolloutWorker.remote(engine_config, worker_id=...)``."""
