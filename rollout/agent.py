@@ -97,6 +97,13 @@ class TemplateChatFormat:
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
+def pad_nan(values: np.ndarray, n: int) -> np.ndarray:
+    """``values`` (float32, length <= n) extended with NaN to length ``n``."""
+    out = np.full(n, np.nan, np.float32)
+    out[: len(values)] = values
+    return out
+
+
 @dataclass
 class Episode:
     """Mutable token state of one trajectory while it is being generated.
@@ -124,6 +131,8 @@ class Episode:
     finish_reason: str = ""
     engine_rid: str | None = None
     resumes: int = 0
+    old_logprobs: np.ndarray | None = None
+    """Exact pi_old attached at interruptions (interrupt_sync route): ``[len so far]``, NaN where unknown."""
     info: dict[str, Any] = field(default_factory=dict)
 
     def add_context(self, ids: list[int]) -> None:
@@ -179,10 +188,12 @@ class Episode:
             turn_rewards=list(self.turn_rewards),
             turn_boundaries=list(self.turn_boundaries),
             truncated=self.truncated,
+            old_logprobs=None if self.old_logprobs is None else pad_nan(self.old_logprobs, len(self.token_ids)),
             info={
                 **self.info,
                 "turns": self.turns,
                 "resumes": self.resumes,
                 "admitted_version": self.request.admitted_version,
+                "temperature": self.request.sampling.temperature,
             },
         )

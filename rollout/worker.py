@@ -15,6 +15,12 @@ Invariants:
 * ``on_interrupt(prefixes, outgoing_version)`` (optional) is called after the interruption and
   before the new weights are applied, with one :class:`protocol.OldLogitItem` per unfinished
   sequence that holds tokens of the outgoing version (interrupt_sync route of the old-logit service);
+* ``score_prefixes(items, temperature, known) -> [old_logprobs]`` (optional, the interrupt_sync
+  route) is called at the same moment, while the old-logit service still holds the outgoing version,
+  with every sequence - in flight *or finished but not yet polled* - that holds tokens of the
+  outgoing version; the exact ``pi_old`` it returns is attached to the sequence (values attached at
+  earlier interruptions are passed as ``known`` and kept), so the trajectory arrives with
+  ``old_logprobs`` for every completed segment;
 * a failed update (bad payload, engine error) raises; interrupted requests resume under the old
   version, which keeps serving;
 * every submitted sample leaves exactly once through :meth:`poll`, finished (``stop``/``length``)
@@ -40,6 +46,7 @@ from rollout.engine import EngineConfig, EngineRequest, GenerationEngine, make_e
 from rollout.envs import check_reset, check_step, load_env
 
 InterruptHook = Callable[[list[OldLogitItem], int], None]
+PrefixScorer = Callable[[list[OldLogitItem], float, list[np.ndarray | None]], list[np.ndarray]]
 
 
 class RolloutWorkerCore:
@@ -51,6 +58,7 @@ class RolloutWorkerCore:
         worker_id: name reported in trajectories and status.
         max_in_flight: most sequences handed to the engine at once (the rest wait, in order).
         on_interrupt: hook called at each weight update with the in-flight prefixes.
+        score_prefixes: scorer of prefixes at the outgoing version (interrupt_sync route).
 
     Raises:
         ValueError: ``max_in_flight`` < 1.
@@ -63,6 +71,7 @@ class RolloutWorkerCore:
         worker_id: str = "rollout-0",
         max_in_flight: int = 64,
         on_interrupt: InterruptHook | None = None,
+        score_prefixes: PrefixScorer | None = None,
     ):
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight: must be >= 1, got {max_in_flight}")
@@ -71,7 +80,7 @@ class RolloutWorkerCore:
 
             chat = TemplateChatFormat(AutoTokenizer.from_pretrained(engine.config.model_path))
         self.engine, self.chat, self.worker_id = engine, chat, worker_id
-        self.max_in_flight, self.on_interrupt = max_in_flight, on_interrupt
+        self.max_in_flight, self.on_interrupt, self.score_prefixes = max_in_flight, on_interrupt, score_prefixes
         self.max_context = engine.config.max_model_len
         self._lock = threading.RLock()
         self._waiting = 0  # callers waiting for the lock: the loop yields to them between steps
@@ -163,6 +172,11 @@ class RolloutWorkerCore:
                     self.on_interrupt(items, outgoing)
                 except Exception as e:  # the service then reports those tokens missing; we keep going
                     self._record_error(f"on_interrupt failed: {e!r}")
+            if self.score_prefixes is not None:
+                try:
+                    self._attach_old_logprobs(outgoing)
+                except Exception as e:  # those tokens stay NaN: the learner uses its proxy, and says so
+                    self._record_error(f"score_prefixes failed: {e!r}")
             self.engine.update_weights(named, manifest.version)
             self.updates += 1
             self.last_update_seconds = time.perf_counter() - t0
@@ -407,12 +421,46 @@ class RolloutWorkerCore:
                 )
         return out
 
+    def _attach_old_logprobs(self, version: int) -> None:
+        """Score every unfinished or unpolled sequence holding ``version`` tokens and attach pi_old."""
+        seqs: list[Episode | int] = list(self._pending) + list(self._running.values())
+        seqs += [i for i, t in enumerate(self._done) if (t.versions == version).any()]
+        by_temp: dict[float, list] = {}
+        for x in seqs:
+            if isinstance(x, Episode):
+                if version not in x.versions:
+                    continue
+                item = OldLogitItem(
+                    trajectory_id=x.trajectory_id,
+                    token_ids=np.asarray(x.token_ids, np.int32),
+                    loss_mask=np.asarray(x.loss_mask, np.int8),
+                    versions=np.asarray(x.versions, np.int32),
+                )
+                by_temp.setdefault(x.request.sampling.temperature, []).append((x, item, x.old_logprobs))
+            else:
+                t = self._done[x]
+                item = OldLogitItem(
+                    trajectory_id=t.trajectory_id, token_ids=t.token_ids, loss_mask=t.loss_mask, versions=t.versions
+                )
+                by_temp.setdefault(float(t.info["temperature"]), []).append((x, item, t.old_logprobs))
+        for temperature, group in by_temp.items():
+            lps = self.score_prefixes([g[1] for g in group], temperature, [g[2] for g in group])
+            for (target, _, _), lp in zip(group, lps, strict=True):
+                if isinstance(target, Episode):
+                    target.old_logprobs = np.asarray(lp, np.float32)
+                else:
+                    self._done[target] = self._done[target].model_copy(
+                        update={"old_logprobs": np.asarray(lp, np.float32)}
+                    )
+
 
 class RolloutWorkerActor:
     """Ray actor body: builds its engine from an :class:`EngineConfig` and runs the core's thread.
 
     ``interrupt_target=(actor_handle, method_name)`` makes every weight update call
     ``ray.get(actor_handle.<method_name>.remote(prefixes, outgoing_version))`` before applying.
+    ``oldlogit=handle`` (interrupt_sync route) scores the prefixes with
+    ``handle.score_prefixes(items, temperature, known)`` at the outgoing version and attaches them.
     """
 
     def __init__(
@@ -422,6 +470,7 @@ class RolloutWorkerActor:
         max_in_flight: int = 64,
         interrupt_target: tuple[Any, str] | None = None,
         autostart: bool = True,
+        oldlogit: Any = None,
     ):
         cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.model_validate(engine_config)
         hook = None
@@ -431,8 +480,14 @@ class RolloutWorkerActor:
             def hook(items, version):
                 ray.get(getattr(handle, method).remote(items, version))
 
+        scorer = None
+        if oldlogit is not None:
+
+            def scorer(items, temperature, known):
+                return ray.get(oldlogit.score_prefixes.remote(items, temperature, known))
+
         self.core = RolloutWorkerCore(
-            make_engine(cfg), worker_id=worker_id, max_in_flight=max_in_flight, on_interrupt=hook
+            make_engine(cfg), worker_id=worker_id, max_in_flight=max_in_flight, on_interrupt=hook, score_prefixes=scorer
         )
         self.engine_start_seconds = getattr(self.core.engine, "start_seconds", None)
         if autostart:

@@ -211,7 +211,12 @@ class Job:
             max_num_seqs=cfg.rollout.max_batch,
             seed=c.seed,
         )
-        self.pool = WorkerPool(engine, actor_options=cfg.rollout.actor_options(), max_in_flight=cfg.rollout.max_batch)
+        self.pool = WorkerPool(
+            engine,
+            actor_options=cfg.rollout.actor_options(),
+            max_in_flight=cfg.rollout.max_batch,
+            oldlogit=self.oldlogit if self.route == "interrupt_sync" else None,
+        )
         with console.status(f"starting {cfg.rollout.num_workers} rollout worker(s) ..."):
             self.pool.scale_to(cfg.rollout.num_workers)
         self.version = 0
@@ -233,20 +238,27 @@ class Job:
         noise = self.cfg.rollout.inject_mismatch_std
         manifest, payload = self.learner.publish(self.cfg.rollout.dtype)
         ref = ray.put(payload)
-        refs = []
+        scorer_args = None
         if self.oldlogit is not None:
             if self.cfg.rollout.dtype != "float32" or noise > 0:
                 manifest32, payload32 = self.learner.publish("float32")
-                refs.append(self.oldlogit.update_weights.remote(manifest32, ray.put(payload32)))
+                scorer_args = (manifest32, ray.put(payload32))
             else:
-                refs.append(self.oldlogit.update_weights.remote(manifest, ref))
+                scorer_args = (manifest, ref)
         if noise > 0:
-            manifest, payload = perturbed(
-                manifest, payload, noise, seed=self.cfg.controller.seed * 100_003 + manifest.version
-            )
+            seed = self.cfg.controller.seed * 100_003 + manifest.version
+            manifest, payload = perturbed(manifest, payload, noise, seed=seed)
             ref = ray.put(payload)
-        self.pool.update_weights(manifest, ref)
-        ray.get(refs)
+        if self.route in ("old_logit_model", "interrupt_sync"):
+            # the single-version scorer must still hold the outgoing version while finished trajectories are
+            # collected and (interrupt_sync) while workers score their interrupted prefixes; then it moves on
+            self.collect()
+            self.pool.update_weights(manifest, ref)
+            ray.get(self.oldlogit.update_weights.remote(*scorer_args))
+        else:
+            pending = [self.oldlogit.update_weights.remote(*scorer_args)] if scorer_args else []
+            self.pool.update_weights(manifest, ref)
+            ray.get(pending)
         self.last_publish = {"seconds": time.perf_counter() - t0, "bytes": manifest.total_bytes, "unix": time.time()}
         self.times["publish"] += self.last_publish["seconds"]
 

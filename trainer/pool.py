@@ -24,11 +24,11 @@ class WorkerPool:
         engine_config: EngineConfig,
         actor_options: dict | None = None,
         max_in_flight: int = 64,
-        interrupt_target: tuple[Any, str] | None = None,
+        oldlogit: Any = None,
     ):
         self.engine_config, self.max_in_flight = engine_config, max_in_flight
         self.actor_options = actor_options or {"num_cpus": 1.0}
-        self.interrupt_target = interrupt_target
+        self.oldlogit = oldlogit  # interrupt_sync: workers score their prefixes there at each update
         self.workers: dict[str, Any] = {}
         self.in_flight: dict[str, int] = {}
         self._ids = itertools.count()
@@ -46,7 +46,7 @@ class WorkerPool:
                 self.engine_config,
                 worker_id=wid,
                 max_in_flight=self.max_in_flight,
-                interrupt_target=self.interrupt_target,
+                oldlogit=self.oldlogit,
             )
             ray.get(actor.ready.remote())
             if self._latest is not None:  # a late joiner starts at the current version

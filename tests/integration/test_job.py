@@ -143,3 +143,22 @@ def test_resume_continues_version_sequence(first_run, tmp_path):
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [int(r["consumed_version"]) for r in rows] == [6, 7]
     assert summary["accounting_ok"]
+
+
+@pytest.mark.parametrize("method", ["interrupt_sync", "old_logit_model"])
+def test_scorer_routes_attach_exact_old_logprobs(method, tmp_path, tiny_model_path, ray_cluster):
+    """interrupt_sync scores every token at its own version before the scorer moves on: all exact.
+    old_logit_model scores finished trajectories only: segments superseded mid-rollout are missing,
+    and the learner's exact fraction says so."""
+    cfg = load_config(None, BASE + ["controller.total_steps=3", f'logging.run_dir="{tmp_path}"', f'loss.method="{method}"',
+                                    "env.eval_prompts=0", "server.enabled=false", "rollout.sampling.max_tokens=24"])
+    summary = run_job(cfg)
+    assert summary["state"] == "finished" and summary["accounting_ok"]
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(rows) == 3
+    for r in rows:
+        assert max(int(k) for k in r["staleness_hist"]) <= 1
+        if method == "interrupt_sync":
+            assert r["exact_fraction"] == 1.0
+        else:
+            assert 0.0 < r["exact_fraction"] <= 1.0
