@@ -47,6 +47,8 @@ ENV_VARS = (
     "TOKENIZERS_PARALLELISM",
     "VINTAGE_CACHE_DIR",
     "HF_HUB_DISABLE_PROGRESS_BARS",
+    "VLLM_LOGGING_LEVEL",
+    "TRANSFORMERS_VERBOSITY",
 )
 
 
@@ -58,6 +60,8 @@ def _defaults_env() -> None:
         ("TOKENIZERS_PARALLELISM", "false"),
         ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
         ("RAY_memory_monitor_refresh_ms", "0"),
+        ("VLLM_LOGGING_LEVEL", "ERROR"),
+        ("TRANSFORMERS_VERBOSITY", "error"),
     ):
         os.environ.setdefault(k, v)
     try:
