@@ -64,6 +64,13 @@ def plot_run(run_dir: Path) -> list[Path]:
     out = []
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [r["reward_mean"] for r in rows], marker="o", label="train reward (batch mean)")
+    summary = Path(run_dir) / "summary.json"
+    if summary.exists():  # held-out reward before and after, on the same prompts and sampling
+        s = json.loads(summary.read_text())
+        for key, style, x in (("reward_before", "--", 0), ("reward_after", ":", steps[-1])):
+            if s.get(key):
+                ax.axhline(s[key]["reward"], linestyle=style, color="gray")
+                ax.annotate(f"held-out {key.split('_')[1]}: {s[key]['reward']:.2f}", (x, s[key]["reward"]), fontsize=8)
     ax.set_xlabel("step (policy version)")
     ax.set_ylabel("reward")
     ax.legend()
