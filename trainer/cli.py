@@ -43,7 +43,9 @@ def model_prepare(
 
 @bench_app.command("methods")
 def bench_methods(
-    out: Annotated[Path, typer.Option(help="Results folder (JSON, markdown table, PNG plots).")] = Path("results/methods"),
+    out: Annotated[Path, typer.Option(help="Results folder (JSON, markdown table, PNG plots).")] = Path(
+        "results/methods"
+    ),
     quick: Annotated[bool, typer.Option(help="A reduced grid (CI-sized) instead of the full one.")] = False,
 ) -> None:
     """Methods x staleness x discrepancy on the real pipeline (issue 8); writes results under --out."""

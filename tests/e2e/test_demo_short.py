@@ -32,10 +32,17 @@ def demo_run(tmp_path_factory, real_model_path, ray_cluster):
     cfg = load_config(
         "deploy/configs/demo.toml",
         [
-            f"controller.total_steps={STEPS}", "controller.batch_groups=2", "rollout.sampling.n=4",
-            "rollout.sampling.max_tokens=24", "env.eval_prompts=4", "learner.micro_batch_size=8",
-            "oldlogit.memory_budget_bytes=1100000000", "server.port=0", f'logging.run_dir="{run_dir}"',
-            "logging.tensorboard=false", "controller.time_budget_s=1500",
+            f"controller.total_steps={STEPS}",
+            "controller.batch_groups=2",
+            "rollout.sampling.n=4",
+            "rollout.sampling.max_tokens=24",
+            "env.eval_prompts=4",
+            "learner.micro_batch_size=8",
+            "oldlogit.memory_budget_bytes=1100000000",
+            "server.port=0",
+            f'logging.run_dir="{run_dir}"',
+            "logging.tensorboard=false",
+            "controller.time_budget_s=1500",
         ],
     )
     result: dict = {}
@@ -81,4 +88,7 @@ def test_status_endpoint_answered_during_the_run(demo_run):
     assert versions == sorted(versions) and versions[-1] >= STEPS - 1
     running = [s for s in statuses if s.state == "running"]
     assert running and all(len(s.workers) == 1 for s in running)
-    assert any(s.oldlogit is not None and s.oldlogit.route == "snapshot" and len(s.oldlogit.versions_held) <= 2 for s in running)
+    assert any(
+        s.oldlogit is not None and s.oldlogit.route == "snapshot" and len(s.oldlogit.versions_held) <= 2
+        for s in running
+    )

@@ -150,8 +150,18 @@ def test_scorer_routes_attach_exact_old_logprobs(method, tmp_path, tiny_model_pa
     """interrupt_sync scores every token at its own version before the scorer moves on: all exact.
     old_logit_model scores finished trajectories only: segments superseded mid-rollout are missing,
     and the learner's exact fraction says so."""
-    cfg = load_config(None, BASE + ["controller.total_steps=3", f'logging.run_dir="{tmp_path}"', f'loss.method="{method}"',
-                                    "env.eval_prompts=0", "server.enabled=false", "rollout.sampling.max_tokens=24"])
+    cfg = load_config(
+        None,
+        BASE
+        + [
+            "controller.total_steps=3",
+            f'logging.run_dir="{tmp_path}"',
+            f'loss.method="{method}"',
+            "env.eval_prompts=0",
+            "server.enabled=false",
+            "rollout.sampling.max_tokens=24",
+        ],
+    )
     summary = run_job(cfg)
     assert summary["state"] == "finished" and summary["accounting_ok"]
     rows = read_metrics(tmp_path / "metrics.jsonl")
