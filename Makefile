@@ -50,7 +50,7 @@ demo: install
 
 bench: install
 	$(VENV)/bin/vintage model prepare
-	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+	for b in benchmarks/bench_*.py; do $(PY) -m benchmarks.$$(basename $$b .py) || exit 1; done
 
 bench-methods: install
 	$(VENV)/bin/vintage model prepare

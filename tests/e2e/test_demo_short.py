@@ -54,7 +54,10 @@ def demo_run(tmp_path_factory, real_model_path, ray_cluster):
     url = json.loads((run_dir / "server.json").read_text())["url"]
     statuses = []
     while th.is_alive():
-        statuses.append(JobStatus.model_validate(httpx.get(f"{url}/v1/status", timeout=10).json()))
+        try:
+            statuses.append(JobStatus.model_validate(httpx.get(f"{url}/v1/status", timeout=10).json()))
+        except httpx.ConnectError:  # the job stopped its server and is writing its summary
+            break
         time.sleep(2.0)
     th.join()
     return run_dir, result, statuses
