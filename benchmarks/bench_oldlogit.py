@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from oldlogit_service import OldLogitService  # noqa: E402
+from oldlogit_service.service import right_padded  # noqa: E402
 from protocol import OldLogitItem, OldLogitRequest  # noqa: E402
 from trainer.modelhub import load_causal_lm, make_tiny_model, prepare_smollm2  # noqa: E402
 from trainer.scoring import sequence_logprobs  # noqa: E402
@@ -148,19 +149,9 @@ def upto_version(items: list[OldLogitItem], v: int) -> list[OldLogitItem]:
     return out
 
 
-def padded(items: list[OldLogitItem]) -> tuple[torch.Tensor, torch.Tensor]:
-    seq = max(len(it.token_ids) for it in items)
-    ids = torch.zeros(len(items), seq, dtype=torch.long)
-    mask = torch.zeros(len(items), seq, dtype=torch.long)
-    for r, it in enumerate(items):
-        ids[r, : len(it.token_ids)] = torch.from_numpy(it.token_ids.astype(np.int64))
-        mask[r, : len(it.token_ids)] = 1
-    return ids, mask
-
-
 def learner_step_seconds(model: torch.nn.Module, items: list[OldLogitItem], reps: int = 2) -> float:
     """A real learner step on the batch (forward + backward + AdamW), the reference for overheads."""
-    ids, mask = padded(items)
+    ids, mask = right_padded(items)
     params = [p for p in model.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-6)
     saved = [p.detach().clone() for p in params]
@@ -262,7 +253,7 @@ def bench_model(
             if clocks["snapshot"].steps:
                 clocks["snapshot"].forwards += svc.forwards - f0
                 clocks["snapshot"].exact.append(ans.exact_fraction())
-            ids, mask = padded(items)
+            ids, mask = right_padded(items)
             clocks["ppo_ewma"].run("score", _ewma_logprobs, ewma, learner, ids, mask)
             clocks["ppo_ewma"].forwards += 1 if clocks["ppo_ewma"].steps else 0
         held = {r: s.bytes_held for r, s in services.items()}

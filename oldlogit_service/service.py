@@ -350,12 +350,7 @@ class OldLogitService:
                 for it, st in zip(items, sts, strict=True):
                     st[it.loss_mask.astype(bool) & (it.versions == v)] = reason
         if held:
-            seq = max(len(it.token_ids) for it in items)
-            ids = torch.zeros(len(items), seq, dtype=torch.long)
-            mask = torch.zeros(len(items), seq, dtype=torch.long)
-            for r, it in enumerate(items):
-                ids[r, : len(it.token_ids)] = torch.from_numpy(it.token_ids.astype(np.int64))
-                mask[r, : len(it.token_ids)] = 1
+            ids, mask = right_padded(items)
             for v in held:
                 sel = [it.loss_mask.astype(bool) & (it.versions == v) for it in items]
                 rows = [r for r, s in enumerate(sel) if s.any()]
@@ -533,6 +528,17 @@ class OldLogitService:
             exact_fraction=self.tokens_exact / (self.tokens_exact + missing) if self.tokens_exact + missing else 1.0,
         )
         return out
+
+
+def right_padded(items: Sequence[OldLogitItem]) -> tuple[Tensor, Tensor]:
+    """``(token_ids, attention_mask)``, both ``[len(items), longest]`` int64, right-padded with 0."""
+    seq = max(len(it.token_ids) for it in items)
+    ids = torch.zeros(len(items), seq, dtype=torch.long)
+    mask = torch.zeros(len(items), seq, dtype=torch.long)
+    for r, it in enumerate(items):
+        ids[r, : len(it.token_ids)] = torch.from_numpy(it.token_ids.astype(np.int64))
+        mask[r, : len(it.token_ids)] = 1
+    return ids, mask
 
 
 def _as_item(x: OldLogitItem | Trajectory | Mapping[str, Any], i: int) -> OldLogitItem:

@@ -23,7 +23,7 @@ import json
 import os
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -139,10 +139,20 @@ class GenerationEngine(abc.ABC):
     def _apply(self, named: dict[str, torch.Tensor]) -> None:
         """Copy validated HF-named tensors into the model (engine specific)."""
 
+    _eos: list[int]
+
     @property
-    @abc.abstractmethod
     def eos_token_ids(self) -> list[int]:
         """Token ids the engine treats as end of sequence (finish reason ``stop``)."""
+        return list(self._eos)
+
+    def _check_new(self, request: EngineRequest, running: Container[str]) -> None:
+        """Refuse a request on a failed engine, with bad fields, or whose id is already running."""
+        if self.failed:
+            raise EngineError(f"engine failed earlier: {self.failed}")
+        request.validate(self.config.max_model_len)
+        if request.request_id in running:
+            raise ValueError(f"request_id: {request.request_id!r} is already running")
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the engine's memory. The object must not be used afterwards."""
@@ -323,16 +333,8 @@ class VllmEngine(GenerationEngine):
         self._eos = sorted({eos} if isinstance(eos, int) else set(eos or []))
         self._live: set[str] = set()
 
-    @property
-    def eos_token_ids(self) -> list[int]:
-        return list(self._eos)
-
     def add(self, request: EngineRequest) -> None:
-        if self.failed:
-            raise EngineError(f"engine failed earlier: {self.failed}")
-        request.validate(self.config.max_model_len)
-        if request.request_id in self._live:
-            raise ValueError(f"request_id: {request.request_id!r} is already running")
+        self._check_new(request, self._live)
         sp = self._SamplingParams(
             n=1,
             temperature=request.temperature,
@@ -451,16 +453,8 @@ class TransformersEngine(GenerationEngine):
         self._rng = torch.Generator().manual_seed(config.seed)
         self.start_seconds = time.perf_counter() - t0
 
-    @property
-    def eos_token_ids(self) -> list[int]:
-        return list(self._eos)
-
     def add(self, request: EngineRequest) -> None:
-        if self.failed:
-            raise EngineError(f"engine failed earlier: {self.failed}")
-        request.validate(self.config.max_model_len)
-        if request.request_id in self._seqs:
-            raise ValueError(f"request_id: {request.request_id!r} is already running")
+        self._check_new(request, self._seqs)
         gen = torch.Generator().manual_seed(request.seed) if request.seed is not None else None
         self._seqs[request.request_id] = _HfSeq(request, list(request.prompt_ids), gen=gen)
 
