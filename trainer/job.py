@@ -240,18 +240,17 @@ class Job:
         """Publish the learner's current version to every rollout worker and the old-logit service."""
         t0 = time.perf_counter()
         noise = self.cfg.rollout.inject_mismatch_std
-        manifest, payload = self.learner.publish(self.cfg.rollout.dtype)
-        ref = ray.put(payload)
+        # payloads stay in the object store: the driver handles manifests and references only
+        manifest, ref = self.learner.publish_ref(self.cfg.rollout.dtype)
         scorer_args = None
         if self.oldlogit is not None:
             if self.cfg.rollout.dtype != "float32" or noise > 0:
-                manifest32, payload32 = self.learner.publish("float32")
-                scorer_args = (manifest32, ray.put(payload32))
+                scorer_args = self.learner.publish_ref("float32")
             else:
                 scorer_args = (manifest, ref)
         if noise > 0:
             seed = self.cfg.controller.seed * 100_003 + manifest.version
-            manifest, payload = perturbed(manifest, payload, noise, seed=seed)
+            manifest, payload = perturbed(manifest, ray.get(ref), noise, seed=seed)
             ref = ray.put(payload)
         if self.route in ("old_logit_model", "interrupt_sync"):
             # the single-version scorer must still hold the outgoing version while finished trajectories are

@@ -518,6 +518,15 @@ class LearnerGroup:
             return self._all("publish", dtype)[0]
         return ray.get(self.actors[0].publish.remote(dtype))
 
+    def publish_ref(self, dtype: str = "float32") -> tuple[WeightManifest, ray.ObjectRef]:
+        """Like :meth:`publish`, but the payload stays in Ray's object store: returns the manifest and
+        an ``ObjectRef`` to hand to every consumer, so the driver never copies the weights."""
+        ranks = self.actors if self.zero_stage == 3 else self.actors[:1]
+        refs = [a.publish.options(num_returns=2).remote(dtype) for a in ranks]
+        manifest = ray.get(refs[0][0])
+        ray.get([r[0] for r in refs[1:]])  # ZeRO-3: every rank finished its part of the gather
+        return manifest, refs[0][1]
+
     def version(self) -> int:
         return self._all("get_version")[0]
 
