@@ -72,6 +72,11 @@ class TrajectoryBuffer:
         self.in_flight -= n
         self.dropped[reason] += n
 
+    def reject(self, reason: str) -> None:
+        """Record an arrived trajectory that will not be buffered (e.g. ``aborted`` by its worker)."""
+        self.in_flight = max(0, self.in_flight - 1)
+        self.dropped[reason] += 1
+
     def offer(self, traj: Trajectory) -> bool:
         """Add a finished trajectory. Returns False (and counts ``buffer_full``) when full."""
         self.in_flight = max(0, self.in_flight - 1)

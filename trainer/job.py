@@ -295,10 +295,9 @@ class Job:
             self.times["old_logits"] += time.perf_counter() - t0
         for t in got:
             if t.finish_reason == "abort":
-                self.buffer.in_flight = max(0, self.buffer.in_flight - 1)
-                self.buffer.dropped["aborted"] += 1
-                continue
-            self.buffer.offer(t)
+                self.buffer.reject("aborted")
+            else:
+                self.buffer.offer(t)
 
     def train(self, batch: list[Trajectory]) -> dict[str, Any]:
         """Exact pi_old where the route has it, one learner step, and publication of the new version."""

@@ -100,3 +100,11 @@ def test_buffer_state_roundtrip_counts_lost():
     b2 = TrajectoryBuffer(capacity=4, max_staleness=1)
     b2.load_state_dict(b.state_dict())
     assert b2.consumed == 1 and b2.dropped["lost_at_restart"] == 2 and b2.accounting_ok()
+
+
+def test_rejected_arrivals_are_counted():
+    b = TrajectoryBuffer(capacity=4, max_staleness=1)
+    b.note_submitted(2)
+    b.reject("aborted")
+    b.offer(traj("a", [0]))
+    assert b.dropped["aborted"] == 1 and b.in_flight == 0 and len(b) == 1 and b.accounting_ok()
