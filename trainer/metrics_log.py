@@ -71,23 +71,21 @@ def plot_run(run_dir: Path) -> list[Path]:
             if s.get(key):
                 ax.axhline(s[key]["reward"], linestyle=style, color="gray")
                 ax.annotate(f"held-out {key.split('_')[1]}: {s[key]['reward']:.2f}", (x, s[key]["reward"]), fontsize=8)
-    ax.set_xlabel("step (policy version)")
     ax.set_ylabel("reward")
-    ax.legend()
-    fig.tight_layout()
-    p = Path(run_dir) / "reward.png"
-    fig.savefig(p, dpi=100)
-    plt.close(fig)
-    out.append(p)
+    out.append(_save(plt, fig, ax, Path(run_dir) / "reward.png"))
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [r.get("staleness_mean", float("nan")) for r in rows], marker="o", label="mean token staleness")
     ax.plot(steps, [r.get("staleness_max", float("nan")) for r in rows], marker="x", label="max token staleness")
     ax.plot(steps, [r.get("exact_fraction", float("nan")) for r in rows], marker=".", label="exact old-logit fraction")
+    out.append(_save(plt, fig, ax, Path(run_dir) / "staleness.png"))
+    return out
+
+
+def _save(plt, fig, ax, path: Path) -> Path:
+    """Label the step axis, add the legend, write ``path`` (PNG) and close the figure."""
     ax.set_xlabel("step (policy version)")
     ax.legend()
     fig.tight_layout()
-    p = Path(run_dir) / "staleness.png"
-    fig.savefig(p, dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    out.append(p)
-    return out
+    return path
