@@ -11,6 +11,8 @@ TORCH_PIN := $(VENV)/torch-pin.txt
 export OMP_NUM_THREADS ?= 1
 export DS_ACCELERATOR ?= $(if $(filter cpu,$(ENGINE)),cpu,cuda)
 export PYTHONUNBUFFERED := 1
+# DeepSpeed JIT-builds its CPU comm op; one build per venv (a shared cache rebuilds per venv switch).
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
 .PHONY: install test test-fast demo bench bench-methods lint model clean
 

@@ -32,10 +32,15 @@ Grids:
   on a GPU machine far less. Cells already finished in ``out_dir`` are skipped, so it can be resumed.
 * ``quick`` (CI smoke, ~3 min): the 7 methods at W = 1, bf16, one seed, 2 steps.
 * ``confirm``: the real model (SmolLM2-135M-Instruct, easy ``basic_arithmetic``, W = 2, bf16) for
-  recompute, snapshot and ppo_ewma, 8 steps each (:data:`CONFIRM`); ~5 min per run on 2 CPUs.
+  recompute, snapshot and ppo_ewma, 12 steps each (:data:`CONFIRM`); ~8 min per run on 2 CPUs.
 * ``reduced`` (what fits in ~45 min here, 19 runs of 32 steps, one seed; see ``results/methods/README.md``):
   the 7 methods at W = 4 (bf16); recompute / snapshot / ppo_ewma at W = 1 and 8 (bf16); recompute /
   snapshot / ppo_ewma / icepop at W = 4 with injected mismatch; the recompute and log-linear probes at W = 4.
+* ``seeds``: seeds 1 and 2 of recompute / snapshot / ppo_ewma at W = 1, 4, 8 (bf16; 18 runs), to put
+  a spread over three seeds on the ``reduced`` grid's core rows when run into the same folder.
+* ``lr``: recompute / snapshot / ppo_ewma at W = 4 with lr 3e-2 and 3e-3 (tagged rows ``[lr...]``).
+
+Every grid's table covers all finished cells in its ``out_dir``, so grids run into one folder pool.
 
 Outputs in ``out_dir``: ``cells/<cell>.json`` (per run: summary numbers and per-step curves),
 ``results.json`` (all cells plus the seed-aggregated rows), ``table.md``, and ``reward_curves.png``,
@@ -45,6 +50,7 @@ Outputs in ``out_dir``: ``cells/<cell>.json`` (per run: summary numbers and per-
     vintage bench methods                       # full grid
     vintage bench methods --quick --out /tmp/q  # smoke
     python -m benchmarks.methods --grid reduced --out results/methods
+    python -m benchmarks.methods --grid seeds --out results/methods
     python -m benchmarks.methods --grid confirm --out results/methods/confirm
 """
 
@@ -132,11 +138,14 @@ class Cell:
     steps: int
     extra: tuple[str, ...] = ()
     model: str = "tiny"
+    tag: str = ""
+    """Names a variant of the base settings (e.g. ``lr3e-2``); tagged cells are separate table rows."""
 
     @property
     def name(self) -> str:
         prefix = "" if self.model == "tiny" else f"{self.model}-"
-        return f"{prefix}{self.method}-W{self.W}-{self.disc}-s{self.seed}"
+        suffix = f"-{self.tag}" if self.tag else ""
+        return f"{prefix}{self.method}-W{self.W}-{self.disc}-s{self.seed}{suffix}"
 
     def overrides(self, run_dir: Path) -> list[str]:
         if self.method in PROBES:
@@ -172,11 +181,19 @@ CONFIRM: tuple[str, ...] = (
 """The confirmation run on the real model (the demo's settings: SmolLM2-135M-Instruct, easy
 basic_arithmetic, 2 prompts x 8 samples per step, lr 5e-5), applied over :data:`BASE`."""
 
+CONFIRM_STEPS = 12
+"""Steps per confirmation run: the demo's batch reward rises from ~0.4 to ~0.7 within ~12 steps."""
+
 
 def grid(kind: str) -> list[Cell]:
-    """The cells of the ``full``, ``quick``, ``reduced`` or ``confirm`` grid, in run order."""
+    """The cells of grid ``kind`` (one of :data:`GRIDS`), in run order.
+
+    Raises:
+        ValueError: ``kind`` is not one of :data:`GRIDS`.
+    """
+    core = ("recompute", "snapshot", "ppo_ewma")
     if kind == "confirm":
-        return [Cell(m, 2, "bf16", 0, 8, CONFIRM, model="smollm2") for m in ("recompute", "snapshot", "ppo_ewma")]
+        return [Cell(m, 2, "bf16", 0, CONFIRM_STEPS, CONFIRM, model="smollm2") for m in core]
     if kind == "quick":
         return [Cell(m, 1, "bf16", 0, 2, ("env.eval_prompts=4",)) for m in METHODS]
     if kind == "full":
@@ -188,14 +205,24 @@ def grid(kind: str) -> list[Cell]:
             for m in [*METHODS, *(PROBES if d == "bf16" else ())]
         ]
     if kind == "reduced":
-        steps = 32
-        core = ("recompute", "snapshot", "ppo_ewma")
-        cells = [Cell(m, 4, "bf16", 0, steps) for m in METHODS]
-        cells += [Cell(m, W, "bf16", 0, steps) for W in (1, 8) for m in core]
-        cells += [Cell(m, 4, "inject", 0, steps) for m in (*core, "icepop")]
-        cells += [Cell(p, 4, "bf16", 0, steps) for p in ("probe_recompute", "probe_loglinear")]
+        cells = [Cell(m, 4, "bf16", 0, REDUCED_STEPS) for m in METHODS]
+        cells += [Cell(m, W, "bf16", 0, REDUCED_STEPS) for W in (1, 8) for m in core]
+        cells += [Cell(m, 4, "inject", 0, REDUCED_STEPS) for m in (*core, "icepop")]
+        cells += [Cell(p, 4, "bf16", 0, REDUCED_STEPS) for p in ("probe_recompute", "probe_loglinear")]
         return cells
-    raise ValueError(f"grid: unknown kind {kind!r} (quick, reduced, full, confirm)")
+    if kind == "seeds":
+        return [Cell(m, W, "bf16", s, REDUCED_STEPS) for W in (1, 4, 8) for s in (1, 2) for m in core]
+    if kind == "lr":
+        return [
+            Cell(m, 4, "bf16", 0, REDUCED_STEPS, (f"learner.lr={lr}",), tag=f"lr{lr}")
+            for lr in ("3e-2", "3e-3")
+            for m in core
+        ]
+    raise ValueError(f"grid: unknown kind {kind!r} ({', '.join(GRIDS)})")
+
+
+GRIDS = ("quick", "reduced", "seeds", "lr", "full", "confirm")
+REDUCED_STEPS = 32
 
 
 # -- one cell -------------------------------------------------------------------------------------
@@ -352,15 +379,15 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per (method, W, disc): means over seeds, final-reward spread (sd over seeds)."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in records:
-        groups.setdefault((r.get("model", "tiny"), r["method"], r["W"], r["disc"]), []).append(r)
+        groups.setdefault((r.get("model", "tiny"), r.get("tag", ""), r["method"], r["W"], r["disc"]), []).append(r)
     order = {m: i for i, m in enumerate([*METHODS, *PROBES])}
     rows = []
-    for (model, m, W, d), rs in sorted(
-        groups.items(), key=lambda kv: (kv[0][0] != "tiny", kv[0][3], kv[0][2], order.get(kv[0][1], 99))
+    for (model, tag, m, W, d), rs in sorted(
+        groups.items(), key=lambda kv: (kv[0][0] != "tiny", kv[0][1], kv[0][4], kv[0][3], order.get(kv[0][2], 99))
     ):
         fr = [_nan(r["final_reward"]) for r in rs]
         reach = [r["steps_to_level"] for r in rs]
-        row = {"model": model, "method": m, "W": W, "disc": d, "seeds": len(rs), "steps": rs[0]["steps"]}
+        row = {"model": model, "tag": tag, "method": m, "W": W, "disc": d, "seeds": len(rs), "steps": rs[0]["steps"]}
         row["final_reward"] = float(np.mean(fr))
         row["final_reward_sd"] = float(np.std(fr, ddof=1)) if len(fr) > 1 else math.nan
         row["reward_first"] = _mean([_nan(r["reward_first"]) for r in rs])
@@ -397,7 +424,7 @@ def table_markdown(rows: list[dict[str, Any]]) -> str:
         )
         mib = f"{_f(r['oldlogit_bytes'] / 2**20, '.1f')} + {_f(r['ewma_bytes'] / 2**20, '.1f')}"
         lines.append(
-            f"| {r['method']} | {r['W']} | {r['disc']}{'' if r.get('model', 'tiny') == 'tiny' else ' (' + r['model'] + ')'} | {r['seeds']} | {_f(r['reward_first'])} -> "
+            f"| {r['method']}{' [' + r['tag'] + ']' if r.get('tag') else ''} | {r['W']} | {r['disc']}{'' if r.get('model', 'tiny') == 'tiny' else ' (' + r['model'] + ')'} | {r['seeds']} | {_f(r['reward_first'])} -> "
             f"{_f(r['final_reward'])}{sd} | {_f(r['reward_after_heldout'])} | {reach} | "
             f"{_f(r['mask_kept_frac'])} ({_f(r['mask_kept_frac_min'])}) | "
             f"{_f(r['clip_frac_low'])} / {_f(r['clip_frac_high'])} | {_f(r['exact_fraction'], '.2f')} | "
@@ -415,7 +442,7 @@ def plot(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     paths = []
-    real = [r for r in records if r["method"] in METHODS and r.get("model", "tiny") == "tiny"]
+    real = [r for r in records if r["method"] in METHODS and r.get("model", "tiny") == "tiny" and not r.get("tag")]
     panels = sorted({(r["disc"], r["W"]) for r in real})
     if not panels:
         return paths
@@ -479,7 +506,14 @@ def plot(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     return paths
 
 
+def folder_records(out_dir: Path) -> list[dict[str, Any]]:
+    """Every finished cell recorded in ``out_dir/cells`` (grids run into one folder add up), by name."""
+    recs = [json.loads(p.read_text()) for p in sorted((Path(out_dir) / "cells").glob("*.json"))]
+    return [r for r in recs if r.get("state") == "finished"]
+
+
 def write_outputs(records: list[dict[str, Any]], out_dir: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """``table.md``, ``results.json`` and the plots for ``records``; a ``README.md`` stub if none."""
     rows = aggregate(records)
     table = table_markdown(rows)
     (out_dir / "table.md").write_text(table)
@@ -492,7 +526,11 @@ def write_outputs(records: list[dict[str, Any]], out_dir: Path, meta: dict[str, 
 
 
 def run_grid(cells: list[Cell], out_dir: Path, console: Console, grid_name: str) -> dict[str, Any]:
-    """Run ``cells`` in one Ray session (reused if already initialised), writing outputs after each."""
+    """Run ``cells`` in one Ray session (reused if already initialised), writing outputs after each.
+
+    The outputs cover every finished cell in ``out_dir`` (this grid's and earlier ones'), so grids
+    run into one folder (``reduced``, then ``seeds``) make one table with the seeds pooled per row.
+    """
     from trainer.config import load_config
     from trainer.job import _defaults_env, ray_session
 
@@ -500,7 +538,9 @@ def run_grid(cells: list[Cell], out_dir: Path, console: Console, grid_name: str)
     out_dir.mkdir(parents=True, exist_ok=True)
     _defaults_env()
     t0 = time.perf_counter()
-    meta = {"grid": grid_name, "cells": len(cells), "base": BASE, "discrepancy": DISCREPANCY,
+    prev = out_dir / "results.json"
+    walls = json.loads(prev.read_text())["meta"].get("grid_wall_s", {}) if prev.is_file() else {}
+    meta = {"grid": grid_name, "base": BASE, "discrepancy": DISCREPANCY, "grid_wall_s": walls,
             "reward_level": REWARD_LEVEL, "last_k": LAST_K, "env": "rollout.envs.toy:AlphabetEnv (a-m)"}  # fmt: skip
     records: list[dict[str, Any]] = []
     first = load_config(None, cells[0].overrides(out_dir / "runs" / "_"))
@@ -512,12 +552,14 @@ def run_grid(cells: list[Cell], out_dir: Path, console: Console, grid_name: str)
             except Exception as e:  # noqa: BLE001 - one failed cell must not lose the grid
                 console.print(f"[red]{cell.name} failed: {type(e).__name__}: {e}[/red]")
                 continue
-            meta["wall_s"] = time.perf_counter() - t0
-            result = write_outputs(records, out_dir, meta)
-    meta["wall_s"] = time.perf_counter() - t0
-    result = write_outputs(records, out_dir, meta)
+            walls[grid_name] = time.perf_counter() - t0
+            result = write_outputs(folder_records(out_dir), out_dir, meta)
+    walls[grid_name] = time.perf_counter() - t0
+    result = write_outputs(folder_records(out_dir), out_dir, meta)
     console.print(table_markdown(result["rows"]))
-    console.print(f"grid {grid_name}: {len(records)}/{len(cells)} cells in {meta['wall_s'] / 60:.1f} min -> {out_dir}")
+    console.print(
+        f"grid {grid_name}: {len(records)}/{len(cells)} cells in {walls[grid_name] / 60:.1f} min -> {out_dir}"
+    )
     return result
 
 
@@ -531,7 +573,7 @@ def main(
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--grid", default="full", choices=["quick", "reduced", "full", "confirm"])
+    ap.add_argument("--grid", default="full", choices=GRIDS)
     ap.add_argument("--out", type=Path, default=Path("results/methods"))
     a = ap.parse_args()
     run_grid(grid(a.grid), a.out, Console(), a.grid)

@@ -9,6 +9,7 @@ memory instead.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 import pytest
@@ -20,6 +21,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+# One DeepSpeed JIT build per virtual environment (see trainer.job._defaults_env).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +54,13 @@ def ray_cluster():
         runtime_env={
             "env_vars": {
                 k: os.environ[k]
-                for k in ("OMP_NUM_THREADS", "DS_ACCELERATOR", "HF_HUB_OFFLINE", "RAY_memory_monitor_refresh_ms")
+                for k in (
+                    "OMP_NUM_THREADS",
+                    "DS_ACCELERATOR",
+                    "HF_HUB_OFFLINE",
+                    "RAY_memory_monitor_refresh_ms",
+                    "TORCH_EXTENSIONS_DIR",
+                )
             }
         },
         log_to_driver=False,

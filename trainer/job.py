@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -49,6 +50,7 @@ ENV_VARS = (
     "HF_HUB_DISABLE_PROGRESS_BARS",
     "VLLM_LOGGING_LEVEL",
     "TRANSFORMERS_VERBOSITY",
+    "TORCH_EXTENSIONS_DIR",
 )
 
 
@@ -62,6 +64,9 @@ def _defaults_env() -> None:
         ("RAY_memory_monitor_refresh_ms", "0"),
         ("VLLM_LOGGING_LEVEL", "ERROR"),
         ("TRANSFORMERS_VERBOSITY", "error"),
+        # DeepSpeed's JIT ops (the CPU comm op) build once per virtual environment: two venvs
+        # sharing ~/.cache/torch_extensions invalidate each other's build on every learner start.
+        ("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions")),
     ):
         os.environ.setdefault(k, v)
     try:

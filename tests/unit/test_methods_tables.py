@@ -1,0 +1,61 @@
+"""The methods benchmark's bookkeeping (grids, seed pooling, tagged rows), on hand-made cell records."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks.methods import GRIDS, Cell, aggregate, folder_records, grid, table_markdown
+
+
+def record(method: str, W: int, seed: int, final: float, tag: str = "", state: str = "finished") -> dict:
+    cell = Cell(method, W, "bf16", seed, 32, tag=tag)
+    rec = {"cell": cell.name, "method": method, "W": W, "disc": "bf16", "seed": seed, "steps": 32, "tag": tag}
+    rec |= {"state": state, "final_reward": final, "reward_first": 0.4, "reward_after_heldout": final + 0.1}
+    rec |= {"steps_to_level": 10 + seed if final >= 0.6 else None}
+    for k in ("mask_kept_frac", "mask_kept_frac_min", "clip_frac_low", "clip_frac_high", "exact_fraction",
+              "proxy_abs_err", "discrepancy_kl", "ewma_resets", "oldlogit_bytes", "ewma_bytes", "old_logits_s",
+              "ewma_s", "extra_s_per_step", "train_s", "staleness_mean", "wall_s"):  # fmt: skip
+        rec[k] = 0.0
+    rec["oldlogit_bytes"] = 2**20 * (seed + 1)
+    return rec
+
+
+def test_seeds_pool_into_one_row_with_mean_and_sample_sd():
+    recs = [record("recompute", 1, 0, 0.4), record("recompute", 1, 1, 0.6), record("recompute", 1, 2, 0.8)]
+    (row,) = aggregate(recs)
+    assert row["seeds"] == 3
+    assert row["final_reward"] == pytest.approx(0.6)
+    assert row["final_reward_sd"] == pytest.approx(0.2)  # sd of 0.4, 0.6, 0.8 with ddof=1
+    assert row["reward_after_heldout"] == pytest.approx(0.7)
+    assert row["reached_level"] == 2 and row["steps_to_level"] == pytest.approx(11.5)  # seeds 1, 2: 11, 12
+    assert row["oldlogit_bytes"] == pytest.approx(2 * 2**20)  # mean of 1, 2, 3 MiB
+
+
+def test_one_seed_has_no_spread_and_tagged_cells_are_separate_rows():
+    rows = aggregate([record("snapshot", 4, 0, 0.5), record("snapshot", 4, 0, 0.9, tag="lr3e-2")])
+    assert [(r["tag"], r["final_reward"]) for r in rows] == [("", 0.5), ("lr3e-2", 0.9)]
+    assert math.isnan(rows[0]["final_reward_sd"])
+    table = table_markdown(rows)
+    assert "| snapshot | 4 | bf16 | 1 | 0.400 -> 0.500 |" in table
+    assert "| snapshot [lr3e-2] | 4 | bf16 | 1 | 0.400 -> 0.900 |" in table
+
+
+def test_folder_records_keeps_finished_cells_only(tmp_path):
+    (tmp_path / "cells").mkdir()
+    for r in (record("ppo", 1, 0, 0.5), record("ppo", 1, 1, 0.5, state="failed")):
+        (tmp_path / "cells" / f"{r['cell']}.json").write_text(json.dumps(r))
+    assert [r["cell"] for r in folder_records(tmp_path)] == ["ppo-W1-bf16-s0"]
+
+
+def test_grids_have_unique_cell_names_and_unknown_kind_is_named():
+    sizes = {k: len(grid(k)) for k in GRIDS}
+    assert sizes == {"quick": 7, "reduced": 19, "seeds": 18, "lr": 6, "full": 204, "confirm": 3}
+    for k in GRIDS:
+        names = [c.name for c in grid(k)]
+        assert len(names) == len(set(names)), k
+    assert grid("lr")[0].name == "recompute-W4-bf16-s0-lr3e-2"
+    with pytest.raises(ValueError, match="'bogus'"):
+        grid("bogus")
