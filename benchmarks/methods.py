@@ -274,7 +274,7 @@ def cell_record(cell: Cell, rows: list[dict[str, Any]], summary: dict[str, Any],
         float(r.get("old_logits_s", 0.0)) + float(r.get("ewma_forward_s", 0.0)) + float(r.get("ewma_update_s", 0.0))
         for r in rows
     ]
-    after = summary.get("reward_after") or {}
+    before, after = summary.get("reward_before") or {}, summary.get("reward_after") or {}
     return {
         "cell": cell.name,
         **asdict(cell),
@@ -283,6 +283,7 @@ def cell_record(cell: Cell, rows: list[dict[str, Any]], summary: dict[str, Any],
         "state": summary.get("state"),
         "final_reward": _mean(reward[-LAST_K:]),
         "reward_first": reward[0] if reward else math.nan,
+        "reward_before_heldout": before.get("reward", math.nan),
         "reward_after_heldout": after.get("reward", math.nan),
         "steps_to_level": reach,
         "mask_kept_frac": _mean(g("mask_kept_frac")),
@@ -391,7 +392,8 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["final_reward"] = float(np.mean(fr))
         row["final_reward_sd"] = float(np.std(fr, ddof=1)) if len(fr) > 1 else math.nan
         row["reward_first"] = _mean([_nan(r["reward_first"]) for r in rs])
-        row["reward_after_heldout"] = _mean([_nan(r["reward_after_heldout"]) for r in rs])
+        for k in ("reward_before_heldout", "reward_after_heldout"):
+            row[k] = _mean([_nan(r.get(k)) for r in rs])
         row["steps_to_level"] = _mean([float(x) for x in reach if x is not None])
         row["reached_level"] = sum(x is not None for x in reach)
         for k in ("mask_kept_frac", "mask_kept_frac_min", "clip_frac_low", "clip_frac_high", "exact_fraction",
@@ -409,7 +411,7 @@ def _f(x: float, fmt: str = ".3f") -> str:
 def table_markdown(rows: list[dict[str, Any]]) -> str:
     """The results table (one line per method x W x discrepancy)."""
     head = (
-        "| method | W | mismatch | seeds | reward start -> final (sd) | held-out after | steps to "
+        "| method | W | mismatch | seeds | reward start -> final (sd) | held-out before -> after | steps to "
         f"{REWARD_LEVEL} | mask kept (min) | clip low / high | exact | proxy err (nats) | EWMA resets | "
         "old-logit MiB (snap + EWMA) | extra s/step | train s/step | wall s |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
@@ -425,7 +427,7 @@ def table_markdown(rows: list[dict[str, Any]]) -> str:
         mib = f"{_f(r['oldlogit_bytes'] / 2**20, '.1f')} + {_f(r['ewma_bytes'] / 2**20, '.1f')}"
         lines.append(
             f"| {r['method']}{' [' + r['tag'] + ']' if r.get('tag') else ''} | {r['W']} | {r['disc']}{'' if r.get('model', 'tiny') == 'tiny' else ' (' + r['model'] + ')'} | {r['seeds']} | {_f(r['reward_first'])} -> "
-            f"{_f(r['final_reward'])}{sd} | {_f(r['reward_after_heldout'])} | {reach} | "
+            f"{_f(r['final_reward'])}{sd} | {_f(r['reward_before_heldout'])} -> {_f(r['reward_after_heldout'])} | {reach} | "
             f"{_f(r['mask_kept_frac'])} ({_f(r['mask_kept_frac_min'])}) | "
             f"{_f(r['clip_frac_low'])} / {_f(r['clip_frac_high'])} | {_f(r['exact_fraction'], '.2f')} | "
             f"{_f(r['proxy_abs_err'], '.4f')} | {_f(r['ewma_resets'], '.0f')} | {mib} | "

@@ -14,6 +14,7 @@ def record(method: str, W: int, seed: int, final: float, tag: str = "", state: s
     cell = Cell(method, W, "bf16", seed, 32, tag=tag)
     rec = {"cell": cell.name, "method": method, "W": W, "disc": "bf16", "seed": seed, "steps": 32, "tag": tag}
     rec |= {"state": state, "final_reward": final, "reward_first": 0.4, "reward_after_heldout": final + 0.1}
+    rec["reward_before_heldout"] = 0.3
     rec |= {"steps_to_level": 10 + seed if final >= 0.6 else None}
     for k in ("mask_kept_frac", "mask_kept_frac_min", "clip_frac_low", "clip_frac_high", "exact_fraction",
               "proxy_abs_err", "discrepancy_kl", "ewma_resets", "oldlogit_bytes", "ewma_bytes", "old_logits_s",
@@ -39,8 +40,8 @@ def test_one_seed_has_no_spread_and_tagged_cells_are_separate_rows():
     assert [(r["tag"], r["final_reward"]) for r in rows] == [("", 0.5), ("lr3e-2", 0.9)]
     assert math.isnan(rows[0]["final_reward_sd"])
     table = table_markdown(rows)
-    assert "| snapshot | 4 | bf16 | 1 | 0.400 -> 0.500 |" in table
-    assert "| snapshot [lr3e-2] | 4 | bf16 | 1 | 0.400 -> 0.900 |" in table
+    assert "| snapshot | 4 | bf16 | 1 | 0.400 -> 0.500 | 0.300 -> 0.600 |" in table
+    assert "| snapshot [lr3e-2] | 4 | bf16 | 1 | 0.400 -> 0.900 | 0.300 -> 1.000 |" in table
 
 
 def test_folder_records_keeps_finished_cells_only(tmp_path):
