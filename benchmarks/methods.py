@@ -444,8 +444,8 @@ def plot(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     paths = []
-    real = [r for r in records if r["method"] in METHODS and r.get("model", "tiny") == "tiny" and not r.get("tag")]
-    panels = sorted({(r["disc"], r["W"]) for r in real})
+    real = [r for r in records if r["method"] in METHODS and not r.get("tag")]
+    panels = sorted({(r.get("model", "tiny"), r["disc"], r["W"]) for r in real})
     if not panels:
         return paths
     colors = {m: f"C{i}" for i, m in enumerate(METHODS)}
@@ -465,10 +465,11 @@ def plot(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     for key, fname, ylabel in (("reward_mean", "reward_curves.png", "batch reward"),
                                ("mask_kept_frac", "mask_kept.png", "discrepancy-mask kept fraction")):  # fmt: skip
         fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.3 * nrow), squeeze=False, sharey=True)
-        for ax, (d, W) in zip(axes.flat, panels, strict=False):
-            for m, c in curves([r for r in real if r["disc"] == d and r["W"] == W], key).items():
+        for ax, (model, d, W) in zip(axes.flat, panels, strict=False):
+            same = [r for r in real if (r.get("model", "tiny"), r["disc"], r["W"]) == (model, d, W)]
+            for m, c in curves(same, key).items():
                 ax.plot(np.arange(1, len(c) + 1), c, label=m, color=colors[m], lw=1.4)
-            ax.set_title(f"W={W}, {d}")
+            ax.set_title(f"W={W}, {d}" + ("" if model == "tiny" else f", {model}"))
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
         for ax in axes.flat[len(panels) :]:
@@ -486,7 +487,7 @@ def plot(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         plt.close(fig)
         paths.append(p)
     rows = aggregate(real)
-    sweep = [r for r in rows if r["disc"] == "bf16"]
+    sweep = [r for r in rows if r["disc"] == "bf16" and r["model"] == "tiny"]
     if len({r["W"] for r in sweep}) > 1:
         fig, ax = plt.subplots(figsize=(5, 3.5))
         for m in METHODS:
