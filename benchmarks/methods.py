@@ -39,6 +39,7 @@ Grids:
 * ``seeds``: seeds 1 and 2 of recompute / snapshot / ppo_ewma at W = 1, 4, 8 (bf16; 18 runs), to put
   a spread over three seeds on the ``reduced`` grid's core rows when run into the same folder.
 * ``lr``: recompute / snapshot / ppo_ewma at W = 4 with lr 3e-2 and 3e-3 (tagged rows ``[lr...]``).
+* ``eps``: snapshot / ppo_ewma at W = 4 with a wide clip band, eps_low 0.5 / eps_high 1.0.
 
 Every grid's table covers all finished cells in its ``out_dir``, so grids run into one folder pool.
 
@@ -218,10 +219,13 @@ def grid(kind: str) -> list[Cell]:
             for lr in ("3e-2", "3e-3")
             for m in core
         ]
+    if kind == "eps":
+        wide = ("loss.eps_low=0.5", "loss.eps_high=1.0")
+        return [Cell(m, 4, "bf16", 0, REDUCED_STEPS, wide, tag="eps0.5-1.0") for m in ("snapshot", "ppo_ewma")]
     raise ValueError(f"grid: unknown kind {kind!r} ({', '.join(GRIDS)})")
 
 
-GRIDS = ("quick", "reduced", "seeds", "lr", "full", "confirm")
+GRIDS = ("quick", "reduced", "seeds", "lr", "eps", "full", "confirm")
 REDUCED_STEPS = 32
 
 
