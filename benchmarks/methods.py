@@ -571,10 +571,14 @@ def run_grid(cells: list[Cell], out_dir: Path, console: Console, grid_name: str)
 
 
 def main(
-    out_dir: Path = Path("results/methods"), quick: bool = False, console: Console | None = None
+    out_dir: Path = Path("results/methods"), quick: bool = False, console: Console | None = None, kind: str = "full"
 ) -> dict[str, Any]:
-    """``vintage bench methods``: the full grid, or the quick (CI) grid; returns the results dict."""
-    kind = "quick" if quick else "full"
+    """``vintage bench methods``: grid ``kind`` (``quick`` when ``quick``); returns the results dict.
+
+    Raises:
+        ValueError: ``kind`` is not one of :data:`GRIDS`.
+    """
+    kind = "quick" if quick else kind
     return run_grid(grid(kind), Path(out_dir), console or Console(), kind)
 
 
@@ -583,4 +587,4 @@ if __name__ == "__main__":
     ap.add_argument("--grid", default="full", choices=GRIDS)
     ap.add_argument("--out", type=Path, default=Path("results/methods"))
     a = ap.parse_args()
-    run_grid(grid(a.grid), a.out, Console(), a.grid)
+    main(a.out, kind=a.grid)

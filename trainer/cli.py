@@ -46,12 +46,21 @@ def bench_methods(
     out: Annotated[Path, typer.Option(help="Results folder (JSON, markdown table, PNG plots).")] = Path(
         "results/methods"
     ),
-    quick: Annotated[bool, typer.Option(help="A reduced grid (CI-sized) instead of the full one.")] = False,
+    quick: Annotated[bool, typer.Option(help="The CI-sized smoke grid (same as --grid quick).")] = False,
+    grid: Annotated[
+        str, typer.Option(help="Which grid: quick, reduced, seeds, lr, eps, full, confirm (see benchmarks/methods.py).")
+    ] = "full",
 ) -> None:
-    """Methods x staleness x discrepancy on the real pipeline (issue 8); writes results under --out."""
+    """Methods x staleness x discrepancy on the real pipeline (issue 8); writes results under --out.
+
+    Grids run into the same --out pool into one table (e.g. ``reduced`` then ``seeds``).
+    """
+    from benchmarks.methods import GRIDS
     from benchmarks.methods import main as methods_main
 
-    methods_main(out_dir=out, quick=quick, console=console)
+    if grid not in GRIDS:
+        raise typer.BadParameter(f"grid={grid!r} is not one of {', '.join(GRIDS)}", param_hint="--grid")
+    methods_main(out_dir=out, quick=quick, console=console, kind=grid)
 
 
 @app.command()

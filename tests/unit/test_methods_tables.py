@@ -60,3 +60,14 @@ def test_grids_have_unique_cell_names_and_unknown_kind_is_named():
     assert grid("lr")[0].name == "recompute-W4-bf16-s0-lr3e-2"
     with pytest.raises(ValueError, match="'bogus'"):
         grid("bogus")
+
+
+def test_cli_names_an_unknown_grid_and_runs_nothing(tmp_path):
+    from typer.testing import CliRunner
+
+    from trainer.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "methods", "--grid", "bogus", "--out", str(tmp_path / "m")])
+    assert res.exit_code == 2
+    assert "grid='bogus'" in res.output and "seeds" in res.output
+    assert not (tmp_path / "m").exists()
