@@ -33,8 +33,8 @@ Grids:
 * ``quick`` (CI smoke, ~3 min): the 7 methods at W = 1, bf16, one seed, 2 steps.
 * ``confirm``: the real model (SmolLM2-135M-Instruct, easy ``basic_arithmetic``, W = 2, bf16) for
   recompute, snapshot and ppo_ewma, 12 steps each (:data:`CONFIRM`); ~8 min per run on 2 CPUs.
-* ``reduced`` (what fits in ~45 min here, 19 runs of 32 steps, one seed; see ``results/methods/README.md``):
-  the 7 methods at W = 4 (bf16); recompute / snapshot / ppo_ewma at W = 1 and 8 (bf16); recompute /
+* ``reduced`` (what fits in ~1 hour here, 22 runs of 32 steps, one seed; see ``results/methods/README.md``):
+  the 7 methods at W = 4 (bf16); recompute / snapshot / ppo_ewma at W = 1, 8 and 2 (bf16); recompute /
   snapshot / ppo_ewma / icepop at W = 4 with injected mismatch; the recompute and log-linear probes at W = 4.
 * ``seeds``: seeds 1 and 2 of recompute / snapshot / ppo_ewma at W = 1, 4, 8 (bf16; 18 runs), to put
   a spread over three seeds on the ``reduced`` grid's core rows when run into the same folder.
@@ -207,7 +207,7 @@ def grid(kind: str) -> list[Cell]:
         ]
     if kind == "reduced":
         cells = [Cell(m, 4, "bf16", 0, REDUCED_STEPS) for m in METHODS]
-        cells += [Cell(m, W, "bf16", 0, REDUCED_STEPS) for W in (1, 8) for m in core]
+        cells += [Cell(m, W, "bf16", 0, REDUCED_STEPS) for W in (1, 8, 2) for m in core]
         cells += [Cell(m, 4, "inject", 0, REDUCED_STEPS) for m in (*core, "icepop")]
         cells += [Cell(p, 4, "bf16", 0, REDUCED_STEPS) for p in ("probe_recompute", "probe_loglinear")]
         return cells

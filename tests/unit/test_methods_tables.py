@@ -53,7 +53,7 @@ def test_folder_records_keeps_finished_cells_only(tmp_path):
 
 def test_grids_have_unique_cell_names_and_unknown_kind_is_named():
     sizes = {k: len(grid(k)) for k in GRIDS}
-    assert sizes == {"quick": 7, "reduced": 19, "seeds": 18, "lr": 6, "eps": 2, "full": 204, "confirm": 3}
+    assert sizes == {"quick": 7, "reduced": 22, "seeds": 18, "lr": 6, "eps": 2, "full": 204, "confirm": 3}
     for k in GRIDS:
         names = [c.name for c in grid(k)]
         assert len(names) == len(set(names)), k
