@@ -547,6 +547,7 @@ def run_grid(cells: list[Cell], out_dir: Path, console: Console, grid_name: str)
     t0 = time.perf_counter()
     prev = out_dir / "results.json"
     walls = json.loads(prev.read_text())["meta"].get("grid_wall_s", {}) if prev.is_file() else {}
+    spent = walls.get(grid_name, 0.0)  # a resumed grid adds to the time already spent on it
     meta = {"grid": grid_name, "base": BASE, "discrepancy": DISCREPANCY, "grid_wall_s": walls,
             "reward_level": REWARD_LEVEL, "last_k": LAST_K, "env": "rollout.envs.toy:AlphabetEnv (a-m)"}  # fmt: skip
     records: list[dict[str, Any]] = []
@@ -559,9 +560,9 @@ def run_grid(cells: list[Cell], out_dir: Path, console: Console, grid_name: str)
             except Exception as e:  # noqa: BLE001 - one failed cell must not lose the grid
                 console.print(f"[red]{cell.name} failed: {type(e).__name__}: {e}[/red]")
                 continue
-            walls[grid_name] = time.perf_counter() - t0
+            walls[grid_name] = spent + time.perf_counter() - t0
             result = write_outputs(folder_records(out_dir), out_dir, meta)
-    walls[grid_name] = time.perf_counter() - t0
+    walls[grid_name] = spent + time.perf_counter() - t0
     result = write_outputs(folder_records(out_dir), out_dir, meta)
     console.print(table_markdown(result["rows"]))
     console.print(
