@@ -381,7 +381,7 @@ def _nan(x: Any) -> float:
 
 
 def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (method, W, disc): means over seeds, final-reward spread (sd over seeds)."""
+    """One row per (model, tag, method, W, disc): means over seeds, final-reward spread (sample sd)."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in records:
         groups.setdefault((r.get("model", "tiny"), r.get("tag", ""), r["method"], r["W"], r["disc"]), []).append(r)
