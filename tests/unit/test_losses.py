@@ -148,6 +148,29 @@ def test_case3_decoupled_loss_values(pi_theta, loss_value, grad):
     assert metrics["clip_frac_high"] == (1.0 if pi_theta == 0.6 else 0.0)
 
 
+@pytest.mark.parametrize(
+    ("pi_theta", "snapshot", "recompute"),
+    [
+        # inside the band (r = 0.27 / 0.25 = 1.08): w r = (0.25 / 0.2)(0.27 / 0.25) = pi_theta / mu = 1.35
+        (0.27, (-1.35, -1.35), (-1.35, -1.35)),
+        # outside (r = 1.4 > 1.2): exact pi_old clips (loss -1.25 x 1.2, no gradient), recompute does not
+        (0.35, (-1.5, 0.0), (-1.75, -1.75)),
+    ],
+)
+def test_exact_old_logits_differ_from_recompute_only_on_clipped_tokens(pi_theta, snapshot, recompute):
+    """mu = 0.2, exact pi_old = 0.25, A = 1 (results/methods/README.md, reading 2): the same value and
+    gradient while r stays inside [1 - eps, 1 + eps]; only a clipped token loses its gradient."""
+    for cfg, (value, grad) in ((loss_config("snapshot"), snapshot), (loss_config("decoupled_ppo"), recompute)):
+        logp = t([[LOG(pi_theta)]], grad=True)
+        loss, _ = compute_policy_loss(
+            logp, t([[LOG(0.2)]]), t([1.0]), torch.ones(1, 1), cfg,
+            old_logprobs=t([[LOG(0.25)]]), exact_mask=torch.ones(1, 1, dtype=torch.bool),
+            ewma_logprobs=t([[LOG(0.25)]]),
+        )  # fmt: skip
+        loss.backward()
+        assert (loss.item(), logp.grad.item()) == (pytest.approx(value, abs=1e-5), pytest.approx(grad, abs=1e-5))
+
+
 def test_case3_failure_signatures_differ():
     logp, mu = t([[LOG(0.6)]], grad=True), t([[LOG(0.2)]])
     # (ii) clipping the behaviour ratio pi_theta/mu = 3.0 instead of r
