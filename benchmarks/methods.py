@@ -27,9 +27,10 @@ error against the exact reference: ``proxy_abs_err`` = mean |proxy - log pi_old|
 Grids:
 
 * ``full`` (the default of ``vintage bench methods``): 7 methods x W {1,2,4,8} x {bf16, inject} x
-  3 seeds = 168 runs, plus the proxy probes (3 x 4 W x 3 seeds = 36 runs), 40 steps each. At ~2 min
-  per run on a 2-core CPU box (vLLM + DeepSpeed start ~20-40 s, ~2.5 s per step) that is ~7 hours;
-  on a GPU machine far less. Cells already finished in ``out_dir`` are skipped, so it can be resumed.
+  3 seeds = 168 runs, plus the proxy probes (3 x 4 W x 3 seeds = 36 runs), 40 steps each. Measured
+  here: ~3 min per 32-step run on a 2-core CPU box (vLLM + DeepSpeed start ~20-40 s, 3-5 s per
+  step), so ~11 hours; on a GPU machine far less. Cells already finished in ``out_dir`` are
+  skipped, so it can be resumed.
 * ``quick`` (CI smoke, ~3 min): the 7 methods at W = 1, bf16, one seed, 2 steps.
 * ``confirm``: the real model (SmolLM2-135M-Instruct, easy ``basic_arithmetic``, W = 2, bf16) for
   recompute, snapshot and ppo_ewma, 12 steps each (:data:`CONFIRM`); ~8 min per run on 2 CPUs.
