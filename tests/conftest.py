@@ -9,20 +9,16 @@ memory instead.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 import pytest
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+from trainer.job import ENV_VARS, _defaults_env
+
+# Tests exercise the CPU path even on a GPU machine; the rest are the job's own defaults (threads,
+# offline hubs, Ray's memory monitor off, one DeepSpeed JIT build per virtual environment).
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
-# One DeepSpeed JIT build per virtual environment (see trainer.job._defaults_env).
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+_defaults_env()
 
 
 @pytest.fixture(scope="session")
@@ -52,16 +48,7 @@ def ray_cluster():
         include_dashboard=False,
         _temp_dir=tmp,
         runtime_env={
-            "env_vars": {
-                k: os.environ[k]
-                for k in (
-                    "OMP_NUM_THREADS",
-                    "DS_ACCELERATOR",
-                    "HF_HUB_OFFLINE",
-                    "RAY_memory_monitor_refresh_ms",
-                    "TORCH_EXTENSIONS_DIR",
-                )
-            }
+            "env_vars": {k: os.environ[k] for k in (*ENV_VARS, "RAY_memory_monitor_refresh_ms") if k in os.environ}
         },
         log_to_driver=False,
     )
