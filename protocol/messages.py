@@ -431,6 +431,39 @@ class EwmaStatus(Message):
     bytes_held: int = Field(0, ge=0)
 
 
+class GatewayStatus(Message):
+    """``GET /v1/status`` of the OpenAI-compatible gateway: sessions, calls and their accounting.
+
+    Accounting identity: ``sessions_opened == sessions_open + sessions_ended`` and
+    ``sessions_ended == sessions_emitted + sum(sessions_dropped.values())``.
+    """
+
+    policy_version: int = Field(0, ge=0)
+    sessions_opened: int = Field(0, ge=0)
+    sessions_open: int = Field(0, ge=0)
+    sessions_ended: int = Field(0, ge=0)
+    sessions_emitted: int = Field(0, ge=0)
+    """Ended sessions turned into trajectories (training sessions) or scored (evaluation sessions)."""
+    sessions_dropped: dict[str, int] = Field(default_factory=dict)
+    """Ended sessions that gave no trajectory, by reason (``no_calls``, ``agent_error``, ...)."""
+    sessions_refused: int = Field(0, ge=0)
+    """New sessions refused by the staleness admission rule (HTTP 429)."""
+    trajectories_emitted: int = Field(0, ge=0)
+    calls: int = Field(0, ge=0)
+    untracked_calls: int = Field(0, ge=0)
+    """Calls made with the admin key outside any session (served, never trained on)."""
+    tokens_sampled: int = Field(0, ge=0)
+    splits: int = Field(0, ge=0)
+    """Calls whose rendered prompt did not extend the session's previous ids (a new segment began)."""
+    unparsed_tool_calls: int = Field(0, ge=0)
+    truncated_sessions: int = Field(0, ge=0)
+    """Sessions cut by ``max_session_tokens``."""
+    errors: dict[str, int] = Field(default_factory=dict)
+    """Refused requests by HTTP status code."""
+    overhead_ms_mean: float = Field(0.0, ge=0.0)
+    """Mean time per call spent in the gateway outside generation (render, stitch, respond), ms."""
+
+
 class JobStatus(Message):
     """``GET /v1/status``: the learner's version and everything about staleness and references."""
 
@@ -454,6 +487,8 @@ class JobStatus(Message):
     """Dropped trajectories by reason (``stale``, ``buffer_full``, ``aborted``, ...)."""
     skipped_steps: int = Field(0, ge=0)
     oldlogit: OldLogitServiceStatus | None = None
+    gateway: GatewayStatus | None = None
+    """The OpenAI-compatible gateway's sessions and calls, when the job runs agents through it."""
 
 
 class ScaleRequest(Message):
