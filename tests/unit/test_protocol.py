@@ -24,6 +24,7 @@ from protocol import (
     SCHEMA_VERSION,
     EnvRef,
     EwmaStatus,
+    GatewayStatus,
     JobStatus,
     Message,
     OldLogitAnswer,
@@ -152,6 +153,18 @@ def _all_message_types() -> set[type]:
 
 
 def _samples() -> dict[str, Message]:
+    gateway = GatewayStatus(
+        policy_version=3,
+        sessions_opened=5,
+        sessions_open=1,
+        sessions_ended=4,
+        sessions_emitted=3,
+        sessions_dropped={"no_calls": 1},
+        trajectories_emitted=4,
+        calls=9,
+        splits=1,
+        errors={"400": 2},
+    )
     worker = WorkerStatus(
         worker_id="w-1",
         policy_version=4,
@@ -201,6 +214,7 @@ def _samples() -> dict[str, Message]:
         "WorkerStatus": worker,
         "OldLogitServiceStatus": service,
         "EwmaStatus": ewma,
+        "GatewayStatus": gateway,
         "JobStatus": JobStatus(
             learner_version=5,
             workers=[worker],
@@ -220,6 +234,7 @@ def _samples() -> dict[str, Message]:
             dropped={"stale": 1},
             skipped_steps=1,
             oldlogit=service,
+            gateway=gateway,
         ),
         "ScaleRequest": ScaleRequest(num_workers=3),
         "ScaleResponse": ScaleResponse(num_workers=3, added=["w-3"], removed=[]),
