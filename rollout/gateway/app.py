@@ -286,7 +286,7 @@ class Gateway:
         with self._lock:
             s = self._sessions.get(sid)
         if s is None:
-            raise ApiError(404, f"session: {sid!r} does not exist", "session_id")
+            raise ApiError(404, f"session_id: {sid!r} does not exist", "session_id")
         return s
 
     def set_reward(self, sid: str, reward: float | None = None, rewards: Any = None) -> Session:
@@ -298,7 +298,7 @@ class Gateway:
         s = self.session(sid)
         with self._lock:
             if s.state != "open":
-                raise ApiError(409, f"session: {sid!r} has ended", "session_id")
+                raise ApiError(409, f"session_id: {sid!r} has ended", "session_id")
             per: dict[str, float] = {}
             if rewards is not None:
                 items = rewards.items() if isinstance(rewards, dict) else enumerate(rewards)
@@ -330,7 +330,7 @@ class Gateway:
         s = self.session(sid)
         with self._lock:
             if s.state != "open":
-                raise ApiError(409, f"session: {sid!r} has ended", "session_id")
+                raise ApiError(409, f"session_id: {sid!r} has ended", "session_id")
             s.state = "ended"
             self._by_key.pop(s.key, None)
             self.stats.ended += 1
@@ -402,10 +402,10 @@ class Gateway:
             if s is None:
                 ended = any(x.key == key for x in self._sessions.values()) if key else False
                 if ended:
-                    raise ApiError(409, "session: the session of this key has ended", "session_id")
+                    raise ApiError(409, "session_id: the session of this key has ended", "session_id")
                 raise ApiError(401, "api_key: unknown key (use a session key or the admin token)", "api_key")
         if s.state != "open":
-            raise ApiError(409, f"session: {s.session_id!r} has ended", "session_id")
+            raise ApiError(409, f"session_id: {s.session_id!r} has ended", "session_id")
         return s
 
     def _sampling(self, req: _Sampling, s: Session | None) -> tuple[float, list[str]]:
@@ -557,7 +557,7 @@ class Gateway:
             calls = parsed.tool_calls if parsed else []
             with self._lock:
                 if s is not None and s.state != "open":
-                    raise ApiError(409, f"session: {s.session_id!r} ended during the call", "session_id")
+                    raise ApiError(409, f"session_id: {s.session_id!r} ended during the call", "session_id")
                 if s is not None and ids:
                     before = s.splits
                     s.add_call(call_id, prompt, ids, mu, vers, finish, version, old)
@@ -723,10 +723,21 @@ class Gateway:
             s = gw.session(sid)
             return {"id": sid, "state": s.state, "calls": len(s.calls), "splits": s.splits, "truncated": s.truncated}
 
-        app.post("/v1/sessions")(guarded(_open))
-        app.post("/v1/sessions/{sid}/reward")(guarded(_reward))
-        app.post("/v1/sessions/{sid}/end")(guarded(_end))
-        app.get("/v1/sessions/{sid}")(guarded(_get))
+        @app.post("/v1/sessions")
+        async def open_(request: Request):
+            return await guarded(_open)(request)
+
+        @app.post("/v1/sessions/{sid}/reward")
+        async def reward(request: Request, sid: str):
+            return await guarded(_reward)(request, sid=sid)
+
+        @app.post("/v1/sessions/{sid}/end")
+        async def end(request: Request, sid: str):
+            return await guarded(_end)(request, sid=sid)
+
+        @app.get("/v1/sessions/{sid}")
+        async def get(request: Request, sid: str):
+            return await guarded(_get)(request, sid=sid)
 
         @app.get("/v1/status", response_model=GatewayStatus)
         def status() -> GatewayStatus:

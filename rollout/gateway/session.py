@@ -131,6 +131,9 @@ class Session:
             raise ValueError(f"completion: {n} ids, {len(behav_logprobs)} logprobs, {len(versions)} versions")
         seg = self.current
         if seg is not None and seg.extends(prompt_ids):
+            last = max((v for v in seg.versions if v >= 0), default=NO_VERSION)
+            if versions and min(versions) < last:
+                raise ValueError(f"versions: {min(versions)} is older than an earlier token's version {last}")
             seg.add_context(prompt_ids[len(seg.token_ids) :])
         else:
             if seg is not None:
@@ -139,9 +142,6 @@ class Session:
             seg.add_context(list(prompt_ids))
             seg.prompt_len = len(prompt_ids)
             self.segments.append(seg)
-        last = max((v for v in seg.versions if v >= 0), default=NO_VERSION)
-        if versions and min(versions) < last:
-            raise ValueError(f"versions: {min(versions)} is older than an earlier token's version {last}")
         seg.add_sampled(list(completion_ids), list(behav_logprobs), list(versions), old_logprobs)
         seg.calls.append(call_id)
         seg.finish_reason = finish_reason
