@@ -100,7 +100,9 @@ class TrajectoryBuffer:
         """Take ``n`` trajectories (whole groups of ``group_size``) for the step at ``consuming_version``.
 
         Stale trajectories are dropped first. Returns None (taking nothing) if fewer than ``n``
-        trajectories in complete groups are available.
+        trajectories in complete groups are available. A group holding more than ``group_size``
+        trajectories (an agent session split into segments that share its reward) is taken whole,
+        so the batch may then hold more than ``n``.
         """
         self.drop_stale(consuming_version)
         groups: OrderedDict[str, list[str]] = OrderedDict()
@@ -109,7 +111,7 @@ class TrajectoryBuffer:
         chosen: list[str] = []
         for keys in groups.values():
             if len(keys) >= group_size and len(chosen) + group_size <= n:
-                chosen += keys[:group_size]
+                chosen += keys
         if len(chosen) < n:
             return None
         batch = [self._items.pop(k) for k in chosen]

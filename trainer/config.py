@@ -146,6 +146,47 @@ class RayConfig(_Section):
     """Logical CPUs of the local cluster (``None``: enough for all actors)."""
 
 
+class AgentConfig(_Section):
+    """Train an agent written against the OpenAI API: the job runs it against the gateway.
+
+    ``path`` names ``async def run(task: dict, client: openai.AsyncOpenAI) -> float | dict``; a dict
+    result carries the reward under ``"reward"``. Each call the agent makes is recorded token-in /
+    token-out; each episode (one session) becomes one trajectory, or one per segment when the
+    agent's history stops extending the rendered ids.
+    """
+
+    path: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """Import path ``package.module:run`` of the agent coroutine."""
+    concurrency: int = Field(8, ge=1, le=4096)
+    """Most agent episodes running at once (training and evaluation each)."""
+    tasks: str = "env"
+    """Task source: ``"env"`` (task ``{"env": {"path", "kwargs"}, "seed": s}`` for the env seeds of
+    ``[env]``: training seeds ``[0, train_seeds)``, held-out ``[train_seeds, train_seeds + eval_prompts)``)
+    or a JSONL file of task objects (one per line; held-out tasks from ``eval_tasks``)."""
+    eval_tasks: str | None = None
+    """JSONL file of held-out tasks (with ``tasks`` a JSONL file); ``None``: the last ``env.eval_prompts`` lines."""
+    timeout_s: float = Field(600.0, gt=0.0)
+    """An episode still running after this many seconds is cancelled and its session dropped (``agent_timeout``)."""
+
+
+class GatewayConfig(_Section):
+    """The OpenAI-compatible gateway the agents call (started when ``[agent]`` is set)."""
+
+    host: str = "127.0.0.1"
+    """Bind address; loopback by default."""
+    port: int = Field(0, ge=0, le=65535)
+    """0 picks a free port (printed at start, written to ``<run_dir>/gateway.json``)."""
+    token: str | None = None
+    """Admin bearer token for ``POST /v1/sessions``; ``None`` generates one (written to ``<run_dir>/gateway.json``)."""
+    max_session_tokens: int | None = Field(None, ge=2)
+    """Most tokens one trajectory of a session may hold; a call beyond it ends with ``length`` and the session
+    is reported truncated. ``None``: the engine's context length."""
+    max_tokens: int | None = Field(None, ge=1)
+    """Completion budget of a call that gives none; ``None``: ``rollout.sampling.max_tokens``."""
+    model_name: str = "vintage"
+    """Model id listed by ``GET /v1/models`` (calls may name any model)."""
+
+
 class JobConfig(_Section):
     """A whole vintage job. Every field is documented in place; see ``deploy/configs/*.toml``."""
 
@@ -161,6 +202,9 @@ class JobConfig(_Section):
     server: ServerConfig = Field(default_factory=ServerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    agent: AgentConfig | None = None
+    """Train an OpenAI-API agent through the gateway instead of the built-in environment loop."""
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
 
     @field_validator("loss", mode="before")
     @classmethod

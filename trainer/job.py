@@ -238,6 +238,18 @@ class Job:
         self.times = Counter()
         self.tokens_exact = self.tokens_total = 0
         self.last_publish: dict[str, float] = {}
+        self.agents = None  # [agent]: OpenAI-API agents through the gateway replace the env loop
+        if cfg.agent is not None:
+            from trainer.agent_runner import AgentRunner
+
+            self.agents = AgentRunner.for_job(self)
+            (self.run_dir / "gateway.json").write_text(
+                json.dumps({"url": self.agents.url, "token": self.agents.gateway.admin_token})
+            )
+            os.chmod(self.run_dir / "gateway.json", 0o600)
+            console.print(
+                f"agent gateway: [bold]{self.agents.url}/v1[/bold]  (admin token in {self.run_dir / 'gateway.json'})"
+            )
 
     # -- the parts of one iteration ------------------------------------------------------------
 
@@ -272,6 +284,9 @@ class Job:
 
     def top_up(self) -> None:
         """Submit as many new groups as the staleness admission rule allows."""
+        if self.agents is not None:
+            self.agents.top_up()
+            return
         room = admission_capacity(
             self.version, self.cfg.controller.max_staleness, self.batch_size, self.buffer.submitted
         )
@@ -293,7 +308,8 @@ class Job:
 
     def collect(self, got: list[Trajectory] | None = None) -> None:
         """Move finished trajectories into the buffer (attaching exact pi_old on the scorer routes)."""
-        got = self.pool.poll() if got is None else got
+        if got is None:
+            got = self.agents.poll() if self.agents is not None else self.pool.poll()
         if got and self.route in ("old_logit_model", "interrupt_sync"):
             t0 = time.perf_counter()
             got = ray.get(self.oldlogit.attach_old_logprobs.remote(got, self.cfg.rollout.sampling.temperature))
@@ -347,6 +363,8 @@ class Job:
 
     def evaluate(self, tag: str) -> dict[str, float]:
         """Mean reward on held-out env seeds (disjoint from training), one sample each, same sampling."""
+        if self.agents is not None:
+            return self.agents.evaluate(tag)
         k = self.cfg.env.eval_prompts
         if k == 0 or not len(self.pool):
             return {}
@@ -391,6 +409,7 @@ class Job:
             oldlogit=st,
             last_publish_s=self.last_publish.get("seconds"),
             last_publish_unix=self.last_publish.get("unix"),
+            gateway=self.agents.gateway.status() if self.agents is not None else None,
         )
         if m is not None:
             exact = m["exact_fraction"]
@@ -412,6 +431,9 @@ class Job:
         return f
 
     def shutdown(self) -> None:
+        if self.agents is not None:
+            with contextlib.suppress(Exception):
+                self.agents.close()
         with contextlib.suppress(Exception):
             self.pool.shutdown()
         with contextlib.suppress(Exception):
@@ -513,4 +535,5 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float) -> dict
         "wall_s": time.perf_counter() - t_start,
         "route": job.route,
         "method": cfg.loss.method,
+        "gateway": job.agents.gateway.status().model_dump() if job.agents is not None else None,
     }

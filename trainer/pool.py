@@ -2,11 +2,14 @@
 
 Workers are independent Ray actors (:data:`rollout.worker.RolloutWorker`); adding or removing one
 never stops the others. A removed worker's unfinished samples are counted as lost by the caller.
+The pool may be fed from several threads (the driver and the gateway): scaling, submitting and
+polling hold one lock.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any
 
 import ray
@@ -33,12 +36,17 @@ class WorkerPool:
         self.in_flight: dict[str, int] = {}
         self._ids = itertools.count()
         self._latest: tuple[WeightManifest, Any] | None = None
+        self._lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self.workers)
 
     def scale_to(self, n: int) -> tuple[list[str], dict[str, int]]:
         """Add or remove workers to reach ``n``; returns (added ids, {removed id: lost samples})."""
+        with self._lock:
+            return self._scale_to(n)
+
+    def _scale_to(self, n: int) -> tuple[list[str], dict[str, int]]:
         added, removed = [], {}
         while len(self.workers) < n:
             wid = f"rollout-{next(self._ids)}"
@@ -65,6 +73,10 @@ class WorkerPool:
 
     def submit(self, requests: list[RolloutRequest]) -> int:
         """Spread requests over workers, fewest in-flight first; returns samples submitted."""
+        with self._lock:
+            return self._submit(requests)
+
+    def _submit(self, requests: list[RolloutRequest]) -> int:
         if not self.workers:
             return 0
         total = 0
@@ -77,6 +89,10 @@ class WorkerPool:
 
     def poll(self) -> list[Trajectory]:
         """Finished trajectories from every worker."""
+        with self._lock:
+            return self._poll()
+
+    def _poll(self) -> list[Trajectory]:
         ids = list(self.workers)
         out: list[Trajectory] = []
         for wid, got in zip(ids, ray.get([self.workers[w].poll.remote() for w in ids]), strict=True):
@@ -86,11 +102,15 @@ class WorkerPool:
 
     def update_weights(self, manifest: WeightManifest, payload_ref: Any) -> list[int]:
         """Apply a publication on every worker (interrupt, update, resume); returns their versions."""
-        self._latest = (manifest, payload_ref)
-        return ray.get([w.update_weights.remote(manifest, payload_ref) for w in self.workers.values()])
+        with self._lock:
+            self._latest = (manifest, payload_ref)
+            workers = list(self.workers.values())
+        return ray.get([w.update_weights.remote(manifest, payload_ref) for w in workers])
 
     def statuses(self) -> list[WorkerStatus]:
-        return ray.get([w.status.remote() for w in self.workers.values()])
+        with self._lock:
+            workers = list(self.workers.values())
+        return ray.get([w.status.remote() for w in workers])
 
     def shutdown(self) -> None:
         self.scale_to(0)

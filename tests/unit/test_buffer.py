@@ -108,3 +108,15 @@ def test_rejected_arrivals_are_counted():
     b.reject("aborted")
     b.offer(traj("a", [0]))
     assert b.dropped["aborted"] == 1 and b.in_flight == 0 and len(b) == 1 and b.accounting_ok()
+
+
+def test_a_group_with_split_sessions_is_taken_whole():
+    # group "a": 2 sessions, one split into 2 segments -> 3 trajectories sharing the group
+    b = TrajectoryBuffer(capacity=10, max_staleness=2)
+    b.note_submitted(4)
+    for tid, g in (("a0", "a"), ("a1/0", "a"), ("a1/1", "a"), ("b0", "b")):
+        b.offer(traj(tid, [0], group=g))
+    assert b.take(4, consuming_version=0, group_size=2) is None  # b is incomplete: a alone is 3 < 4
+    got = b.take(2, consuming_version=0, group_size=2)
+    assert [t.trajectory_id for t in got] == ["a0", "a1/0", "a1/1"]
+    assert (b.consumed, len(b)) == (3, 1) and b.accounting_ok()
