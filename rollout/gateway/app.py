@@ -350,7 +350,9 @@ class Gateway:
             out = EndedSession(s.session_id, s.group_id, trajs, dropped, s.total_reward())
             if s.train:
                 self._ended.append(out)
-            s.segments, s.history = [], None  # free the token state; the calls stay for inspection
+            # free the token state of the session; its counts stay for GET /v1/sessions/{id}
+            s.info["calls"], s.segments, s.history, s.calls, s.last_ids = len(s.calls), [], None, [], []
+            self._call_locks.pop(s.session_id, None)
         return out
 
     def take_ended(self) -> list[EndedSession]:
@@ -721,7 +723,8 @@ class Gateway:
         async def _get(request: Request, sid: str):
             admin_or_session(request, sid)
             s = gw.session(sid)
-            return {"id": sid, "state": s.state, "calls": len(s.calls), "splits": s.splits, "truncated": s.truncated}
+            calls = s.info.get("calls", len(s.calls))
+            return {"id": sid, "state": s.state, "calls": calls, "splits": s.splits, "truncated": s.truncated}
 
         @app.post("/v1/sessions")
         async def open_(request: Request):

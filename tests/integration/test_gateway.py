@@ -372,3 +372,29 @@ def test_concurrent_sessions_keep_the_accounting_identity(served):
             f"c{i // 4}",
         )
     assert st.calls - before.calls == 2 * 14 and st.splits == before.splits  # 14 agents called twice
+
+
+def test_streaming_and_max_session_tokens(tiny_model_path, chat):
+    eng = make_engine(EngineConfig(kind="transformers", model_path=str(tiny_model_path), max_model_len=CTX))
+    msgs = [{"role": "user", "content": "hi"}]
+    room = len(chat.prompt_ids(msgs)) + 3  # the first call may sample 3 tokens, then the session is full
+    sv = Served(eng, chat, max_session_tokens=room)
+    try:
+        s = sv.gw.open_session()
+        chunks = list(sv.client(s).chat.completions.create(model="m", messages=msgs, max_tokens=10, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 3
+        msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
+        r = sv.client(s).chat.completions.create(model="m", messages=msgs, max_tokens=10)
+        assert (r.choices[0].finish_reason, r.usage.completion_tokens, r.choices[0].message.content) == (
+            "length",
+            0,
+            "",
+        )
+        st = sv.gw.status()
+        assert (st.truncated_sessions, st.calls, st.tokens_sampled) == (1, 2, 3)
+        (t,) = sv.gw.end_session(s.session_id).trajectories
+        assert (t.num_generated, len(t.token_ids), t.truncated) == (3, room, True)
+        assert chat.decode(t.token_ids[room - 3 :].tolist()) == text
+    finally:
+        sv.close()
