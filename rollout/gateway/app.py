@@ -245,6 +245,7 @@ class Gateway:
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
         self._by_key: dict[str, str] = {}
+        self._ended_keys: set[str] = set()
         self._call_locks: dict[str, asyncio.Lock] = {}
         self._ended: list[EndedSession] = []
         self.stats = _Stats()
@@ -333,6 +334,7 @@ class Gateway:
                 raise ApiError(409, f"session_id: {sid!r} has ended", "session_id")
             s.state = "ended"
             self._by_key.pop(s.key, None)
+            self._ended_keys.add(s.key)
             self.stats.ended += 1
             trajs: list[Trajectory] = []
             if dropped is None and not s.calls:
@@ -401,8 +403,8 @@ class Gateway:
             with self._lock:
                 found = self._by_key.get(key)
                 s = self._sessions.get(found) if found else None
+                ended = key in self._ended_keys
             if s is None:
-                ended = any(x.key == key for x in self._sessions.values()) if key else False
                 if ended:
                     raise ApiError(409, "session_id: the session of this key has ended", "session_id")
                 raise ApiError(401, "api_key: unknown key (use a session key or the admin token)", "api_key")

@@ -206,9 +206,16 @@ def test_template_drift_splits_the_session_and_is_counted(served):
     edited = [{"role": "system", "content": "B"}, first[1], a.choices[0].message.model_dump(exclude_none=True)]
     c.chat.completions.create(model="m", messages=edited + [{"role": "user", "content": "u2"}], max_tokens=3)
     assert served.gw.status().splits - before == 1
-    t0, t1 = served.gw.end_session(s.session_id, reward=2.0).trajectories
+    h = {"Authorization": f"Bearer {s.key}"}
+    r = httpx.post(f"{served.url}/v1/sessions/{s.session_id}/reward", json={"rewards": [0.25, 0.5]}, headers=h)
+    assert r.json() == {"id": s.session_id, "reward": 0.75}
+    r = httpx.post(f"{served.url}/v1/sessions/{s.session_id}/end", json={"reward": 2.0}, headers=h)
+    assert r.json() == {"id": s.session_id, "reward": 2.75, "trajectories": 2, "dropped": None, "splits": 1}
+    (e,) = [x for x in served.gw.take_ended() if x.session_id == s.session_id]
+    t0, t1 = e.trajectories
     assert (t0.trajectory_id, t1.trajectory_id) == (f"{s.session_id}/0", f"{s.session_id}/1")
-    assert (t0.reward, t1.reward, t0.group_id, t1.group_id) == (2.0, 2.0, "drift", "drift")
+    assert (t0.reward, t1.reward, t0.group_id, t1.group_id) == (2.75, 2.75, "drift", "drift")
+    assert (t0.turn_rewards, t1.turn_rewards) == ([0.25], [0.5])  # per-call rewards stay with their call
     assert (t0.num_generated, t1.num_generated, t1.info["splits"]) == (3, 3, 1)
 
 
