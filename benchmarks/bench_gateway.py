@@ -99,19 +99,18 @@ def latency(core: RolloutWorkerCore, gw: Gateway, url: str, chat, calls: int) ->
         {"role": "user", "content": "Hi"},
     ]
     ids = chat.prompt_ids(msgs)
-    direct = []
-    for i in range(calls):
-        t0 = time.perf_counter()
-        core.submit(
-            RolloutRequest(request_id=f"lat{i}", group_id="lat", prompt_ids=ids, sampling=SamplingParams(max_tokens=1))
-        )
-        _drain(core, 1)
-        direct.append(time.perf_counter() - t0)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=gw.admin_token, max_retries=0)
     client.chat.completions.create(model="vintage", messages=msgs, max_tokens=1)  # connection warm-up
     before = gw.stats.overhead_s, gw.stats.calls
-    via = []
-    for _ in range(calls):
+    direct, via = [], []
+    for i in range(calls):  # alternate the two paths so a busy machine slows both alike
+        t0 = time.perf_counter()
+        req = RolloutRequest(
+            request_id=f"lat{i}", group_id="lat", prompt_ids=ids, sampling=SamplingParams(max_tokens=1)
+        )
+        core.submit(req)
+        _drain(core, 1)
+        direct.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         client.chat.completions.create(model="vintage", messages=msgs, max_tokens=1)
         via.append(time.perf_counter() - t0)
