@@ -9,11 +9,12 @@ and the value. Imports no torch.
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from protocol import SamplingParams
 from trainer.loss_config import EwmaConfig, LossConfig, loss_config
@@ -129,8 +130,14 @@ class ServerConfig(_Section):
     """Bind address; loopback by default."""
     port: int = Field(8477, ge=0, le=65535)
     """0 picks a free port (printed at start)."""
-    token: str | None = None
-    """Bearer token for mutating endpoints; ``None`` generates one and writes it to ``<run_dir>/token``."""
+    token: SecretStr | None = Field(None, min_length=16)
+    """Bearer token for mutating endpoints (every endpoint when ``host`` is not loopback), at least 16
+    characters; ``None`` generates one. Either way it is written to ``<run_dir>/token`` (mode 0600)
+    and redacted in ``config.resolved.json``."""
+    docs: bool = False
+    """Serve ``/docs``, ``/redoc`` and ``/openapi.json`` (the pages load scripts from a CDN)."""
+    max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
+    """Largest request body accepted (413 above it, refused before it is read)."""
 
 
 class LoggingConfig(_Section):
@@ -228,8 +235,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return JobConfig.model_validate(data)
 
 
+def write_private(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` created with mode 0600 from the start (replacing any old file)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
 def write_resolved(cfg: JobConfig, run_dir: Path) -> Path:
-    """Write the fully resolved config as JSON into ``run_dir`` and return its path."""
+    """Write the fully resolved config as JSON into ``run_dir`` and return its path.
+
+    Secrets (``server.token``) appear as ``"**********"``.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "config.resolved.json"
     out.write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))

@@ -36,7 +36,7 @@ from rich.console import Console
 
 from protocol import EnvRef, EwmaStatus, OldLogitRequest, RolloutRequest, Trajectory
 from trainer.buffer import TrajectoryBuffer, admission_capacity, token_staleness_histogram
-from trainer.config import JobConfig, write_resolved
+from trainer.config import JobConfig, write_private, write_resolved
 from trainer.metrics_log import MetricsLog, plot_run
 from trainer.server import ApiServer, StatusBoard
 
@@ -142,6 +142,11 @@ def _loopback_private_cluster() -> None:
             "its own Ray port listens on every interface (start jobs with `vintage run`)",
             file=sys.stderr,
         )
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    """``x`` when it is a finite number, else None (the status never shows NaN)."""
+    return float(x) if x is not None and np.isfinite(x) else None
 
 
 def resolve_model(cfg: JobConfig) -> Path:
@@ -424,8 +429,8 @@ class Job:
                 last_batch_staleness_hist=m["staleness_hist"],
                 exact_fraction_by_route={self.route: exact},
                 proxy_fraction=1.0 - exact,
-                mask_kept_fraction=m.get("mask_kept_frac"),
-                tokens_per_s=m.get("tokens_per_s", 0.0),
+                mask_kept_fraction=_finite_or_none(m.get("mask_kept_frac")),
+                tokens_per_s=_finite_or_none(m.get("tokens_per_s")) or 0.0,
                 skipped_steps=int(m["skipped_steps"]),
             )
             if "ewma_beta" in m:
@@ -461,9 +466,20 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
     board = StatusBoard()
     server = None
     if cfg.server.enabled:
-        server = ApiServer(board, cfg.server.host, cfg.server.port, cfg.server.token).start()
-        (run_dir / "token").write_text(server.token)
-        os.chmod(run_dir / "token", 0o600)
+        token = cfg.server.token.get_secret_value() if cfg.server.token else None
+        server = ApiServer(
+            board,
+            cfg.server.host,
+            cfg.server.port,
+            token,
+            docs=cfg.server.docs,
+            max_body_bytes=cfg.server.max_body_bytes,
+        ).start()
+        write_private(run_dir / "token", server.token)
+        if server.token_for_reads:
+            console.print(
+                f"[yellow]server.host={cfg.server.host} is not loopback: every endpoint requires the token[/yellow]"
+            )
         (run_dir / "server.json").write_text(json.dumps({"url": server.url}))
         console.print(f"status API: [bold]{server.url}/v1/status[/bold]  (bearer token in {run_dir / 'token'})")
     log = MetricsLog(run_dir, tensorboard=cfg.logging.tensorboard)

@@ -47,3 +47,19 @@ def test_parse_override_types():
     assert parse_override("a.b=hello") == ("a.b", "hello")
     with pytest.raises(ValueError, match="expected"):
         parse_override("nonsense")
+
+
+def test_token_redacted_in_resolved_config_and_private_files(tmp_path):
+    import json
+    import stat
+
+    from trainer.config import write_private, write_resolved
+
+    cfg = load_config(None, ['server.token="tok-0123456789abcdef"'])
+    assert cfg.server.token.get_secret_value() == "tok-0123456789abcdef"
+    text = write_resolved(cfg, tmp_path).read_text()
+    assert "tok-0123456789abcdef" not in text and json.loads(text)["server"]["token"] == "**********"
+    p = write_private(tmp_path / "token", "abc")
+    assert stat.S_IMODE(p.stat().st_mode) == 0o600 and p.read_text() == "abc"
+    with pytest.raises(pydantic.ValidationError, match="token"):
+        load_config(None, ['server.token="short"'])
