@@ -192,6 +192,15 @@ class JobConfig(_Section):
             raise ValueError(
                 f"controller.max_token_staleness ({self.controller.max_token_staleness}) > controller.max_staleness ({self.controller.max_staleness})"
             )
+        c, n = self.controller, self.rollout.sampling.n
+        if c.buffer_capacity < c.batch_groups * n:
+            raise ValueError(
+                f"controller.buffer_capacity: {c.buffer_capacity} < one batch ({c.batch_groups} groups x {n} samples): the job could never step"
+            )
+        if self.rollout.max_batch < n:
+            raise ValueError(f"rollout.max_batch: {self.rollout.max_batch} < sampling.n {n}: a group never fits")
+        if self.rollout.num_workers == 0 and c.time_budget_s is None:
+            raise ValueError("rollout.num_workers: 0 without controller.time_budget_s: the job would wait forever")
         return self
 
     @property
@@ -253,3 +262,38 @@ def write_resolved(cfg: JobConfig, run_dir: Path) -> Path:
     out = run_dir / "config.resolved.json"
     out.write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     return out
+
+
+def preflight(cfg: JobConfig) -> None:
+    """Checks that need the file system or imports, run before anything starts.
+
+    Raises:
+        ValueError: ``env.path`` does not import or is not a class or factory; ``model.path`` is not
+            ``smollm2``, ``tiny`` or an existing folder; ``controller.resume_from`` does not exist.
+            The message names the field and the value.
+    """
+    import importlib
+
+    module, _, attr = cfg.env.path.partition(":")
+    try:
+        target = getattr(importlib.import_module(module), attr) if attr else None
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"env.path: {cfg.env.path!r} does not import ({type(e).__name__}: {e})") from None
+    if not callable(target):
+        raise ValueError(f"env.path: {cfg.env.path!r} is not a class or factory (expected 'package.module:Name')")
+    if cfg.model.path not in ("smollm2", "tiny") and not Path(cfg.model.path).expanduser().is_dir():
+        raise ValueError(f"model.path: {cfg.model.path!r} is not 'smollm2', 'tiny' or an existing folder")
+    if cfg.controller.resume_from and not Path(cfg.controller.resume_from).exists():
+        raise ValueError(f"controller.resume_from: {cfg.controller.resume_from!r} does not exist")
+
+
+def one_line(e: Exception) -> str:
+    """A one-line message for a config error: ``field.path: message (got value)`` for pydantic errors."""
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError):
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"]) or "config"
+        more = f" (+{e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        return f"{loc}: {first['msg']} (got {first.get('input')!r}){more}"
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
