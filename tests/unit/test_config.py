@@ -105,7 +105,9 @@ def test_cli_config_error_is_one_line_exit_2():
     r = CliRunner().invoke(app, ["run", "--set", "learner.lr=inf"])
     assert r.exit_code == 2
     lines = r.output.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("config error: learner.lr: Input should be a finite number (got inf)")
+    assert len(lines) == 1 and lines[0].startswith(
+        "config error: learner.lr: Input should be a finite number (got inf)"
+    )
     r = CliRunner().invoke(app, ["run", "--set", 'model.path="/nonexistent/model"'])
     assert r.exit_code == 2 and r.output.strip() == (
         "config error: model.path: '/nonexistent/model' is not 'smollm2', 'tiny' or an existing folder"
