@@ -153,14 +153,19 @@ class AgentRunner:
             self.backend,
             TemplateChatFormat(AutoTokenizer.from_pretrained(str(model_path))),
             max_model_len,
-            admin_token=cfg.gateway.token,
+            admin_token=cfg.gateway.token.get_secret_value() if cfg.gateway.token else None,
             train_temperature=s.temperature,
             default_max_tokens=cfg.gateway.max_tokens or s.max_tokens,
             max_session_tokens=cfg.gateway.max_session_tokens,
             admission=self.admit,
             model_name=cfg.gateway.model_name,
         )
-        self.server = GatewayServer(self.gateway, cfg.gateway.host, cfg.gateway.port).start()
+        from trainer.server import BodyLimit
+
+        limit = cfg.gateway.max_body_bytes
+        self.server = GatewayServer(
+            self.gateway, cfg.gateway.host, cfg.gateway.port, wrap=lambda app: BodyLimit(app, limit, 30.0)
+        ).start()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="vintage-agents", daemon=True)
         self._thread.start()

@@ -189,8 +189,11 @@ class GatewayConfig(_Section):
     """Bind address; loopback by default."""
     port: int = Field(0, ge=0, le=65535)
     """0 picks a free port (printed at start, written to ``<run_dir>/gateway.json``)."""
-    token: str | None = None
-    """Admin bearer token for ``POST /v1/sessions``; ``None`` generates one (written to ``<run_dir>/gateway.json``)."""
+    token: SecretStr | None = Field(None, min_length=16)
+    """Admin bearer token for ``POST /v1/sessions`` (at least 16 characters); ``None`` generates one.
+    Either way it is written to ``<run_dir>/gateway.json`` (mode 0600) and redacted in ``config.resolved.json``."""
+    max_body_bytes: int = Field(8 << 20, ge=1024, le=1 << 30)
+    """Largest request body accepted (413 above it): a whole conversation with its tool schemas."""
     max_session_tokens: int | None = Field(None, ge=2)
     """Most tokens one trajectory of a session may hold; a call beyond it ends with ``length`` and the session
     is reported truncated. ``None``: the engine's context length."""

@@ -274,10 +274,10 @@ class Job:
             from trainer.agent_runner import AgentRunner
 
             self.agents = AgentRunner.for_job(self)
-            (self.run_dir / "gateway.json").write_text(
-                json.dumps({"url": self.agents.url, "token": self.agents.gateway.admin_token})
+            write_private(
+                self.run_dir / "gateway.json",
+                json.dumps({"url": self.agents.url, "token": self.agents.gateway.admin_token}),
             )
-            os.chmod(self.run_dir / "gateway.json", 0o600)
             console.print(
                 f"agent gateway: [bold]{self.agents.url}/v1[/bold]  (admin token in {self.run_dir / 'gateway.json'})"
             )

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import math
 import secrets
@@ -237,7 +238,11 @@ class Gateway:
         retry_after_s: int = 1,
     ):
         self.backend, self.chat, self.max_model_len = backend, chat, max_model_len
+        if admin_token is not None and len(admin_token) < 16:
+            raise ValueError(f"gateway.token: {len(admin_token)} characters, at least 16 required")
         self.admin_token = admin_token or secrets.token_urlsafe(24)
+        self.token_for_reads = False
+        """Require the admin token for ``/v1/status`` too (set when serving beyond loopback)."""
         self.train_temperature, self.default_max_tokens = train_temperature, default_max_tokens
         self.max_session_tokens = max_session_tokens
         self.admission, self.model_name, self.retry_after_s = admission, model_name, retry_after_s
@@ -744,15 +749,29 @@ class Gateway:
         async def get(request: Request, sid: str):
             return await guarded(_get)(request, sid=sid)
 
-        @app.get("/v1/status", response_model=GatewayStatus)
-        def status() -> GatewayStatus:
-            return gw.status()
+        async def _status(request: Request):
+            if gw.token_for_reads:
+                admin(request)
+            return gw.status().model_dump()
+
+        @app.get("/v1/status")
+        async def status(request: Request):
+            return await guarded(_status)(request)
 
         @app.get("/healthz")
         def healthz() -> dict:
             return {"ok": True}
 
         return app
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _finite(v: Any) -> bool:
@@ -809,17 +828,28 @@ def _stream_text(body: dict) -> StreamingResponse:
 
 
 class GatewayServer:
-    """uvicorn serving a :class:`Gateway` in a daemon thread; ``port=0`` binds a free port."""
+    """uvicorn serving a :class:`Gateway` in a daemon thread; ``port=0`` binds a free port.
 
-    def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0):
+    ``wrap(app) -> app`` adds ASGI middleware (the job bounds request bodies with it). Headers are
+    limited to 16 KiB. On a host other than loopback ``/v1/status`` requires the admin token too
+    (every other endpoint always requires a key).
+    """
+
+    def __init__(
+        self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0, wrap: Callable[[Any], Any] | None = None
+    ):
         self.gateway, self.host = gateway, host
+        gateway.token_for_reads = not _is_loopback(host)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         self.port = sock.getsockname()[1]
         self._sock = sock
         gateway.base_url = self.url
-        config = uvicorn.Config(gateway.app(), log_level="warning", access_log=False, timeout_keep_alive=30)
+        app = gateway.app() if wrap is None else wrap(gateway.app())
+        config = uvicorn.Config(
+            app, log_level="warning", access_log=False, timeout_keep_alive=30, h11_max_incomplete_event_size=16 * 1024
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [sock]}, daemon=True, name="vintage-gateway"

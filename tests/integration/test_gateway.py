@@ -26,6 +26,7 @@ from trainer.weights import pack_weights
 
 pytestmark = pytest.mark.integration
 CTX = 512
+ADMIN = "admin-token-for-tests"
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +42,13 @@ class Served:
         if start:
             self.core.start()
         self.backend = WorkerBackend.over_core(self.core)
-        self.gw = Gateway(self.backend, chat, CTX, admin_token="admin-token", **kw)
+        self.gw = Gateway(self.backend, chat, CTX, admin_token=ADMIN, **kw)
         self.server = GatewayServer(self.gw).start()
         self.url = self.server.url
 
     def client(self, session=None, **kw) -> openai.OpenAI:
         if session is None:
-            return openai.OpenAI(base_url=f"{self.url}/v1", api_key="admin-token", max_retries=0, **kw)
+            return openai.OpenAI(base_url=f"{self.url}/v1", api_key=ADMIN, max_retries=0, **kw)
         return openai.OpenAI(
             base_url=f"{self.url}/sessions/{session.session_id}/v1", api_key=session.key, max_retries=0
         )
@@ -231,7 +232,7 @@ def test_admission_refuses_new_sessions_with_429(tiny_model_path, chat):
     eng = make_engine(EngineConfig(kind="transformers", model_path=str(tiny_model_path), max_model_len=CTX))
     sv = Served(eng, chat, admission=admit)
     try:
-        h = {"Authorization": "Bearer admin-token"}
+        h = {"Authorization": f"Bearer {ADMIN}"}
         codes = [httpx.post(f"{sv.url}/v1/sessions", headers=h, json={}) for _ in range(3)]
         assert [r.status_code for r in codes] == [200, 200, 429]
         assert codes[2].headers["Retry-After"] == "1"

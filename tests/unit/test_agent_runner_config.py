@@ -74,3 +74,13 @@ def test_task_sources_env_and_jsonl(tmp_path):
     f.write_text('{"id": 1}\n[2]\n')
     with pytest.raises(ValueError, match=r"tasks.jsonl:2 is not a JSON object"):
         read_tasks(str(f))
+
+
+def test_gateway_token_is_secret_and_long_enough(tmp_path):
+    from trainer.config import write_resolved
+
+    cfg = JobConfig.model_validate({"agent": {"path": "a.b:c"}, "gateway": {"token": "t" * 20}})
+    assert cfg.gateway.token.get_secret_value() == "t" * 20
+    assert "t" * 20 not in write_resolved(cfg, tmp_path).read_text()
+    with pytest.raises(pydantic.ValidationError, match="gateway.token"):
+        JobConfig.model_validate({"gateway": {"token": "short"}})
