@@ -406,3 +406,24 @@ def test_streaming_and_max_session_tokens(tiny_model_path, chat):
         assert chat.decode(t.token_ids[room - 3 :].tolist()) == text
     finally:
         sv.close()
+
+
+def test_litellm_openai_provider_works_unchanged(served, chat):
+    import os
+
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # offline: no price-list download
+    litellm = pytest.importorskip("litellm")
+    s = served.gw.open_session()
+    msgs = [{"role": "user", "content": "hi from litellm"}]
+    r = litellm.completion(
+        model="openai/vintage",
+        api_base=f"{served.url}/sessions/{s.session_id}/v1",
+        api_key=s.key,
+        messages=msgs,
+        max_tokens=4,
+    )
+    (t,) = served.gw.end_session(s.session_id).trajectories
+    assert t.token_ids[: t.prompt_len].tolist() == chat.prompt_ids(msgs)
+    assert t.num_generated == r.usage.completion_tokens and r.choices[0].message.content == chat.decode(
+        t.token_ids[t.prompt_len :].tolist()
+    )
