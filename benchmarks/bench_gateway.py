@@ -13,6 +13,9 @@
    the difference of the medians is what the gateway adds to one call. The gateway's own estimate
    (time in the handler outside generation) is reported next to it.
 
+The worker runs in a Ray actor, as in a job (the gateway and the agents in this process);
+``--in-process-worker`` puts it in this process instead, sharing the GIL with the HTTP stack.
+
 Prints a table and writes ``runs/bench/gateway.json``.
 """
 
@@ -125,6 +128,35 @@ def latency(core: RolloutWorkerCore, gw: Gateway, url: str, chat, calls: int) ->
     }
 
 
+class RayWorker:
+    """A :data:`rollout.worker.RolloutWorker` actor behind the core's ``submit/poll/version/close``, as in a job."""
+
+    def __init__(self, cfg: EngineConfig):
+        import ray
+
+        from rollout.worker import RolloutWorker
+
+        if not ray.is_initialized():
+            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        self._ray = ray
+        self.actor = RolloutWorker.remote(cfg, max_in_flight=cfg.max_num_seqs)
+        ray.get(self.actor.ready.remote())
+
+    def submit(self, requests) -> int:
+        return self._ray.get(self.actor.submit.remote(requests if isinstance(requests, list) else [requests]))
+
+    def poll(self) -> list:
+        return self._ray.get(self.actor.poll.remote())
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self._ray.get(self.actor.close.remote())
+        self._ray.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="smollm2")
@@ -133,6 +165,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--out", default="runs/bench/gateway.json")
+    ap.add_argument(
+        "--in-process-worker",
+        action="store_true",
+        help="run the worker in this process (shares the GIL with the gateway and the agents) instead of a Ray actor",
+    )
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -144,8 +181,11 @@ def main() -> None:
     cfg = EngineConfig(
         kind=a.engine, model_path=str(path), max_model_len=2048, kv_cache_gib=1, max_num_seqs=max(a.episodes, 8)
     )
-    core = RolloutWorkerCore(make_engine(cfg), chat=chat, max_in_flight=cfg.max_num_seqs)
-    core.start()
+    if a.in_process_worker:
+        core = RolloutWorkerCore(make_engine(cfg), chat=chat, max_in_flight=cfg.max_num_seqs)
+        core.start()
+    else:
+        core = RayWorker(cfg)
     backend = WorkerBackend.over_core(core)
     gw = Gateway(backend, chat, cfg.max_model_len, default_max_tokens=a.max_tokens)
     server = GatewayServer(gw).start()
@@ -157,6 +197,7 @@ def main() -> None:
             "engine": a.engine,
             "episodes": a.episodes,
             "max_tokens": a.max_tokens,
+            "worker": "in-process" if a.in_process_worker else "ray actor",
             "in_process": in_process(core, seeds, a.max_tokens, "ip"),
             "gateway": through_gateway(gw, server.url, seeds),
         }
