@@ -2,8 +2,8 @@
 
 Workers are independent Ray actors (:data:`rollout.worker.RolloutWorker`); adding or removing one
 never stops the others. A removed worker's unfinished samples are counted as lost by the caller.
-The pool may be fed from several threads (the driver and the gateway): scaling, submitting and
-polling hold one lock.
+The pool may be fed from several threads (the driver and the gateway): one lock guards the worker
+table and the in-flight counts; remote calls are made outside it, except while scaling.
 """
 
 from __future__ import annotations
@@ -72,32 +72,44 @@ class WorkerPool:
         return added, removed
 
     def submit(self, requests: list[RolloutRequest]) -> int:
-        """Spread requests over workers, fewest in-flight first; returns samples submitted."""
-        with self._lock:
-            return self._submit(requests)
+        """Spread requests over workers, fewest in-flight first; returns samples submitted.
 
-    def _submit(self, requests: list[RolloutRequest]) -> int:
-        if not self.workers:
-            return 0
+        The lock covers only the bookkeeping: the remote calls run outside it, so a poll that waits
+        for a worker's current step never delays a submission from another thread.
+        """
         total = 0
         for r in requests:
-            wid = min(self.in_flight, key=self.in_flight.get)
-            n = ray.get(self.workers[wid].submit.remote([r]))
-            self.in_flight[wid] += n
+            with self._lock:
+                if not self.workers:
+                    return total
+                wid = min(self.in_flight, key=self.in_flight.get)
+                actor = self.workers[wid]
+                self.in_flight[wid] += r.sampling.n
+            try:
+                n = ray.get(actor.submit.remote([r]))
+            except BaseException:
+                with self._lock:
+                    if wid in self.in_flight:
+                        self.in_flight[wid] -= r.sampling.n
+                raise
+            with self._lock:
+                if wid in self.in_flight:
+                    self.in_flight[wid] += n - r.sampling.n
             total += n
         return total
 
     def poll(self) -> list[Trajectory]:
-        """Finished trajectories from every worker."""
+        """Finished trajectories from every worker (remote calls outside the lock, as in :meth:`submit`)."""
         with self._lock:
-            return self._poll()
-
-    def _poll(self) -> list[Trajectory]:
-        ids = list(self.workers)
+            ids = list(self.workers)
+            actors = [self.workers[w] for w in ids]
+        got = ray.get([a.poll.remote() for a in actors])
         out: list[Trajectory] = []
-        for wid, got in zip(ids, ray.get([self.workers[w].poll.remote() for w in ids]), strict=True):
-            self.in_flight[wid] -= len(got)
-            out += got
+        with self._lock:
+            for wid, g in zip(ids, got, strict=True):
+                if wid in self.in_flight:
+                    self.in_flight[wid] -= len(g)
+                out += g
         return out
 
     def update_weights(self, manifest: WeightManifest, payload_ref: Any) -> list[int]:

@@ -8,8 +8,9 @@ between two tokens and resumes it under the new version. The finished one-turn
 their mu and versions.
 
 :class:`WorkerBackend` works over anything with ``submit(requests) -> int`` and
-``poll() -> list[Trajectory]``: a :class:`rollout.worker.RolloutWorkerCore` (in-process, its own
-generation thread) or a ``trainer.pool.WorkerPool`` of Ray actors. A dispatcher thread polls while
+``poll() -> list[Trajectory]``, both safe to call from two threads at once: a
+:class:`rollout.worker.RolloutWorkerCore` (in-process, its own generation thread) or a
+``trainer.pool.WorkerPool`` of Ray actors. A dispatcher thread polls while
 calls are pending and hands each trajectory to the call waiting for its id; trajectories of other
 requests are kept in :attr:`WorkerBackend.foreign` for their owner.
 """
@@ -44,12 +45,10 @@ class WorkerBackend:
     ):
         self._submit, self._poll, self.version = submit, poll, version
         self.poll_interval_s = poll_interval_s
-        self._lock = threading.Lock()  # one submit or poll at a time (pools are not thread-safe)
         self._waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._has_work = threading.Event()
         self._stop = threading.Event()
         self.foreign: list[Trajectory] = []
-        self.generate_seconds = 0.0
         self._thread = threading.Thread(target=self._dispatch, name="vintage-gateway-poll", daemon=True)
         self._thread.start()
 
@@ -77,16 +76,12 @@ class WorkerBackend:
         )
         self._waiting[request_id] = (loop, fut)
         try:
-            await asyncio.to_thread(self._locked_submit, req)
+            await asyncio.to_thread(self._submit, [req])
         except Exception:
             self._waiting.pop(request_id, None)
             raise
         self._has_work.set()
         return await fut
-
-    def _locked_submit(self, req: RolloutRequest) -> None:
-        with self._lock:
-            self._submit([req])
 
     def _dispatch(self) -> None:
         while not self._stop.is_set():
@@ -94,14 +89,13 @@ class WorkerBackend:
                 self._has_work.wait(0.05)
                 self._has_work.clear()
                 continue
-            with self._lock:
-                try:
-                    got = self._poll()
-                except Exception as e:  # fail the waiting calls rather than hang them
-                    for loop, fut in list(self._waiting.values()):
-                        loop.call_soon_threadsafe(_fail, fut, RuntimeError(f"worker poll failed: {e!r}"))
-                    self._waiting.clear()
-                    continue
+            try:
+                got = self._poll()
+            except Exception as e:  # fail the waiting calls rather than hang them
+                for loop, fut in list(self._waiting.values()):
+                    loop.call_soon_threadsafe(_fail, fut, RuntimeError(f"worker poll failed: {e!r}"))
+                self._waiting.clear()
+                continue
             for t in got:
                 w = self._waiting.pop(t.trajectory_id, None)
                 if w is None:
