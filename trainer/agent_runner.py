@@ -141,7 +141,7 @@ class AgentRunner:
         if cfg.agent is None:
             raise ValueError("agent: the config has no [agent] section")
         self.cfg, self.buffer, self.version = cfg, buffer, version
-        self.fn = load_agent(cfg.agent.path)
+        self.fn = load_agent(cfg.agent.path) if cfg.agent.path else None  # None: outside agents only
         self.train_task, self.held_out = task_sources(cfg)
         s, c = cfg.rollout.sampling, cfg.controller
         self.group_size, self.batch_size = s.n, c.batch_groups * s.n
@@ -221,7 +221,9 @@ class AgentRunner:
         """Start as many new task groups as admission and ``agent.concurrency`` allow; returns episodes started."""
         started = 0
         self._running = {f for f in self._running if not f.done()}
-        while len(self._running) + self.group_size <= max(self.cfg.agent.concurrency, self.group_size):
+        while self.fn is not None and len(self._running) + self.group_size <= max(
+            self.cfg.agent.concurrency, self.group_size
+        ):
             if not self.admit(self.group_size):
                 break
             i = next(self._train_ids)
@@ -251,7 +253,7 @@ class AgentRunner:
 
     def evaluate(self, tag: str) -> dict[str, float]:
         """Mean reward and success rate (reward > 0.5) of the agent on the held-out tasks; ``{}`` if none."""
-        if not self.held_out:
+        if not self.held_out or self.fn is None:
             return {}
         t0 = time.perf_counter()
 

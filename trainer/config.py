@@ -168,8 +168,9 @@ class AgentConfig(_Section):
     agent's history stops extending the rendered ids.
     """
 
-    path: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-    """Import path ``package.module:run`` of the agent coroutine."""
+    path: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """Import path ``package.module:run`` of the agent coroutine; ``None`` serves only agents that run
+    elsewhere and open their own sessions (``POST /v1/sessions``), with no held-out evaluation."""
     concurrency: int = Field(8, ge=1, le=4096)
     """Most agent episodes running at once (training and evaluation each)."""
     tasks: str = "env"

@@ -15,6 +15,7 @@ def test_agent_section_defaults_and_bad_path():
     cfg = JobConfig.model_validate({"agent": {"path": "rollout.agents.retail:run"}})
     assert (cfg.agent.concurrency, cfg.agent.tasks, cfg.gateway.host, cfg.gateway.port) == (8, "env", "127.0.0.1", 0)
     assert JobConfig().agent is None
+    assert JobConfig.model_validate({"agent": {}}).agent.path is None  # outside agents only
     with pytest.raises(pydantic.ValidationError, match="agent.path"):
         JobConfig.model_validate({"agent": {"path": "not a path"}})
     with pytest.raises(pydantic.ValidationError, match="agent.concurrency"):
