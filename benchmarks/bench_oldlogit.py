@@ -40,12 +40,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from modelkit.modelhub import load_causal_lm, make_tiny_model, prepare_smollm2  # noqa: E402
+from modelkit.scoring import sequence_logprobs  # noqa: E402
+from modelkit.weights import pack_weights  # noqa: E402
 from oldlogit_service import OldLogitService  # noqa: E402
 from oldlogit_service.service import right_padded  # noqa: E402
 from protocol import OldLogitItem, OldLogitRequest  # noqa: E402
-from trainer.modelhub import load_causal_lm, make_tiny_model, prepare_smollm2  # noqa: E402
-from trainer.scoring import sequence_logprobs  # noqa: E402
-from trainer.weights import pack_weights  # noqa: E402
 
 BLOCKS = {
     "snapshot": "learner (scores the batch before the step)",

@@ -166,7 +166,7 @@ class GenerationEngine(abc.ABC):
         return self._expected
 
     def update_weights(self, named: Mapping[str, torch.Tensor], version: int) -> int:
-        """Apply a whole weight version in place (HF names, e.g. from ``trainer.weights.unpack_weights``).
+        """Apply a whole weight version in place (HF names, e.g. from ``modelkit.weights.unpack_weights``).
 
         Every checkpoint tensor must be present with its checkpoint shape; extra names are allowed
         only if they are tied aliases of the embedding (``lm_head.weight``). Tensors are cast to the

@@ -147,7 +147,7 @@ class RolloutWorkerCore:
     def update_weights(self, manifest: WeightManifest, payload: Mapping[str, Any]) -> int:
         """Interrupt in-flight requests, apply weights ``manifest.version``, resume; returns the version.
 
-        ``payload`` is ``{hf_name: tensor}`` from ``trainer.weights.pack_weights``; it is verified
+        ``payload`` is ``{hf_name: tensor}`` from ``modelkit.weights.pack_weights``; it is verified
         (checksum, shapes) before anything is interrupted.
 
         Raises:
@@ -155,7 +155,7 @@ class RolloutWorkerCore:
             ValueError: the version is not newer than the serving one, or tensors do not fit.
             rollout.engine.EngineError: the engine failed while copying.
         """
-        from trainer.weights import unpack_weights
+        from modelkit.weights import unpack_weights
 
         if manifest.version <= self.engine.version:
             raise ValueError(

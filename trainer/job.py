@@ -120,7 +120,7 @@ def ray_session(cfg: JobConfig):
 
 def resolve_model(cfg: JobConfig) -> Path:
     """The HF folder for ``model.path`` (``smollm2``, ``tiny`` or a folder)."""
-    from trainer.modelhub import make_tiny_model, prepare_smollm2
+    from modelkit.modelhub import make_tiny_model, prepare_smollm2
 
     if cfg.model.path == "smollm2":
         return prepare_smollm2()
@@ -153,7 +153,7 @@ def perturbed(manifest, payload: dict, std: float, seed: int):
     """``payload`` with every floating tensor multiplied by ``1 + N(0, std)`` (re-packed, new checksum)."""
     import torch
 
-    from trainer.weights import pack_weights, unpack_weights
+    from modelkit.weights import pack_weights, unpack_weights
 
     g = torch.Generator().manual_seed(seed)
     named = unpack_weights(manifest, payload, verify=False)

@@ -47,14 +47,14 @@ import ray
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from modelkit.scoring import sequence_logprobs
+from modelkit.weights import pack_weights
 from protocol import OldLogitAnswer, Trajectory, WeightManifest
 from trainer.batch import Batch, collate
 from trainer.ewma import EwmaProximal
 from trainer.loss_config import EwmaConfig, LossConfig, loss_config
 from trainer.losses import compute_policy_loss, discrepancy_ratio, icepop_mask
 from trainer.proximal import proximal_reference
-from trainer.scoring import sequence_logprobs
-from trainer.weights import pack_weights
 
 
 class LearnerSettings(BaseModel):
@@ -63,7 +63,7 @@ class LearnerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model_path: str
-    """HF model folder (``trainer.modelhub``); loaded in fp32 on CPU, cast by DeepSpeed for bf16."""
+    """HF model folder (``modelkit.modelhub``); loaded in fp32 on CPU, cast by DeepSpeed for bf16."""
     zero_stage: int = Field(0, ge=0, le=3)
     """DeepSpeed ZeRO stage; 0-3 all work on CPU with gloo."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -157,7 +157,7 @@ class LearnerCore:
     def __init__(self, settings: LearnerSettings, rank: int = 0, world_size: int = 1) -> None:
         import deepspeed
 
-        from trainer.modelhub import load_causal_lm
+        from modelkit.modelhub import load_causal_lm
 
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         self.settings, self.rank, self.world_size = settings, rank, world_size
@@ -423,7 +423,7 @@ class LearnerCore:
 
     def publish(self, dtype: str = "float32") -> tuple[WeightManifest, dict[str, torch.Tensor]]:
         """Pack the current weights as version :attr:`version` for the rollout workers and the
-        old-logit service (:func:`trainer.weights.pack_weights`: cast to ``dtype``, tied tensors sent
+        old-logit service (:func:`modelkit.weights.pack_weights`: cast to ``dtype``, tied tensors sent
         once, checksummed). Records ``last_publish`` = {seconds, bytes, version}.
 
         Under ZeRO-3 with several ranks every rank must call it (parameters are gathered).

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
+from modelkit.modelhub import load_causal_lm
+from modelkit.scoring import sequence_logprobs
+from modelkit.weights import unpack_weights
 from protocol import Trajectory
 from trainer.batch import Batch, collate
 from trainer.learner import LearnerCore, LearnerGroup, LearnerSettings, free_port
 from trainer.loss_config import loss_config
-from trainer.modelhub import load_causal_lm
-from trainer.scoring import sequence_logprobs
-from trainer.weights import unpack_weights
 
 pytestmark = pytest.mark.integration
 

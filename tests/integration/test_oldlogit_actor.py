@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from modelkit.modelhub import load_causal_lm
+from modelkit.scoring import sequence_logprobs
+from modelkit.weights import pack_weights
 from protocol import OldLogitRequest, TokenStatus, Trajectory
-from trainer.modelhub import load_causal_lm
-from trainer.scoring import sequence_logprobs
-from trainer.weights import pack_weights
 
 pytestmark = pytest.mark.integration
 T = 0.8

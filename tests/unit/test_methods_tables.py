@@ -65,7 +65,7 @@ def test_grids_have_unique_cell_names_and_unknown_kind_is_named():
 def test_cli_names_an_unknown_grid_and_runs_nothing(tmp_path):
     from typer.testing import CliRunner
 
-    from trainer.cli import app
+    from vintage_cli.main import app
 
     res = CliRunner().invoke(app, ["bench", "methods", "--grid", "bogus", "--out", str(tmp_path / "m")])
     assert res.exit_code == 2

@@ -10,11 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from modelkit.modelhub import load_causal_lm
+from modelkit.scoring import sequence_logprobs
+from modelkit.weights import pack_weights
 from oldlogit_service import OldLogitService, status_from_old_logprobs
 from protocol import OldLogitRequest, ProtocolError, TokenStatus, Trajectory
-from trainer.modelhub import load_causal_lm
-from trainer.scoring import sequence_logprobs
-from trainer.weights import pack_weights
 
 T = 0.7
 VOCAB = 49152

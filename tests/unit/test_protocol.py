@@ -678,14 +678,14 @@ def _tied_model():
 
 
 def _wire(payload):
-    from trainer.weights import raw_bytes
+    from modelkit.weights import raw_bytes
 
     return {n: (list(t.shape), raw_bytes(t)) for n, t in payload.items()}
 
 
 @pytest.fixture()
 def packed():
-    from trainer.weights import pack_weights
+    from modelkit.weights import pack_weights
 
     model = _tied_model()
     manifest, payload = pack_weights(model.state_dict().items(), version=7)
@@ -695,7 +695,7 @@ def packed():
 def test_pack_weights_good_payload_verifies_and_unpacks_tied(packed):
     import torch
 
-    from trainer.weights import unpack_weights
+    from modelkit.weights import unpack_weights
 
     model, manifest, payload = packed
     assert manifest.version == 7
@@ -719,7 +719,7 @@ def test_pack_weights_good_payload_verifies_and_unpacks_tied(packed):
 
 
 def test_pack_weights_bfloat16_checksum_covers_sent_bytes():
-    from trainer.weights import pack_weights, raw_bytes
+    from modelkit.weights import pack_weights, raw_bytes
 
     manifest, payload = pack_weights(_tied_model().state_dict().items(), version=1, dtype="bfloat16")
     assert {t.dtype for t in manifest.tensors} == {"bfloat16"}
@@ -781,7 +781,7 @@ def test_verify_rejects_bad_checksum(packed):
 def test_unpack_refuses_tampered_payload(packed):
     import torch
 
-    from trainer.weights import unpack_weights
+    from modelkit.weights import unpack_weights
 
     _, manifest, payload = packed
     bad = dict(payload)
@@ -797,7 +797,7 @@ def test_unpack_refuses_tampered_payload(packed):
 def test_pack_weights_views_of_one_buffer_are_not_tied():
     import torch
 
-    from trainer.weights import pack_weights, unpack_weights
+    from modelkit.weights import pack_weights, unpack_weights
 
     flat = torch.arange(24, dtype=torch.float32)
     a, b = flat[:12].view(3, 4), flat[12:].view(3, 4)

