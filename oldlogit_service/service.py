@@ -513,7 +513,7 @@ class OldLogitService:
     def stats(self) -> dict[str, Any]:
         """:meth:`status` fields plus ``forwards``, ``latest_version``, ``evicted`` ({version:
         reason}), ``evictions`` (count by reason), ``seconds`` (by kind), ``seconds_per_request``
-        (mean over score/segment/prefix calls), ``last_request_seconds`` and ``exact_fraction``."""
+        (mean over score/segment/prefix calls), ``last_request_seconds`` and ``exact_token_fraction``."""
         out = self.status().model_dump()
         scored = self.seconds["score"] + self.seconds["segments"] + self.seconds["prefixes"]
         missing = sum(self.tokens_missing.values())
@@ -525,7 +525,9 @@ class OldLogitService:
             seconds=dict(self.seconds),
             seconds_per_request=scored / self.requests if self.requests else 0.0,
             last_request_seconds=self.last_request_seconds,
-            exact_fraction=self.tokens_exact / (self.tokens_exact + missing) if self.tokens_exact + missing else 1.0,
+            exact_token_fraction=self.tokens_exact / (self.tokens_exact + missing)
+            if self.tokens_exact + missing
+            else 1.0,
         )
         return out
 

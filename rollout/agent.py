@@ -188,6 +188,7 @@ class Episode:
             turn_rewards=list(self.turn_rewards),
             turn_boundaries=list(self.turn_boundaries),
             truncated=self.truncated,
+            purpose=self.request.purpose,
             old_logprobs=None if self.old_logprobs is None else pad_nan(self.old_logprobs, len(self.token_ids)),
             info={
                 **self.info,

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from protocol import NO_VERSION, OldLogitAnswer, TokenStatus, Trajectory
-from trainer.advantages import TRUNCATED_REASONS, grpo_advantages, rloo_advantages
+from trainer.advantages import TRUNCATED_REASONS, grpo_advantages, rloo_advantages, zero_variance_groups
 
 _ROW_TENSORS = (
     "token_ids", "attention_mask", "loss_mask", "sampled_mask", "behav_logprobs", "versions", "staleness",
@@ -142,6 +142,12 @@ def empty_batch(consuming_version: int = 0, temperature: float = 1.0, pad_token_
     )  # fmt: skip
 
 
+def _group_index(group_ids: Sequence[str]) -> Tensor:
+    """Dense long index ``[B]`` of each sequence's group, in order of first appearance."""
+    codes = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
+    return torch.tensor([codes[g] for g in group_ids], dtype=torch.long)
+
+
 def sequence_advantages(rewards: Tensor, group_ids: Sequence[str], estimator: str = "grpo") -> Tensor:
     """Per-sequence advantages ``[B]`` from outcome rewards ``[B]`` grouped by ``group_ids``.
 
@@ -149,8 +155,7 @@ def sequence_advantages(rewards: Tensor, group_ids: Sequence[str], estimator: st
     leave-one-out baseline; "reinforce": the raw reward (gamma = 1, no baseline). Raises ValueError
     on an unknown estimator.
     """
-    codes = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
-    gid = torch.tensor([codes[g] for g in group_ids], dtype=torch.long)
+    gid = _group_index(group_ids)
     if estimator == "grpo":
         return grpo_advantages(rewards, gid)
     if estimator == "rloo":
@@ -261,7 +266,8 @@ def collate(
         overlong_seqs = int((truncated & train.any(-1)).sum())
         train &= ~truncated[:, None]
     rewards = torch.tensor([float(tr.reward) for tr in trajectories], dtype=torch.float32)
-    seq_adv = sequence_advantages(rewards, [tr.group_id for tr in trajectories], advantage)
+    group_ids = [tr.group_id for tr in trajectories]
+    seq_adv = sequence_advantages(rewards, group_ids, advantage)
     train_t = torch.from_numpy(train)
     exact_t = torch.from_numpy(exact) & train_t
     stats = {
@@ -273,6 +279,8 @@ def collate(
         "staleness_mean": float(stale[sampled].mean()) if sampled.any() else 0.0,
         "staleness_max": float(stale[sampled].max()) if sampled.any() else 0.0,
         "exact_tokens": float(exact_t.sum()),
+        "groups": float(len(set(group_ids))),
+        "zero_variance_groups": float(zero_variance_groups(rewards, _group_index(group_ids))),
     }
     return Batch(
         token_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(attn), loss_mask=train_t,

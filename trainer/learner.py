@@ -45,14 +45,14 @@ from typing import Any, Literal
 import numpy as np
 import ray
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from modelkit.scoring import sequence_logprobs
 from modelkit.weights import pack_weights
 from protocol import OldLogitAnswer, Trajectory, WeightManifest
 from trainer.batch import Batch, collate
 from trainer.ewma import EwmaProximal
-from trainer.loss_config import EwmaConfig, LossConfig, loss_config
+from trainer.loss_config import EwmaConfig, LossConfig, kl_refusal, loss_config
 from trainer.losses import compute_policy_loss, discrepancy_ratio, icepop_mask
 from trainer.proximal import proximal_reference
 
@@ -91,12 +91,19 @@ class LearnerSettings(BaseModel):
     overlong_filter: bool = False
     """Mask sequences truncated by the length budget (finish reason, case 9)."""
     seed: int = 0
+    """Seed of the learner's torch generators."""
     master_addr: str = "127.0.0.1"
     """Rendezvous address of rank 0 (``MASTER_ADDR``)."""
     master_port: int = Field(29500, ge=1, le=65535)
     """Rendezvous port (``MASTER_PORT``); :class:`LearnerGroup` picks a free one."""
     dist_backend: str | None = None
     """torch.distributed backend; None: gloo on CPU, the accelerator's own otherwise."""
+
+    @model_validator(mode="after")
+    def _no_kl(self) -> LearnerSettings:
+        if self.loss.kl_coef > 0:
+            raise ValueError(kl_refusal(self.loss.kl_coef))
+        return self
 
 
 def free_port() -> int:
@@ -273,7 +280,7 @@ class LearnerCore:
         Returns a dict of floats: ``loss`` (global token-mean loss), ``applied`` (1/0), ``version``
         (after the step), ``consumed_version``, ``skipped_steps``, ``grad_norm`` (before clipping,
         NaN when skipped), ``tokens`` (global N), ``sequences``, the loss library's metrics averaged
-        over tokens (``clip_frac_low/high``, ``mask_kept_frac``, ``exact_token_fraction``,
+        over tokens (``clip_frac_low/high``, ``mask_kept_fraction``, ``exact_token_fraction``,
         ``discrepancy_kl``, ``ratio_mean`` ...; ``*_max``/``*_min`` as extremes), ``proxy_abs_err``
         (mean |proxy - exact| in nats over exact tokens, NaN without any) and ``proxy_err_tokens``,
         ``ewma_*`` (beta, total_weight, resets, kept_frac, reset, bytes), ``step_s``, ``tokens_per_s``,
@@ -518,7 +525,7 @@ class LearnerGroup:
             return self._all("publish", dtype)[0]
         return ray.get(self.actors[0].publish.remote(dtype))
 
-    def publish_ref(self, dtype: str = "float32") -> tuple[WeightManifest, ray.ObjectRef]:
+    def async_publish(self, dtype: str = "float32") -> tuple[WeightManifest, ray.ObjectRef]:
         """Like :meth:`publish`, but the payload stays in Ray's object store: returns the manifest and
         an ``ObjectRef`` to hand to every consumer, so the driver never copies the weights."""
         ranks = self.actors if self.zero_stage == 3 else self.actors[:1]

@@ -76,7 +76,9 @@ def plot_run(run_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [r.get("staleness_mean", float("nan")) for r in rows], marker="o", label="mean token staleness")
     ax.plot(steps, [r.get("staleness_max", float("nan")) for r in rows], marker="x", label="max token staleness")
-    ax.plot(steps, [r.get("exact_fraction", float("nan")) for r in rows], marker=".", label="exact old-logit fraction")
+    ax.plot(
+        steps, [r.get("exact_token_fraction", float("nan")) for r in rows], marker=".", label="exact old-logit fraction"
+    )
     out.append(_save(plt, fig, ax, Path(run_dir) / "staleness.png"))
     return out
 

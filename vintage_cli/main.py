@@ -100,7 +100,7 @@ def status(url: Annotated[str, typer.Option(help="Base URL of the job's HTTP API
         f"consumed {s.consumed}  generated {s.generated}  dropped {s.dropped}  skipped steps {s.skipped_steps}"
     )
     console.print(
-        f"exact fraction by route {s.exact_fraction_by_route}  proxy fraction {s.proxy_fraction:.3f}  mask kept {s.mask_kept_fraction}"
+        f"old-logit route {s.oldlogit_route}  exact token fraction {s.exact_token_fraction}  proxy fraction {s.proxy_fraction:.3f}  mask kept {s.mask_kept_fraction}"
     )
     if s.ewma:
         console.print(f"EWMA beta {s.ewma.beta:.3f}  resets {s.ewma.resets}")

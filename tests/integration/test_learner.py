@@ -75,7 +75,7 @@ def test_one_step_changes_weights_and_bumps_version(tiny_model_path, make_trajs,
     # (the EWMA forward uses the learner's numerics, also in bf16)
     assert m["ratio_max"] == 1.0 and m["ratio_min"] == 1.0
     assert math.isfinite(m["loss"]) and m["grad_norm"] > 0 and m["tokens"] == 32
-    assert m["mask_kept_frac"] == pytest.approx(1.0) and m["exact_token_fraction"] == 0.0
+    assert m["mask_kept_fraction"] == pytest.approx(1.0) and m["exact_token_fraction"] == 0.0
     assert m["ewma_updates"] == 1 and m["ewma_resets"] == 0 and m["ewma_beta"] == pytest.approx(0.5)
     assert max_diff(weights(core), before) > 1e-4
     # the next batch is consumed at version 1: its version-0 tokens have staleness 1

@@ -284,7 +284,7 @@ def test_sequence_level_discrepancy_product_and_geomean():
     # a sequence-level mask rejects the whole sequence
     w, m = discrepancy_weights(ref, mu, mask, level="seq_product", weight_cap=None, apply_mask=True)
     assert w.tolist() == [[0.0] * 3, [1.0] * 3]
-    assert m["mask_kept_frac"].item() == pytest.approx(3 / 5)
+    assert m["mask_kept_fraction"].item() == pytest.approx(3 / 5)
 
 
 def test_case10_identity_at_equal_logprobs():
@@ -357,7 +357,7 @@ def test_aggregate_ignores_nan_in_masked_slots_and_empty_mask_is_zero():
 
 def test_kept_fraction_of_an_empty_batch_is_one():
     _, metrics = discrepancy_weights(torch.zeros(1, 2), torch.full((1, 2), 5.0), torch.zeros(1, 2))
-    assert metrics["mask_kept_frac"].item() == 1.0
+    assert metrics["mask_kept_fraction"].item() == 1.0
 
 
 def test_mask_rejected_tokens_stay_in_denominator():
@@ -365,7 +365,7 @@ def test_mask_rejected_tokens_stay_in_denominator():
     mu = t([[0.0, 0.0, 0.0, 3.0]])  # d = exp(0 - 3) = 0.05: rejected by [0.5, 2]
     loss, metrics = decoupled_ppo_loss(logp, logp.detach(), mu, t([1.0]), torch.ones(1, 4), apply_mask=True)
     assert loss.item() == pytest.approx(-3 / 4)  # 3 kept tokens of loss -1, denominator 4
-    assert metrics["mask_kept_frac"] == 0.75
+    assert metrics["mask_kept_fraction"] == 0.75
 
 
 # ---- case 8: KL estimators --------------------------------------------------------------------
@@ -468,10 +468,17 @@ def test_every_method_runs_with_finite_loss_gradient_and_metrics(method):
     loss.backward()
     assert math.isfinite(loss.item()) and torch.isfinite(logp.grad).all()
     assert logp.grad[mask == 0].abs().max().item() == 0.0
-    for key in ("clip_frac_low", "clip_frac_high", "mask_kept_frac", "ratio_mean", "approx_kl", "exact_token_fraction"):
+    for key in (
+        "clip_frac_low",
+        "clip_frac_high",
+        "mask_kept_fraction",
+        "ratio_mean",
+        "approx_kl",
+        "exact_token_fraction",
+    ):
         assert math.isfinite(metrics[key]), key
     assert all(isinstance(v, float) for v in metrics.values())
-    routed = cfg.old_logit_route != "none"
+    routed = cfg.oldlogit_route != "none"
     assert (metrics["exact_token_fraction"] > 0) == routed
 
 

@@ -207,7 +207,8 @@ def _samples() -> dict[str, Message]:
             buffer_size=3,
             buffer_staleness_hist={0: 1, 2: 2},
             last_batch_staleness_hist={1: 4},
-            exact_fraction_by_route={"snapshot": 0.9},
+            oldlogit_route="snapshot",
+            exact_token_fraction=0.9,
             proxy_fraction=0.1,
             ewma=ewma,
             mask_kept_fraction=0.97,
@@ -653,7 +654,7 @@ def test_edge_inputs_that_are_accepted():
 
 def test_old_logit_answer_exact_fraction_survives_round_trip():
     ans = OldLogitAnswer.model_validate_json(SAMPLES["OldLogitAnswer"].model_dump_json())
-    assert ans.exact_fraction() == 0.5  # one exact, one evicted; context tokens excluded
+    assert ans.exact_token_fraction() == 0.5  # one exact, one evicted; context tokens excluded
     assert ans.status[0].dtype == np.int8 and ans.status[0].tolist() == [1, 1, 0, 2]
 
 
