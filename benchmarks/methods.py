@@ -1,4 +1,4 @@
-"""Methods x staleness x discrepancy, side by side, on the real pipeline (issue 8).
+"""Methods x staleness x discrepancy, side by side, on the real pipeline.
 
 Every cell is one real job (``trainer.job.run_job``: vLLM rollout worker, DeepSpeed learner, the
 old-logit service, the EWMA, the async controller) on the tiny random model and the procedural
@@ -540,11 +540,12 @@ def run_grid(cells: list[Cell], out_dir: Path, console: Console, grid_name: str)
     run into one folder (``reduced``, then ``seeds``) make one table with the seeds pooled per row.
     """
     from trainer.config import load_config
-    from trainer.job import _defaults_env, ray_session
+    from trainer.environment import defaults_env
+    from trainer.job import ray_session
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _defaults_env()
+    defaults_env()
     t0 = time.perf_counter()
     prev = out_dir / "results.json"
     walls = json.loads(prev.read_text())["meta"].get("grid_wall_s", {}) if prev.is_file() else {}

@@ -3,8 +3,7 @@
 For each sampled token t with version ``v_t`` the service answers ``log pi_old(token | prefix)``
 computed with the *learner's* model code and numerics (HF transformers forward +
 :func:`modelkit.scoring.sequence_logprobs`, temperature applied the same way) under the weights of
-version ``v_t`` - or says per token why it cannot (:class:`protocol.TokenStatus`). Design brief
-section 4, known-failure case 13.
+version ``v_t`` - or says per token why it cannot (:class:`protocol.TokenStatus`).
 
 Routes (``route=``):
 

@@ -320,7 +320,7 @@ class RolloutWorkerCore:
 
     def _start_turn(self, ep: Episode) -> bool:
         budget = min(ep.request.sampling.max_tokens, self.max_context - len(ep.token_ids))
-        if budget < 1:  # context budget exhausted: that is truncation too (case 9, multi-turn)
+        if budget < 1:  # context budget exhausted: that is truncation too (multi-turn)
             ep.finish_reason, ep.truncated = "length", True
             ep.info["context_exhausted"] = True
             return False

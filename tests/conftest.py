@@ -13,12 +13,12 @@ import tempfile
 
 import pytest
 
-from trainer.job import ENV_VARS, _defaults_env
+from trainer.environment import ENV_VARS, defaults_env
 
 # Tests exercise the CPU path even on a GPU machine; the rest are the job's own defaults (threads,
 # offline hubs, Ray's memory monitor off, one DeepSpeed JIT build per virtual environment).
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-_defaults_env()
+defaults_env()
 
 
 @pytest.fixture(scope="session")

@@ -5,11 +5,11 @@ One :class:`Batch` is what one optimizer step consumes. Conventions (``docs/arch
 * Rows are right-padded to the longest sequence; ``attention_mask`` is 1 on real tokens.
 * ``sampled_mask`` is the trajectory's own ``loss_mask`` (1 on tokens the model sampled);
   ``loss_mask`` is what the loss trains on: ``sampled_mask`` minus tokens over
-  ``max_token_staleness`` (case 5, they stay as context), minus whole rows whose engine finish
-  reason says they were truncated when the overlong filter is on (case 9), minus position 0
+  ``max_token_staleness`` (they stay as context), minus whole rows whose engine finish
+  reason says they were truncated when the overlong filter is on (decided by the finish reason, never an EOS id), minus position 0
   (no prefix to score it with). The token-mean denominator is ``loss_mask.sum()`` over the whole
-  optimizer batch (all micro-batches and data-parallel ranks), so it never depends on the split
-  (case 6), and tool/prompt tokens never count (case 7).
+  optimizer batch (all micro-batches and data-parallel ranks), so it never depends on the split,
+  and tool/prompt tokens never count.
 * ``behav_logprobs`` (mu, nats) holds the engine value recorded when each token was sampled, NaN on
   context/padding tokens (a placeholder that the loss never reads).
 * ``versions`` is the sampling version per token, ``-1`` off sampled tokens; ``staleness`` is
@@ -55,7 +55,7 @@ class Batch:
     consuming_version: int = 0
     """Learner version that consumes the batch (staleness is measured against it)."""
     temperature: float = 1.0
-    """Sampling temperature the engine used; the learner applies the same one (case 1)."""
+    """Sampling temperature the engine used; the learner applies the same one."""
     sampled_mask: Tensor | None = None  # [B, T] bool, the trajectories' own loss_mask
     versions: Tensor | None = None  # [B, T] int64, -1 off sampled tokens
     staleness: Tensor | None = None  # [B, T] int64, 0 off sampled tokens
@@ -198,7 +198,7 @@ def collate(
         max_token_staleness: tokens with staleness above it are masked out of the loss (kept as
             context). Case 5: versions [3,3,3,4,4,5] at V = 6, limit 2 -> first 3 masked, N = 3.
         overlong_filter: mask whole sequences whose engine ``finish_reason`` is "length" or "abort"
-            or that are flagged ``truncated`` (case 9: decided by the finish reason, never an EOS id).
+            or that are flagged ``truncated`` (decided by the finish reason, never an EOS id).
         advantage: "grpo", "rloo" or "reinforce" (see :func:`sequence_advantages`).
 
     Raises:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -43,45 +42,10 @@ from rich.console import Console
 from protocol import EnvRef, EwmaStatus, RolloutRequest, Trajectory
 from trainer.buffer import TrajectoryBuffer, admission_capacity, token_staleness_histogram
 from trainer.config import JobConfig, write_resolved
+from trainer.environment import ENV_VARS, defaults_env
 from trainer.metrics_log import MetricsLog, plot_run
 from trainer.routes import make_route
 from trainer.server import ApiServer, StatusBoard
-
-ENV_VARS = (
-    "OMP_NUM_THREADS",
-    "DS_ACCELERATOR",
-    "HF_HUB_OFFLINE",
-    "TRANSFORMERS_OFFLINE",
-    "TOKENIZERS_PARALLELISM",
-    "VINTAGE_CACHE_DIR",
-    "HF_HUB_DISABLE_PROGRESS_BARS",
-    "VLLM_LOGGING_LEVEL",
-    "TRANSFORMERS_VERBOSITY",
-    "TORCH_EXTENSIONS_DIR",
-)
-
-
-def _defaults_env() -> None:
-    for k, v in (
-        ("OMP_NUM_THREADS", "1"),
-        ("HF_HUB_OFFLINE", "1"),
-        ("TRANSFORMERS_OFFLINE", "1"),
-        ("TOKENIZERS_PARALLELISM", "false"),
-        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
-        ("RAY_memory_monitor_refresh_ms", "0"),
-        ("VLLM_LOGGING_LEVEL", "ERROR"),
-        ("TRANSFORMERS_VERBOSITY", "error"),
-        # DeepSpeed's JIT ops (the CPU comm op) build once per virtual environment: two venvs
-        # sharing ~/.cache/torch_extensions invalidate each other's build on every learner start.
-        ("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions")),
-    ):
-        os.environ.setdefault(k, v)
-    try:
-        import torch
-
-        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    except ImportError:  # pragma: no cover
-        pass
 
 
 @contextlib.contextmanager
@@ -467,7 +431,7 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
     TensorBoard), plots to ``reward.png`` / ``staleness.png``.
     """
     console = console or Console()
-    _defaults_env()
+    defaults_env()
     run_dir = Path(cfg.logging.run_dir)
     write_resolved(cfg, run_dir)
     t_start = time.perf_counter()

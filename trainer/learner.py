@@ -10,7 +10,7 @@ One :meth:`LearnerCore.train_step` at learner version ``V``:
    exact old log-probs where a route supplied them (NaN elsewhere), GRPO advantages over the whole
    batch; each rank then takes rows ``rank::world_size``;
 2. the global token count ``N`` (all-reduced over ranks) is the token-mean denominator of every
-   micro-batch (case 6), and the loss is multiplied by ``world_size`` because DeepSpeed averages
+   micro-batch, and the loss is multiplied by ``world_size`` because DeepSpeed averages
    gradients over data-parallel ranks;
 3. per micro-batch: with the PPO-EWMA proxy a no-grad forward with the EWMA weights, the forward
    of the current policy, :func:`trainer.losses.compute_policy_loss` (exact reference where known,
@@ -85,11 +85,11 @@ class LearnerSettings(BaseModel):
     ewma: EwmaConfig = Field(default_factory=EwmaConfig)
     """PPO-EWMA decay and reset threshold (used when ``loss.proxy == "ewma"``)."""
     temperature: float = Field(1.0, gt=0.0)
-    """The rollouts' sampling temperature; every learner log-prob uses it (case 1)."""
+    """The rollouts' sampling temperature; every learner log-prob uses it."""
     max_token_staleness: int | None = Field(None, ge=0)
-    """Tokens staler than this are masked out of the loss, kept as context (case 5)."""
+    """Tokens staler than this are masked out of the loss, kept as context."""
     overlong_filter: bool = False
-    """Mask sequences truncated by the length budget (finish reason, case 9)."""
+    """Mask sequences truncated by the length budget (read from the finish reason)."""
     seed: int = 0
     """Seed of the learner's torch generators."""
     master_addr: str = "127.0.0.1"

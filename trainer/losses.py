@@ -1,7 +1,6 @@
 """Policy losses for vintage: ratios, discrepancy corrections, policy losses, KL, aggregation.
 
-Small pure functions over tensors (no state, no Ray, no collectives). The algorithm is section 3 of
-``shared/design.md``; per generated token t with advantage A_t and loss mask m_t::
+Small pure functions over tensors (no state, no Ray, no collectives). Per generated token t with advantage A_t and loss mask m_t::
 
     d_t  = exp(ref_t - mu_t)                        discrepancy ratio (detached)
     w_t  = min(d_t, C)                              truncated IS weight (optional)
@@ -61,7 +60,7 @@ def token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float) -> Ten
     logits ``[B, T, V]`` (position t's logits are the ones that produced ``token_ids[:, t]``; the
     caller does the shift), token_ids ``[B, T]`` -> ``[B, T]`` fp32. The temperature must be the
     engine's sampling temperature so that the learner's log-probs and mu describe the same
-    distribution (case 1). Temperature 0 (greedy) has no usable log-probs and is refused.
+    distribution. Temperature 0 (greedy) has no usable log-probs and is refused.
     """
     if isinstance(temperature, bool) or not isinstance(temperature, int | float):
         raise ValueError(f"temperature must be a number > 0, got temperature={temperature!r}")
@@ -165,10 +164,10 @@ def aggregate(
     - "token_mean": sum over masked-in tokens / N_tokens. N_tokens is ``global_token_count`` (the
       token count of the whole optimizer batch, summed over micro-batches and data-parallel ranks)
       or, if None, this call's own count. With the global count, summing the micro-batch losses
-      gives the same value and gradient whatever the split (case 6: 2 tokens of loss 1 + 8 of 0 ->
+      gives the same value and gradient whatever the split (e.g. 2 tokens of loss 1 + 8 of 0 ->
       0.2). Data-parallel engines that *average* gradients over ranks need the loss scaled by the
       world size.
-    - "seq_mean_token_mean": mean over sequences of each sequence's token mean (case 6: 0.5).
+    - "seq_mean_token_mean": mean over sequences of each sequence's token mean (same example, one sequence each: 0.5).
     - "seq_mean_token_sum": mean over sequences of each sequence's token sum.
     Sequence modes divide by ``global_seq_count`` (sequences with >= 1 masked-in token) or the local
     count. Empty denominators count as 1, so an all-masked batch gives 0, not NaN.

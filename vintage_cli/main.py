@@ -51,7 +51,7 @@ def bench_methods(
         str, typer.Option(help="Which grid: quick, reduced, seeds, lr, eps, full, confirm (see benchmarks/methods.py).")
     ] = "full",
 ) -> None:
-    """Methods x staleness x discrepancy on the real pipeline (issue 8); writes results under --out.
+    """Methods x staleness x discrepancy on the real pipeline; writes results under --out.
 
     Grids run into the same --out pool into one table (e.g. ``reduced`` then ``seeds``).
     """

@@ -1,4 +1,4 @@
-"""End to end on the real SmolLM2-135M-Instruct: a shortened `make demo` (issue 7).
+"""End to end on the real SmolLM2-135M-Instruct: a shortened `make demo`.
 
 Real vLLM rollout worker, DeepSpeed learner, snapshot old-logit service on a local Ray cluster, the
 HTTP status server on 127.0.0.1. The snapshot memory budget is set to hold exactly two versions

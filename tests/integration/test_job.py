@@ -1,6 +1,6 @@
 """A short async job on the tiny model, for real: Ray local cluster, DeepSpeed on CPU, vLLM, HTTP.
 
-Checks (issue 6): versions advance one per step; no consumed token exceeds ``max_staleness``; the
+Checks: versions advance one per step; no consumed token exceeds ``max_staleness``; the
 status endpoint answers during the run; rollout workers scale up and down mid-run; the accounting
 identity holds; a mutating call without the token is refused; a resumed run continues the version
 sequence from its checkpoint.

@@ -156,7 +156,7 @@ def test_case2a_nan_mu_on_sampled_token_is_neutral(tiny_model_path, make_trajs):
 
 
 def test_exact_old_logits_and_proxy_error(tiny_model_path, make_trajs):
-    """Exact pi_old on some tokens (case 13 style): exact fraction and proxy-vs-exact error reported."""
+    """Exact pi_old on some tokens (a mixed batch): exact fraction and proxy-vs-exact error reported."""
     core = LearnerCore(settings(tiny_model_path, loss=loss_config("snapshot")))
     trajs = make_trajs()
     b = collate(trajs, consuming_version=0)
@@ -209,7 +209,7 @@ def test_publish_roundtrip_fresh_model_identical_logprobs(tiny_model_path, make_
 
 def test_world_size_2_ray_ranks_agree(tiny_model_path, make_trajs, ray_cluster):
     """Two Ray actors (gloo, ZeRO-2) do one step; both ranks hold the same weights, and the
-    gradient norm equals a single rank's on the whole batch (global token count, case 6)."""
+    gradient norm equals a single rank's on the whole batch (global token count)."""
     import ray
 
     trajs = make_trajs(n=6, seed=7)

@@ -1,4 +1,4 @@
-"""PPO-EWMA bookkeeping (case 11), resets, checkpoints, and forwards with EWMA weights."""
+"""PPO-EWMA bookkeeping, resets, checkpoints, and forwards with EWMA weights."""
 
 import math
 

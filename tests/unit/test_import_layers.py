@@ -140,3 +140,16 @@ def test_only_the_command_line_imports_benchmarks_and_nothing_imports_it():
     graph = package_graph()
     assert sorted(p for p in graph if "benchmarks" in graph[p]) == ["vintage_cli"]
     assert sorted(p for p in graph if "vintage_cli" in graph[p]) == []
+
+
+def test_the_test_fixtures_import_no_ray():
+    """Unit tests pay no Ray import: conftest (and what it imports) leaves ``ray`` unimported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/tests']; import conftest; "
+        "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

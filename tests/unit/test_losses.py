@@ -1,4 +1,4 @@
-"""Loss library: hand-worked values of the known-failure cases (shared/cases) and gradients."""
+"""Loss library: hand-worked values and gradients."""
 
 import math
 
@@ -34,7 +34,7 @@ def close(x, expected, tol=1e-5):
     return torch.allclose(x.detach().double(), torch.tensor(expected, dtype=torch.float64), atol=tol, rtol=0)
 
 
-# ---- case 1: temperature ---------------------------------------------------------------------
+# ---- temperature ----------------------------------------------------------------------------
 
 
 def test_case1_token_logprobs_apply_temperature():
@@ -69,7 +69,7 @@ def test_token_logprobs_gradcheck():
     assert token_logprobs(logits, ids, 0.7).dtype == torch.float64
 
 
-# ---- case 2: non-finite values never reach the loss ------------------------------------------
+# ---- non-finite values never reach the loss -------------------------------------------------
 
 
 def test_case2a_nan_mu_gives_neutral_ratio_and_finite_loss():
@@ -125,7 +125,7 @@ def test_safe_log_ratio_clamps_and_zeroes():
     assert out.tolist() == [[20.0, -20.0, 0.0, 0.0]]
 
 
-# ---- case 3: clip anchored to the proximal policy, behaviour weight from mu --------------------
+# ---- clip anchored to the proximal policy, behaviour weight from mu ---------------------------
 
 
 @pytest.mark.parametrize(("pi_theta", "loss_value", "grad"), [(0.6, -2.4, 0.0), (0.44, -2.2, -2.2)])
@@ -306,7 +306,7 @@ def test_case10_exact_old_logits_first_minibatch_only_discrepancy_acts():
     assert loss.item() == pytest.approx(-(d.sum() / 2).item(), abs=1e-6)
 
 
-# ---- case 6: aggregation ----------------------------------------------------------------------
+# ---- aggregation -----------------------------------------------------------------------------
 
 
 def _case6():
@@ -368,7 +368,7 @@ def test_mask_rejected_tokens_stay_in_denominator():
     assert metrics["mask_kept_fraction"] == 0.75
 
 
-# ---- case 8: KL estimators --------------------------------------------------------------------
+# ---- KL estimators ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

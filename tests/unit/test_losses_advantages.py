@@ -1,4 +1,4 @@
-"""Advantages, returns, lengths and truncation (cases 7 and 9)."""
+"""Advantages, returns, lengths and truncation."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""OldLogitService on the tiny model, without Ray: exactness per version, case 13, eviction,
+"""OldLogitService on the tiny model, without Ray: exactness per version, mixed batches, eviction,
 partial rollouts, the single-replica routes, malformed input, accounting."""
 
 from __future__ import annotations

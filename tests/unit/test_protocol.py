@@ -345,7 +345,7 @@ def test_hand_written_http_json_is_accepted():
 
 
 # ------------------------------------------------------------------------------------------------
-# case 5: per-token versions and segments survive the trip
+# per-token versions and segments survive the trip
 # ------------------------------------------------------------------------------------------------
 
 

@@ -124,7 +124,7 @@ def test_multiturn_mask_and_generated_length_case7():
 
 
 def test_truncated_turn_gets_appended_eos_with_mask_zero():
-    """Case 7 extra + case 9 multi-turn: a length-cut turn is closed by an EOS the worker appends (mask 0)."""
+    """Multi-turn: a length-cut turn is closed by an EOS the worker appends (mask 0)."""
     eng = FakeEngine([([10, 11, 12, 13, 14, 15], "stop"), ([20, EOS], "stop")])
     core = RolloutWorkerCore(eng, chat=FakeChat())
     core.submit(_req(turns=2, max_tokens=4))

@@ -1,4 +1,4 @@
-"""The HTTP API served by a real uvicorn on 127.0.0.1 (case 4 HTTP status, bearer token)."""
+"""The HTTP API served by a real uvicorn on 127.0.0.1 (status, bearer token)."""
 
 import httpx
 import pytest
