@@ -43,7 +43,7 @@ from protocol import EnvRef, EwmaStatus, RolloutRequest, Trajectory
 from trainer.buffer import TrajectoryBuffer, admission_capacity, token_staleness_histogram
 from trainer.config import JobConfig, write_resolved
 from trainer.environment import ENV_VARS, defaults_env
-from trainer.metrics_log import MetricsLog, plot_run
+from trainer.metrics_log import MetricsLog, StepMetrics, plot_run
 from trainer.routes import make_route
 from trainer.server import ApiServer, StatusBoard
 
@@ -309,26 +309,32 @@ class Job:
         self.last_publish = {"seconds": time.perf_counter() - t0, "bytes": manifest.total_bytes, "unix": time.time()}
         self.times["publish"] += self.last_publish["seconds"]
 
-    def step_metrics(self, batch: list[Trajectory], m: dict[str, Any]) -> dict[str, Any]:
+    def step_metrics(self, batch: list[Trajectory], m: dict[str, Any]) -> StepMetrics:
         """The learner's metrics ``m`` plus the batch's rewards and staleness, the last publication and
-        the buffer's drop counts: one row of ``metrics.jsonl``. Adds to the job's exact-token totals."""
+        the buffer's drop counts: one row of ``metrics.jsonl``. Adds to the job's exact-token totals.
+
+        Raises:
+            pydantic.ValidationError: the learner's metrics lack a field every step has.
+        """
         hist = token_staleness_histogram(batch, int(m["consumed_version"]))
         n = sum(hist.values())
         rewards = [t.reward for t in batch]
         exact = float(m.get("exact_token_fraction", 0.0))
         self.tokens_exact += exact * m["tokens"]
         self.tokens_total += m["tokens"]
-        return {
-            **m,
-            "reward_mean": float(np.mean(rewards)),
-            "reward_max": float(np.max(rewards)),
-            "exact_token_fraction": exact,
-            "staleness_mean": sum(k * v for k, v in hist.items()) / max(n, 1),
-            "staleness_max": max(hist, default=0),
-            "staleness_hist": hist,
-            "publish_s": self.last_publish.get("seconds", 0.0),
-            **{f"dropped_{k}": v for k, v in self.buffer.dropped.items()},
-        }
+        return StepMetrics(
+            **{
+                **m,
+                "reward_mean": float(np.mean(rewards)),
+                "reward_max": float(np.max(rewards)),
+                "exact_token_fraction": exact,
+                "staleness_mean": sum(k * v for k, v in hist.items()) / max(n, 1),
+                "staleness_max": max(hist, default=0),
+                "staleness_hist": hist,
+                "publish_s": self.last_publish.get("seconds", 0.0),
+                **{f"dropped_{k}": v for k, v in self.buffer.dropped.items()},
+            }
+        )
 
     def evaluate(self, tag: str) -> dict[str, float]:
         """Mean reward on held-out env seeds (disjoint from training), one sample each, same sampling.
@@ -378,7 +384,8 @@ class Job:
             self.console.print(f"scaled rollout workers to {want} (+{len(added)} -{len(removed)})")
         board.desired_workers = None
 
-    def status_fields(self, m: dict[str, Any] | None) -> dict[str, Any]:
+    def status_fields(self, m: StepMetrics | None) -> dict[str, Any]:
+        """The ``/v1/status`` fields now; those of the last step ``m`` when given."""
         oldlogit = self.route.oldlogit
         st = ray.get(oldlogit.status.remote()) if oldlogit is not None else None
         f = dict(
@@ -396,21 +403,21 @@ class Job:
             last_publish_unix=self.last_publish.get("unix"),
         )
         if m is not None:
-            exact = m["exact_token_fraction"]
             f.update(
-                last_batch_staleness_hist=m["staleness_hist"],
-                exact_token_fraction=exact,
-                proxy_fraction=1.0 - exact,
-                mask_kept_fraction=m.get("mask_kept_fraction"),
-                tokens_per_s=m.get("tokens_per_s", 0.0),
-                skipped_steps=int(m["skipped_steps"]),
+                last_batch_staleness_hist=m.staleness_hist,
+                exact_token_fraction=m.exact_token_fraction,
+                proxy_fraction=1.0 - m.exact_token_fraction,
+                mask_kept_fraction=m.mask_kept_fraction,
+                tokens_per_s=m.tokens_per_s,
+                skipped_steps=m.skipped_steps,
             )
-            if "ewma_beta" in m:
+            extra = m.model_extra or {}
+            if "ewma_beta" in extra:
                 f["ewma"] = EwmaStatus(
-                    beta=m["ewma_beta"],
-                    total_weight=m["ewma_total_weight"],
-                    resets=int(m["ewma_resets"]),
-                    bytes_held=int(m.get("ewma_bytes", 0)),
+                    beta=extra["ewma_beta"],
+                    total_weight=extra["ewma_total_weight"],
+                    resets=int(extra["ewma_resets"]),
+                    bytes_held=int(extra.get("ewma_bytes", 0)),
                 )
         return f
 
@@ -485,19 +492,19 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float) -> dict
             time.sleep(0.05)
             continue
         old_logits = job.async_old_logits(batch)  # exact pi_old where the route answers per batch
-        m = job.train(batch, old_logits)  # learner step: version + 1 when applied
-        if m["applied"]:
+        learned = job.train(batch, old_logits)  # learner step: version + 1 when applied
+        if learned["applied"]:
             job.route.before_publish(job.collect)  # scorer routes: score finished work at the outgoing version
             job.publish()  # the new version to every consumer
-        m = job.step_metrics(batch, m)
+        m = job.step_metrics(batch, learned)  # typed: one name per concept
         log.log(job.version, m)
         if cfg.controller.checkpoint_every and job.version % cfg.controller.checkpoint_every == 0:
             job.checkpoint()
         board.update(**job.status_fields(m))
         console.print(
-            f"step {int(m['consumed_version'])}->{job.version}  reward {m['reward_mean']:.3f}  staleness mean {m['staleness_mean']:.2f} "
-            f"max {m['staleness_max']}  exact {m['exact_token_fraction']:.2f}  kept {m.get('mask_kept_fraction', float('nan')):.2f}  "
-            f"loss {m['loss']:+.4f}  {m['tokens_per_s']:.0f} tok/s  train {m['train_s']:.1f}s"
+            f"step {m.consumed_version}->{job.version}  reward {m.reward_mean:.3f}  staleness mean {m.staleness_mean:.2f} "
+            f"max {m.staleness_max}  exact {m.exact_token_fraction:.2f}  kept {m.mask_kept_fraction if m.mask_kept_fraction is not None else float('nan'):.2f}  "
+            f"loss {m.loss:+.4f}  {m.tokens_per_s:.0f} tok/s  train {m.train_s:.1f}s"
         )
     loop_s = time.perf_counter() - t_loop
     after = job.evaluate("after")
@@ -512,8 +519,8 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float) -> dict
         "tokens_exact": job.tokens_exact,
         "tokens_total": job.tokens_total,
         "exact_token_fraction": job.tokens_exact / job.tokens_total if job.tokens_total else 0.0,
-        "ewma_resets": int(m.get("ewma_resets", 0)) if m else 0,
-        "skipped_steps": int(m["skipped_steps"]) if m else 0,
+        "ewma_resets": int((m.model_extra or {}).get("ewma_resets", 0)) if m else 0,
+        "skipped_steps": m.skipped_steps if m else 0,
         "generated": job.buffer.submitted,
         "consumed": job.buffer.consumed,
         "dropped": dict(job.buffer.dropped),

@@ -285,7 +285,8 @@ class LearnerCore:
         (mean |proxy - exact| in nats over exact tokens, NaN without any) and ``proxy_err_tokens``,
         ``ewma_*`` (beta, total_weight, resets, kept_frac, reset, bytes), ``step_s``, ``tokens_per_s``,
         phase seconds (``ewma_forward_s``, ``forward_backward_s``, ``optimizer_s``, ``ewma_update_s``)
-        and the collation counts (``stale_masked_tokens``, ``overlong_masked_seqs``, ``staleness_*``).
+        and the collation counts (``stale_masked_tokens``, ``overlong_masked_seqs``, ``staleness_*``,
+        ``groups``, ``zero_variance_groups``: groups whose rewards are all equal).
 
         Raises:
             ValueError: the batch was collated for another version than the learner's.
