@@ -20,7 +20,7 @@ import hashlib
 import math
 from collections.abc import Mapping
 from enum import IntEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -39,9 +39,10 @@ class ProtocolError(ValueError):
 
 
 class Message(BaseModel):
-    """Base of every wire message: strict fields, frozen, schema-versioned."""
+    """Base of every wire message: strict fields, frozen, schema-versioned; float fields refuse
+    NaN and infinities."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True, allow_inf_nan=False)
 
     schema_version: int = SCHEMA_VERSION
     """Schema version of the sender; only :data:`SCHEMA_VERSION` is understood."""
@@ -454,14 +455,14 @@ class JobStatus(Message):
     """Share of the last batch's trained tokens whose pi_old was exact (None before the first step)."""
     proxy_fraction: float = Field(0.0, ge=0.0, le=1.0)
     ewma: EwmaStatus | None = None
-    mask_kept_fraction: float | None = None
+    mask_kept_fraction: float | None = Field(None, ge=0.0, le=1.0)
     tokens_per_s: float = Field(0.0, ge=0.0)
     last_publish_s: float | None = None
     last_publish_unix: float | None = None
     generated: int = Field(0, ge=0)
     consumed: int = Field(0, ge=0)
     in_flight: int = Field(0, ge=0)
-    dropped: dict[str, int] = Field(default_factory=dict)
+    dropped: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
     """Dropped trajectories by reason (``stale``, ``buffer_full``, ``aborted``, ...)."""
     skipped_steps: int = Field(0, ge=0)
     oldlogit: OldLogitServiceStatus | None = None

@@ -9,18 +9,21 @@ and the value. Imports no torch.
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from protocol import SamplingParams
 from trainer.loss_config import EwmaConfig, LossConfig, kl_refusal, loss_config
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields and non-finite numbers (NaN, +-inf) are refused in every section."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class _Placement(_Section):
@@ -132,8 +135,14 @@ class ServerConfig(_Section):
     """Bind address; loopback by default."""
     port: int = Field(8477, ge=0, le=65535)
     """0 picks a free port (printed at start)."""
-    token: str | None = None
-    """Bearer token for mutating endpoints; ``None`` generates one and writes it to ``<run_dir>/token``."""
+    token: SecretStr | None = Field(None, min_length=16)
+    """Bearer token for mutating endpoints (every endpoint when ``host`` is not loopback), at least 16
+    characters; ``None`` generates one. Either way it is written to ``<run_dir>/token`` (mode 0600)
+    and redacted in ``config.resolved.json``."""
+    docs: bool = False
+    """Serve ``/docs``, ``/redoc`` and ``/openapi.json`` (the pages load scripts from a CDN)."""
+    max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
+    """Largest request body accepted (413 above it, refused before it is read)."""
 
 
 class LoggingConfig(_Section):
@@ -149,6 +158,10 @@ class RayConfig(_Section):
     """Ray cluster address; ``None`` starts a private local cluster (own temp dir, stopped at exit)."""
     num_cpus: int | None = Field(None, ge=1)
     """Logical CPUs of the local cluster (``None``: enough for all actors)."""
+    loopback_only: bool = True
+    """Private cluster only: every Ray process (GCS, raylet, workers, the driver) listens on
+    loopback, with Ray token authentication (``trainer.netguard``). ``vintage run`` re-executes
+    itself once to load the bind interposer into the driver too. Needs a C compiler the first time."""
 
 
 class JobConfig(_Section):
@@ -186,6 +199,15 @@ class JobConfig(_Section):
             raise ValueError(
                 f"controller.max_token_staleness ({self.controller.max_token_staleness}) > controller.max_staleness ({self.controller.max_staleness})"
             )
+        c, n = self.controller, self.rollout.sampling.n
+        if c.buffer_capacity < c.batch_groups * n:
+            raise ValueError(
+                f"controller.buffer_capacity: {c.buffer_capacity} < one batch ({c.batch_groups} groups x {n} samples): the job could never step"
+            )
+        if self.rollout.max_batch < n:
+            raise ValueError(f"rollout.max_batch: {self.rollout.max_batch} < sampling.n {n}: a group never fits")
+        if self.rollout.num_workers == 0 and c.time_budget_s is None:
+            raise ValueError("rollout.num_workers: 0 without controller.time_budget_s: the job would wait forever")
         return self
 
     @property
@@ -229,9 +251,56 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return JobConfig.model_validate(data)
 
 
+def write_private(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` created with mode 0600 from the start (replacing any old file)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
 def write_resolved(cfg: JobConfig, run_dir: Path) -> Path:
-    """Write the fully resolved config as JSON into ``run_dir`` and return its path."""
+    """Write the fully resolved config as JSON into ``run_dir`` and return its path.
+
+    Secrets (``server.token``) appear as ``"**********"``.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "config.resolved.json"
     out.write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     return out
+
+
+def preflight(cfg: JobConfig) -> None:
+    """Checks that need the file system or imports, run before anything starts.
+
+    Raises:
+        ValueError: ``env.path`` does not import or is not a class or factory; ``model.path`` is not
+            ``smollm2``, ``tiny`` or an existing folder; ``controller.resume_from`` does not exist.
+            The message names the field and the value.
+    """
+    import importlib
+
+    module, _, attr = cfg.env.path.partition(":")
+    try:
+        target = getattr(importlib.import_module(module), attr) if attr else None
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"env.path: {cfg.env.path!r} does not import ({type(e).__name__}: {e})") from None
+    if not callable(target):
+        raise ValueError(f"env.path: {cfg.env.path!r} is not a class or factory (expected 'package.module:Name')")
+    if cfg.model.path not in ("smollm2", "tiny") and not Path(cfg.model.path).expanduser().is_dir():
+        raise ValueError(f"model.path: {cfg.model.path!r} is not 'smollm2', 'tiny' or an existing folder")
+    if cfg.controller.resume_from and not Path(cfg.controller.resume_from).exists():
+        raise ValueError(f"controller.resume_from: {cfg.controller.resume_from!r} does not exist")
+
+
+def one_line(e: Exception) -> str:
+    """A one-line message for a config error: ``field.path: message (got value)`` for pydantic errors."""
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError):
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"]) or "config"
+        more = f" (+{e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        return f"{loc}: {first['msg']} (got {first.get('input')!r}){more}"
+    return str(e).splitlines()[0] if str(e) else type(e).__name__

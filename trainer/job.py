@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -41,7 +42,7 @@ from rich.console import Console
 
 from protocol import EnvRef, EwmaStatus, RolloutRequest, Trajectory
 from trainer.buffer import TrajectoryBuffer, admission_capacity, token_staleness_histogram
-from trainer.config import JobConfig, write_resolved
+from trainer.config import JobConfig, write_private, write_resolved
 from trainer.environment import ENV_VARS, defaults_env
 from trainer.metrics_log import MetricsLog, StepMetrics, plot_run
 from trainer.routes import make_route
@@ -53,11 +54,20 @@ def ray_session(cfg: JobConfig):
     """Connect to ``cfg.ray.address``, or start a private local cluster stopped on exit.
 
     The local cluster gets its own temp dir; Ray's memory monitor is off (it killed actors on a
-    24 GiB box running several model copies) - size the job instead.
+    24 GiB box running several model copies) - size the job instead. With ``ray.loopback_only``
+    every process it starts listens on loopback only, with token authentication
+    (:func:`trainer.netguard.private_cluster_env`); the driver's own port is covered when the
+    process was started with that environment (``vintage run`` re-executes itself so).
+
+    Raises:
+        trainer.netguard.LoopbackUnavailable: ``ray.loopback_only`` and no C compiler to build the
+            bind interposer.
     """
     if ray.is_initialized():
         yield
         return
+    if not cfg.ray.address and cfg.ray.loopback_only:
+        _loopback_private_cluster()
     env = {"env_vars": {k: os.environ[k] for k in ENV_VARS if k in os.environ}}
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, runtime_env=env, log_to_driver=True)
@@ -87,6 +97,28 @@ def ray_session(cfg: JobConfig):
         yield
     finally:
         ray.shutdown()
+
+
+def _loopback_private_cluster() -> None:
+    """Give the processes the private cluster will start the loopback-only environment."""
+    from trainer import netguard
+
+    os.environ.update(netguard.private_cluster_env())
+    # Ray read this switch when it was imported; the node address must be loopback for this start
+    import ray._private.ray_constants as ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    if not netguard.active():
+        print(
+            "warning: ray.loopback_only: this driver process was not started with the bind interposer; "
+            "its own Ray port listens on every interface (start jobs with `vintage run`)",
+            file=sys.stderr,
+        )
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    """``x`` when it is a finite number, else None (the status never shows NaN)."""
+    return float(x) if x is not None and np.isfinite(x) else None
 
 
 def resolve_model(cfg: JobConfig) -> Path:
@@ -407,8 +439,8 @@ class Job:
                 last_batch_staleness_hist=m.staleness_hist,
                 exact_token_fraction=m.exact_token_fraction,
                 proxy_fraction=1.0 - m.exact_token_fraction,
-                mask_kept_fraction=m.mask_kept_fraction,
-                tokens_per_s=m.tokens_per_s,
+                mask_kept_fraction=_finite_or_none(m.mask_kept_fraction),
+                tokens_per_s=_finite_or_none(m.tokens_per_s) or 0.0,
                 skipped_steps=m.skipped_steps,
             )
             extra = m.model_extra or {}
@@ -445,9 +477,20 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
     board = StatusBoard()
     server = None
     if cfg.server.enabled:
-        server = ApiServer(board, cfg.server.host, cfg.server.port, cfg.server.token).start()
-        (run_dir / "token").write_text(server.token)
-        os.chmod(run_dir / "token", 0o600)
+        token = cfg.server.token.get_secret_value() if cfg.server.token else None
+        server = ApiServer(
+            board,
+            cfg.server.host,
+            cfg.server.port,
+            token,
+            docs=cfg.server.docs,
+            max_body_bytes=cfg.server.max_body_bytes,
+        ).start()
+        write_private(run_dir / "token", server.token)
+        if server.token_for_reads:
+            console.print(
+                f"[yellow]server.host={cfg.server.host} is not loopback: every endpoint requires the token[/yellow]"
+            )
         (run_dir / "server.json").write_text(json.dumps({"url": server.url}))
         console.print(f"status API: [bold]{server.url}/v1/status[/bold]  (bearer token in {run_dir / 'token'})")
     log = MetricsLog(run_dir, tensorboard=cfg.logging.tensorboard)

@@ -74,13 +74,23 @@ def run(
     ] = None,
 ) -> None:
     """Run an async RL job (local Ray by default, or against --address)."""
-    from trainer.config import load_config
-    from trainer.job import run_job
+    from trainer.config import load_config, one_line, preflight
 
     overrides = list(set_ or [])
     if address:
         overrides.append(f'ray.address="{address}"')
-    cfg = load_config(config, overrides)
+    try:
+        cfg = load_config(config, overrides)
+        preflight(cfg)
+    except (ValueError, OSError) as e:  # pydantic.ValidationError is a ValueError
+        console.print(f"[red]config error:[/red] {one_line(e)}", soft_wrap=True)
+        raise typer.Exit(2) from None
+    from trainer.job import run_job
+
+    if not cfg.ray.address and cfg.ray.loopback_only:
+        from trainer.netguard import reexec_with_loopback
+
+        reexec_with_loopback()  # once: the driver's own Ray port must be loopback-bound too
     summary = run_job(cfg, console=console)
     raise typer.Exit(0 if summary.get("state") == "finished" else 1)
 
