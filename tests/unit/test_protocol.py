@@ -606,7 +606,71 @@ MALFORMED = [
     ),
     ("job-proxy_fraction", JobStatus, {"learner_version": 0, "proxy_fraction": 1.5}, ["proxy_fraction", "1.5"]),
     ("ewma-beta-1", EwmaStatus, {"beta": 1.0, "total_weight": 1.0}, ["beta"]),
+    ("traj-nan-turn-reward", Trajectory, traj_dict(turn_rewards=[math.nan]), ["turn_rewards", "finite"]),
+    (
+        "traj-inf-old-logprob",
+        Trajectory,
+        traj_dict(old_logprobs=[math.nan] * K + [-0.5, math.inf, -1.0, -2.0, -0.7, -3.0]),
+        ["old_logprobs", "inf"],
+    ),
+    (
+        "traj-positive-old-logprob",
+        Trajectory,
+        traj_dict(old_logprobs=[math.nan] * K + [-0.5, 0.25, -1.0, -2.0, -0.7, -3.0]),
+        ["old_logprobs", "0.25"],
+    ),
+    (
+        "traj-negative-token-id",
+        Trajectory,
+        traj_dict(token_ids=[-7] + list(range(101, 100 + K + 6))),
+        ["token_ids", "-7"],
+    ),
+    ("sampling-negative-stop-id", SamplingParams, {"stop_token_ids": [2, -1]}, ["stop_token_ids", "-1"]),
+    ("sampling-nan-temperature", SamplingParams, {"temperature": math.nan}, ["temperature", "finite"]),
+    ("answer-status-not-enum", OldLogitAnswer, answer_dict(status=[[1, 1, 0, 9]]), ["status[0]", "[9]"]),
+    ("answer-empty-request-id", OldLogitAnswer, answer_dict(request_id=""), ["request_id"]),
+    ("item-negative-context-version", OldLogitItem, item_dict(versions=[-5, -1, 2, 3]), ["versions", "-5"]),
+    (
+        "request-inf-temperature",
+        OldLogitRequest,
+        {"request_id": "r", "temperature": math.inf, "items": [item_dict()]},
+        ["temperature"],
+    ),
+    (
+        "tensorspec-absurd-shape",
+        TensorSpec,
+        {"name": "w", "shape": [1 << 20, 1 << 20], "dtype": "float32"},
+        ["shape", "more than"],
+    ),
+    (
+        "tensorspec-too-many-dims",
+        TensorSpec,
+        {"name": "w", "shape": [1] * 9, "dtype": "float32"},
+        ["shape", "at most 8"],
+    ),
+    ("array-unknown-dtype", OldLogitItem, item_dict(token_ids={"dtype": "nope", "b64": ""}), ["token_ids", "nope"]),
+    (
+        "array-non-string-b64",
+        OldLogitItem,
+        item_dict(token_ids={"dtype": "int32", "b64": 12}),
+        ["token_ids", "strings"],
+    ),
+    ("job-mask-kept-7", JobStatus, {"learner_version": 0, "mask_kept_fraction": 7.0}, ["mask_kept_fraction", "7"]),
+    ("job-mask-kept-nan", JobStatus, {"learner_version": 0, "mask_kept_fraction": math.nan}, ["mask_kept_fraction"]),
+    ("job-negative-dropped", JobStatus, {"learner_version": 0, "dropped": {"stale": -2}}, ["dropped.stale", "-2"]),
 ]
+
+
+def test_big_endian_array_is_read_in_its_byte_order():
+    import base64
+
+    import numpy as np
+
+    be = np.array([5, 6, 7, 8], dtype=">i4")
+    item = OldLogitItem.model_validate(
+        item_dict(token_ids={"dtype": ">i4", "b64": base64.b64encode(be.tobytes()).decode()})
+    )
+    assert item.token_ids.tolist() == [5, 6, 7, 8] and item.token_ids.dtype == np.dtype("<i4")
 
 
 def test_malformed_table_is_big_enough():
