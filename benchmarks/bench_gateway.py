@@ -173,7 +173,7 @@ def main() -> None:
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from trainer.modelhub import make_tiny_model, prepare_smollm2
+    from modelkit.modelhub import make_tiny_model, prepare_smollm2
 
     real = prepare_smollm2() if a.model in ("smollm2", "tiny") else Path(a.model)
     path = make_tiny_model(seed=0, tokenizer_from=real) if a.model == "tiny" else real

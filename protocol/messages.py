@@ -100,6 +100,10 @@ class EnvRef(Message):
     """Seed that picks the task instance."""
 
 
+Purpose = Literal["train", "eval"]
+"""What a rollout is for: training data, or held-out evaluation."""
+
+
 class RolloutRequest(Message):
     """One unit of rollout work: a prompt (text, chat or token ids) or an environment episode."""
 
@@ -114,6 +118,8 @@ class RolloutRequest(Message):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     admitted_version: int = Field(0, ge=0)
     """Learner version when the request was admitted (tokens are stamped with their own version)."""
+    purpose: Purpose = "train"
+    """``train``: the trajectory goes to the buffer; ``eval``: held-out scoring only (never trained on)."""
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> RolloutRequest:
@@ -157,6 +163,8 @@ class Trajectory(Message):
     """True when any turn ended by the length budget (engine finish reason or context budget)."""
     old_logprobs: Float32Array | None = None
     """Exact pi_old (learner numerics, same version) when a route attached it; NaN where missing."""
+    purpose: Purpose = "train"
+    """The request's ``purpose`` (``train`` or ``eval``)."""
     info: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -411,7 +419,7 @@ class OldLogitAnswer(Message):
                 raise ValueError(f"status[{i}]: values {unknown[:3]} are not TokenStatus codes")
         return self
 
-    def exact_fraction(self) -> float:
+    def exact_token_fraction(self) -> float:
         """Exact tokens / tokens that needed scoring (context tokens excluded); 1.0 if none needed."""
         st = np.concatenate(self.status) if self.status else np.zeros(0, np.int8)
         need = st != TokenStatus.CONTEXT
@@ -495,7 +503,10 @@ class JobStatus(Message):
     buffer_size: int = Field(0, ge=0)
     buffer_staleness_hist: dict[int, int] = Field(default_factory=dict)
     last_batch_staleness_hist: dict[int, int] = Field(default_factory=dict)
-    exact_fraction_by_route: dict[str, Annotated[float, Field(ge=0.0, le=1.0)]] = Field(default_factory=dict)
+    oldlogit_route: Literal["snapshot", "old_logit_model", "interrupt_sync", "none"] = "none"
+    """The job's old-logit route (``loss.oldlogit_route``)."""
+    exact_token_fraction: float | None = Field(None, ge=0.0, le=1.0)
+    """Share of the last batch's trained tokens whose pi_old was exact (None before the first step)."""
     proxy_fraction: float = Field(0.0, ge=0.0, le=1.0)
     ewma: EwmaStatus | None = None
     mask_kept_fraction: float | None = Field(None, ge=0.0, le=1.0)

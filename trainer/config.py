@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from protocol import SamplingParams
-from trainer.loss_config import EwmaConfig, LossConfig, loss_config
+from trainer.loss_config import EwmaConfig, LossConfig, kl_refusal, loss_config
 
 
 class _Section(BaseModel):
@@ -57,6 +57,8 @@ class EnvConfig(_Section):
     """Training episodes use env seeds ``[0, train_seeds)`` (cycled); the environment must have more tasks."""
     eval_prompts: int = Field(32, ge=0)
     """Held-out episodes, env seeds ``[train_seeds, train_seeds + eval_prompts)``, scored before and after."""
+    eval_timeout_s: float = Field(900.0, gt=0.0)
+    """Most wall seconds one held-out evaluation may take; beyond it the job stops with a TimeoutError."""
 
 
 class RolloutConfig(_Placement):
@@ -88,12 +90,15 @@ class LearnerConfig(_Placement):
     lr: float = Field(1e-5, gt=0.0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0.0)
-    grad_clip: float = Field(1.0, gt=0.0)
-    """Global gradient-norm clip."""
+    grad_clip: float = Field(1.0, ge=0.0)
+    """Global gradient-norm clip (DeepSpeed ``gradient_clipping``); 0 disables it."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward; the loss does not depend on it (global token count)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Learner compute dtype."""
+    overlong_filter: bool = False
+    """Mask whole sequences truncated by the length budget (engine finish reason ``length``/``abort``
+    or a multi-turn context cut) out of the loss, DAPO's overlong filtering."""
 
 
 class OldLogitConfig(_Placement):
@@ -233,6 +238,8 @@ class JobConfig(_Section):
 
     @model_validator(mode="after")
     def _cross(self) -> JobConfig:
+        if self.loss.kl_coef > 0:
+            raise ValueError(kl_refusal(self.loss.kl_coef))
         if (
             self.controller.max_token_staleness is not None
             and self.controller.max_token_staleness > self.controller.max_staleness
@@ -253,7 +260,7 @@ class JobConfig(_Section):
 
     @property
     def oldlogit_route(self) -> str:
-        return self.loss.old_logit_route
+        return self.loss.oldlogit_route
 
 
 def _set_path(d: dict[str, Any], dotted: str, value: Any) -> None:

@@ -57,7 +57,10 @@ class StatusBoard:
         }
         self._dropped = Gauge("vintage_trajectories_dropped", "Trajectories dropped, by reason", ["reason"], registry=r)
         self._exact = Gauge(
-            "vintage_exact_fraction", "Exact old-logit fraction of the last batch, by route", ["route"], registry=r
+            "vintage_exact_token_fraction",
+            "Share of the last batch's trained tokens with exact old logits, by old-logit route",
+            ["oldlogit_route"],
+            registry=r,
         )
         self.requests = Counter("vintage_http_requests", "HTTP requests served", ["endpoint"], registry=r)
 
@@ -84,8 +87,8 @@ class StatusBoard:
                     g.set(v)
         for reason, n in s.dropped.items():
             self._dropped.labels(reason).set(n)
-        for route, f in s.exact_fraction_by_route.items():
-            self._exact.labels(route).set(f)
+        if s.exact_token_fraction is not None:
+            self._exact.labels(s.oldlogit_route).set(s.exact_token_fraction)
         return s
 
     def status(self) -> JobStatus:

@@ -16,13 +16,13 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from modelkit.weights import pack_weights
 from rollout.agent import TemplateChatFormat
 from rollout.engine import EngineConfig, GenerationEngine, StepDelta, make_engine
 from rollout.gateway import Gateway, GatewayServer, WorkerBackend
 from rollout.gateway.tools import render_messages, render_tool_calls
 from rollout.worker import RolloutWorkerCore
 from trainer.buffer import admission_capacity
-from trainer.weights import pack_weights
 
 pytestmark = pytest.mark.integration
 CTX = 512

@@ -51,6 +51,36 @@ def test_parse_override_types():
         parse_override("nonsense")
 
 
+def test_kl_coef_above_zero_is_refused_at_load_naming_the_field():
+    with pytest.raises(pydantic.ValidationError) as e:
+        load_config(None, ["loss.kl_coef=0.05"])
+    errs = e.value.errors()
+    assert len(errs) == 1 and errs[0]["msg"] == (
+        "Value error, loss.kl_coef: 0.05 is not supported (must be 0): the learner scores no frozen "
+        "reference model, so the KL penalty has no ref_logprobs"
+    )
+    assert load_config(None, ["loss.kl_coef=0"]).loss.kl_coef == 0.0
+
+
+def test_overlong_filter_reaches_the_learner_settings():
+    from trainer.job import learner_settings
+
+    assert learner_settings(load_config(), "/m").overlong_filter is False
+    s = learner_settings(load_config(None, ["learner.overlong_filter=true", "learner.grad_clip=0"]), "/m")
+    assert s.overlong_filter is True and s.grad_clip == 0.0 and s.model_path == "/m"
+
+
+def test_learner_settings_declare_shared_fields_as_the_config_does():
+    from trainer.config import LearnerConfig
+    from trainer.learner import LearnerSettings
+
+    shared = sorted(set(LearnerConfig.model_fields) & set(LearnerSettings.model_fields))
+    assert shared == ["dtype", "grad_clip", "lr", "micro_batch_size", "overlong_filter", "weight_decay", "zero_stage"]
+    for name in shared:
+        a, b = LearnerConfig.model_fields[name], LearnerSettings.model_fields[name]
+        assert (a.default, a.annotation, a.metadata) == (b.default, b.annotation, b.metadata), name
+
+
 def test_token_redacted_in_resolved_config_and_private_files(tmp_path):
     import json
     import stat
@@ -100,7 +130,7 @@ def test_preflight_names_the_field(override, message):
 def test_cli_config_error_is_one_line_exit_2():
     from typer.testing import CliRunner
 
-    from trainer.cli import app
+    from vintage_cli.main import app
 
     r = CliRunner().invoke(app, ["run", "--set", "learner.lr=inf"])
     assert r.exit_code == 2

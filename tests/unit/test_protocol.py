@@ -221,7 +221,8 @@ def _samples() -> dict[str, Message]:
             buffer_size=3,
             buffer_staleness_hist={0: 1, 2: 2},
             last_batch_staleness_hist={1: 4},
-            exact_fraction_by_route={"snapshot": 0.9},
+            oldlogit_route="snapshot",
+            exact_token_fraction=0.9,
             proxy_fraction=0.1,
             ewma=ewma,
             mask_kept_fraction=0.97,
@@ -359,7 +360,7 @@ def test_hand_written_http_json_is_accepted():
 
 
 # ------------------------------------------------------------------------------------------------
-# case 5: per-token versions and segments survive the trip
+# per-token versions and segments survive the trip
 # ------------------------------------------------------------------------------------------------
 
 
@@ -732,7 +733,7 @@ def test_edge_inputs_that_are_accepted():
 
 def test_old_logit_answer_exact_fraction_survives_round_trip():
     ans = OldLogitAnswer.model_validate_json(SAMPLES["OldLogitAnswer"].model_dump_json())
-    assert ans.exact_fraction() == 0.5  # one exact, one evicted; context tokens excluded
+    assert ans.exact_token_fraction() == 0.5  # one exact, one evicted; context tokens excluded
     assert ans.status[0].dtype == np.int8 and ans.status[0].tolist() == [1, 1, 0, 2]
 
 
@@ -757,14 +758,14 @@ def _tied_model():
 
 
 def _wire(payload):
-    from trainer.weights import raw_bytes
+    from modelkit.weights import raw_bytes
 
     return {n: (list(t.shape), raw_bytes(t)) for n, t in payload.items()}
 
 
 @pytest.fixture()
 def packed():
-    from trainer.weights import pack_weights
+    from modelkit.weights import pack_weights
 
     model = _tied_model()
     manifest, payload = pack_weights(model.state_dict().items(), version=7)
@@ -774,7 +775,7 @@ def packed():
 def test_pack_weights_good_payload_verifies_and_unpacks_tied(packed):
     import torch
 
-    from trainer.weights import unpack_weights
+    from modelkit.weights import unpack_weights
 
     model, manifest, payload = packed
     assert manifest.version == 7
@@ -798,7 +799,7 @@ def test_pack_weights_good_payload_verifies_and_unpacks_tied(packed):
 
 
 def test_pack_weights_bfloat16_checksum_covers_sent_bytes():
-    from trainer.weights import pack_weights, raw_bytes
+    from modelkit.weights import pack_weights, raw_bytes
 
     manifest, payload = pack_weights(_tied_model().state_dict().items(), version=1, dtype="bfloat16")
     assert {t.dtype for t in manifest.tensors} == {"bfloat16"}
@@ -860,7 +861,7 @@ def test_verify_rejects_bad_checksum(packed):
 def test_unpack_refuses_tampered_payload(packed):
     import torch
 
-    from trainer.weights import unpack_weights
+    from modelkit.weights import unpack_weights
 
     _, manifest, payload = packed
     bad = dict(payload)
@@ -876,7 +877,7 @@ def test_unpack_refuses_tampered_payload(packed):
 def test_pack_weights_views_of_one_buffer_are_not_tied():
     import torch
 
-    from trainer.weights import pack_weights, unpack_weights
+    from modelkit.weights import pack_weights, unpack_weights
 
     flat = torch.arange(24, dtype=torch.float32)
     a, b = flat[:12].view(3, 4), flat[12:].view(3, 4)

@@ -1,4 +1,4 @@
-"""The HTTP API served by a real uvicorn on 127.0.0.1 (case 4 HTTP status, bearer token)."""
+"""The HTTP API served by a real uvicorn on 127.0.0.1 (status, bearer token)."""
 
 import httpx
 import pydantic
@@ -26,16 +26,21 @@ def test_status_reports_version_histogram_and_counters(server):
         buffer_staleness_hist={0: 3, 2: 1},
         dropped={"stale": 2, "buffer_full": 1},
         workers=[WorkerStatus(worker_id="w0", policy_version=6, in_flight=4)],
-        exact_fraction_by_route={"snapshot": 0.6},
+        oldlogit_route="snapshot",
+        exact_token_fraction=0.6,
     )
     s = JobStatus.model_validate(httpx.get(f"{srv.url}/v1/status").json())
     assert s.learner_version == 7 and s.buffer_staleness_hist == {0: 3, 2: 1}
-    assert s.dropped == {"stale": 2, "buffer_full": 1} and s.exact_fraction_by_route == {"snapshot": 0.6}
+    assert s.dropped == {"stale": 2, "buffer_full": 1} and (s.oldlogit_route, s.exact_token_fraction) == (
+        "snapshot",
+        0.6,
+    )
     assert [w["worker_id"] for w in httpx.get(f"{srv.url}/v1/workers").json()] == ["w0"]
     assert httpx.get(f"{srv.url}/healthz").json()["ok"] is True
     text = httpx.get(f"{srv.url}/metrics").text
     assert "vintage_learner_version 7.0" in text
     assert 'vintage_trajectories_dropped{reason="stale"} 2.0' in text
+    assert 'vintage_exact_token_fraction{oldlogit_route="snapshot"} 0.6' in text
 
 
 def test_mutating_endpoints_need_the_token(server):
