@@ -294,6 +294,7 @@ class Job:
             actor_options=cfg.rollout.actor_options(),
             max_in_flight=cfg.rollout.max_batch,
             oldlogit=self.route.worker_scorer,
+            start_timeout_s=cfg.rollout.start_timeout_s,
         )
         with console.status(f"starting {cfg.rollout.num_workers} rollout worker(s) ..."):
             self.pool.scale_to(cfg.rollout.num_workers)
@@ -459,13 +460,18 @@ class Job:
         return self.learner.save_checkpoint(str(self.run_dir / "checkpoints"), {"buffer": self.buffer.state_dict()})
 
     def apply_controls(self, board: StatusBoard) -> None:
-        want = board.desired_workers
-        if want is not None and want != len(self.pool):
-            added, removed = self.pool.scale_to(want)
-            for _wid, lost in removed.items():
-                self.buffer.note_lost(lost, "worker_removed")
-            self.console.print(f"scaled rollout workers to {want} (+{len(added)} -{len(removed)})")
-        board.desired_workers = None
+        """Apply the latest scale request (one that arrives meanwhile stays pending for the next call)."""
+        want = board.take_scale_request()
+        if want is None:
+            return
+        added, removed = self.pool.scale_to(want)
+        for _wid, lost in removed.items():
+            self.buffer.note_lost(lost, "worker_removed")
+        note = f"scaled rollout workers to {len(self.pool)} (+{len(added)} -{len(removed)})"
+        if len(self.pool) != want:
+            note += f"; {want} requested, {want - len(self.pool)} could not be placed within rollout.start_timeout_s"
+        self.console.print(note)
+        board.update(scale_note=note, workers=self.pool.statuses())
 
     def status_fields(self, m: StepMetrics | None) -> dict[str, Any]:
         """The ``/v1/status`` fields now; those of the last step ``m`` when given."""
@@ -536,6 +542,7 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
             token,
             docs=cfg.server.docs,
             max_body_bytes=cfg.server.max_body_bytes,
+            max_workers=cfg.rollout.max_workers,
         ).start()
         write_private(run_dir / "token", server.token)
         if server.token_for_reads:
