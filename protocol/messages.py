@@ -519,6 +519,10 @@ class JobStatus(Message):
     dropped: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
     """Dropped trajectories by reason (``stale``, ``buffer_full``, ``aborted``, ...)."""
     skipped_steps: int = Field(0, ge=0)
+    scale_pending: int | None = Field(None, ge=0)
+    """A scale request recorded but not applied yet (the latest one wins)."""
+    scale_note: str = ""
+    """Outcome of the last applied scale request (workers added, removed, or what could not be placed)."""
     oldlogit: OldLogitServiceStatus | None = None
     gateway: GatewayStatus | None = None
     """The OpenAI-compatible gateway's sessions and calls, when the job runs agents through it."""
@@ -531,6 +535,11 @@ class ScaleRequest(Message):
 
 
 class ScaleResponse(Message):
+    """``POST /v1/workers`` answer: the request is recorded; the driver applies the latest one
+    between two steps, and ``/v1/status`` shows it as ``scale_pending`` until then and the outcome
+    in ``scale_note`` after."""
+
     num_workers: int = Field(ge=0)
+    state: Literal["pending", "applied"] = "pending"
     added: list[str] = Field(default_factory=list)
     removed: list[str] = Field(default_factory=list)

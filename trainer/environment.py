@@ -19,6 +19,7 @@ ENV_VARS = (
     "VLLM_LOGGING_LEVEL",
     "TRANSFORMERS_VERBOSITY",
     "TORCH_EXTENSIONS_DIR",
+    "PYTHONWARNINGS",
 )
 
 
@@ -34,6 +35,8 @@ def defaults_env() -> None:
         ("RAY_memory_monitor_refresh_ms", "0"),
         ("VLLM_LOGGING_LEVEL", "ERROR"),
         ("TRANSFORMERS_VERBOSITY", "error"),
+        # library deprecation notices (torch.distributed, transformers) are not the user's business
+        ("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning"),
         # DeepSpeed's JIT ops (the CPU comm op) build once per virtual environment: two venvs
         # sharing ~/.cache/torch_extensions invalidate each other's build on every learner start.
         ("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions")),

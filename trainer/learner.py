@@ -118,8 +118,12 @@ def free_port() -> int:
 
 
 def _init_distributed(settings: LearnerSettings, rank: int, world_size: int) -> None:
+    import logging
+
     import deepspeed
     import torch.distributed as dist
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines (kernel fallbacks) are noise here
 
     if dist.is_initialized():
         if dist.get_world_size() != world_size or dist.get_rank() != rank:

@@ -28,8 +28,10 @@ class WorkerPool:
         actor_options: dict | None = None,
         max_in_flight: int = 64,
         oldlogit: Any = None,
+        start_timeout_s: float = 300.0,
     ):
         self.engine_config, self.max_in_flight = engine_config, max_in_flight
+        self.start_timeout_s = start_timeout_s
         self.actor_options = actor_options or {"num_cpus": 1.0}
         self.oldlogit = oldlogit  # interrupt_sync: workers score their prefixes there at each update
         self.workers: dict[str, Any] = {}
@@ -42,7 +44,11 @@ class WorkerPool:
         return len(self.workers)
 
     def scale_to(self, n: int) -> tuple[list[str], dict[str, int]]:
-        """Add or remove workers to reach ``n``; returns (added ids, {removed id: lost samples})."""
+        """Add or remove workers to reach ``n``; returns (added ids, {removed id: lost samples}).
+
+        A worker that is not placed and started within ``start_timeout_s`` (e.g. the cluster has no
+        room for it) is killed and no more are added this call: the pool then holds fewer than ``n``.
+        """
         with self._lock:
             return self._scale_to(n)
 
@@ -56,7 +62,11 @@ class WorkerPool:
                 max_in_flight=self.max_in_flight,
                 oldlogit=self.oldlogit,
             )
-            ray.get(actor.ready.remote())
+            try:
+                ray.get(actor.ready.remote(), timeout=self.start_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                ray.kill(actor)
+                break
             if self._latest is not None:  # a late joiner starts at the current version
                 ray.get(actor.update_weights.remote(*self._latest))
             self.workers[wid], self.in_flight[wid] = actor, 0

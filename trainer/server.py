@@ -32,6 +32,7 @@ class StatusBoard:
         self._lock = threading.Lock()
         self._status = initial or JobStatus(learner_version=0, state="starting")
         self.desired_workers: int | None = None
+        """The latest scale request not yet taken by the driver (see :meth:`take_scale_request`)."""
         self.paused = False
         self.registry = CollectorRegistry()
         r = self.registry
@@ -90,6 +91,20 @@ class StatusBoard:
         if s.exact_token_fraction is not None:
             self._exact.labels(s.oldlogit_route).set(s.exact_token_fraction)
         return s
+
+    def request_scale(self, n: int) -> None:
+        """Record a scale request; a later request replaces one not yet taken."""
+        with self._lock:
+            self.desired_workers = n
+            self._status = self._status.model_copy(update={"scale_pending": n})
+
+    def take_scale_request(self) -> int | None:
+        """The latest scale request, cleared atomically (one arriving after this stays pending)."""
+        with self._lock:
+            n, self.desired_workers = self.desired_workers, None
+            if n is not None:
+                self._status = self._status.model_copy(update={"scale_pending": None})
+            return n
 
     def status(self) -> JobStatus:
         with self._lock:
@@ -171,9 +186,12 @@ async def _plain(send: Callable, status: int, detail: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def build_app(board: StatusBoard, token: str, docs: bool = False, token_for_reads: bool = False) -> FastAPI:
+def build_app(
+    board: StatusBoard, token: str, docs: bool = False, token_for_reads: bool = False, max_workers: int = 64
+) -> FastAPI:
     """The HTTP API over ``board``; ``token`` guards the mutating endpoints (and, with
-    ``token_for_reads``, every endpoint). ``docs`` serves ``/docs``, ``/redoc`` and ``/openapi.json``."""
+    ``token_for_reads``, every endpoint). ``docs`` serves ``/docs``, ``/redoc`` and ``/openapi.json``.
+    A scale request above ``max_workers`` is refused (422)."""
 
     def require_token(authorization: Annotated[str | None, Header()] = None) -> None:
         if authorization is None or not authorization.startswith("Bearer "):
@@ -209,7 +227,11 @@ def build_app(board: StatusBoard, token: str, docs: bool = False, token_for_read
     @app.post("/v1/workers", response_model=ScaleResponse, status_code=202, dependencies=[Depends(require_token)])
     def scale(req: ScaleRequest) -> ScaleResponse:
         board.requests.labels("scale").inc()
-        board.desired_workers = req.num_workers
+        if req.num_workers > max_workers:
+            raise HTTPException(
+                status_code=422, detail=f"num_workers: {req.num_workers} > the job's maximum {max_workers}"
+            )
+        board.request_scale(req.num_workers)
         return ScaleResponse(num_workers=req.num_workers)
 
     @app.post("/v1/pause", dependencies=[Depends(require_token)])
@@ -249,6 +271,7 @@ class ApiServer:
         docs: bool = False,
         max_body_bytes: int = 1 << 20,
         read_timeout_s: float = 10.0,
+        max_workers: int = 64,
     ):
         if token is not None and len(token) < MIN_TOKEN_CHARS:
             raise ValueError(f"server.token: {len(token)} characters, at least {MIN_TOKEN_CHARS} required")
@@ -261,7 +284,7 @@ class ApiServer:
         self.port = sock.getsockname()[1]
         self._sock = sock
         app = BodyLimit(
-            build_app(board, self.token, docs=docs, token_for_reads=self.token_for_reads), max_bytes=max_body_bytes,
+            build_app(board, self.token, docs=docs, token_for_reads=self.token_for_reads, max_workers=max_workers), max_bytes=max_body_bytes,
             read_timeout_s=read_timeout_s,
         )  # fmt: skip
         config = uvicorn.Config(

@@ -120,3 +120,23 @@ def test_slow_body_times_out_with_408():
         assert reply.startswith("HTTP/1.1 408") and "nothing received for 0.5 s" in reply
     finally:
         srv.stop()
+
+
+def test_scale_request_race_keeps_the_latest_and_reports_pending(server):
+    board, srv = server
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    r = httpx.post(f"{srv.url}/v1/workers", json={"num_workers": 3}, headers=auth)
+    assert r.status_code == 202 and r.json()["state"] == "pending"
+    assert httpx.get(f"{srv.url}/v1/status").json()["scale_pending"] == 3
+    assert board.take_scale_request() == 3  # the driver starts a slow scale to 3 ...
+    httpx.post(f"{srv.url}/v1/workers", json={"num_workers": 2}, headers=auth)  # ... a request arrives meanwhile
+    assert httpx.get(f"{srv.url}/v1/status").json()["scale_pending"] == 2
+    assert board.take_scale_request() == 2 and board.take_scale_request() is None  # applied next, not erased
+    assert httpx.get(f"{srv.url}/v1/status").json()["scale_pending"] is None
+
+
+def test_scale_beyond_the_jobs_maximum_refused(server):
+    board, srv = server
+    r = httpx.post(f"{srv.url}/v1/workers", json={"num_workers": 200}, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 422 and r.json()["detail"] == "num_workers: 200 > the job's maximum 64"
+    assert board.take_scale_request() is None
