@@ -68,8 +68,11 @@ def bench_methods(
 @eval_app.command("tau2")
 def eval_tau2(
     domain: Annotated[str, typer.Option(help="tau2 domain: mock, retail, airline or telecom.")],
-    base_url: Annotated[str, typer.Option(help="The agent model's OpenAI-compatible base URL (.../v1).")],
-    model: Annotated[str, typer.Option(help="Model name sent to --base-url.")] = "policy",
+    base_url: Annotated[str | None, typer.Option(help="The agent model's OpenAI-compatible URL (.../v1).")] = None,
+    model_path: Annotated[
+        str | None, typer.Option(help="Or serve this HF folder (or smollm2, tiny) through the gateway here.")
+    ] = None,
+    model: Annotated[str, typer.Option(help="Model name sent to the agent's server.")] = "policy",
     api_key: Annotated[str, typer.Option(envvar="OPENAI_API_KEY", help="API key for --base-url.")] = "EMPTY",
     trials: Annotated[int, typer.Option(help="k: episodes per task.")] = 4,
     solo: Annotated[bool, typer.Option(help="tau2 solo mode (no user; tasks with a ticket).")] = False,
@@ -83,34 +86,34 @@ def eval_tau2(
     temperature: Annotated[float, typer.Option(help="Agent sampling temperature (> 0).")] = 1.0,
     max_tokens: Annotated[int | None, typer.Option(help="Agent completion cap per turn.")] = None,
     max_steps: Annotated[int, typer.Option(help="tau2 orchestrator step limit.")] = 100,
+    engine: Annotated[str, typer.Option(help="With --model-path: vllm or transformers.")] = "vllm",
+    max_model_len: Annotated[int, typer.Option(help="With --model-path: context length, tokens.")] = 4096,
     out: Annotated[Path, typer.Option(help="JSON report: per-task results and totals.")] = Path("tau2-eval.json"),
 ) -> None:
-    """tau2-bench avg@k, pass@k and pass^k of the model at --base-url (definitions: trainer/tau2_eval.py)."""
-    from trainer.tau2_eval import evaluate
+    """tau2-bench avg@k, pass@k and pass^k of a model (definitions: trainer/tau2_eval.py)."""
+    import contextlib
 
+    from trainer.tau2_eval import evaluate, serve_model
+
+    if (base_url is None) == (model_path is None):
+        raise typer.BadParameter("give exactly one of --base-url and --model-path", param_hint="--base-url")
     user = None
     if not solo:
         if not (user_base_url and user_model):
             raise typer.BadParameter("give --user-base-url and --user-model, or --solo", param_hint="--user-model")
         user = {"model": user_model, "base_url": user_base_url, "api_key": user_api_key}
+    server = (
+        serve_model(model_path, engine=engine, max_model_len=max_model_len, max_tokens=max_tokens or 256)
+        if model_path
+        else contextlib.nullcontext((base_url, api_key))
+    )
     try:
-        report = evaluate(
-            domain,
-            base_url,
-            api_key,
-            trials=trials,
-            concurrency=concurrency,
-            out=out,
-            split=split,
-            task_ids=task_id or None,
-            num_tasks=num_tasks,
-            solo=solo,
-            user=user,
-            agent_model=model,
-            temperature=temperature,
-            max_tokens=max_tokens,
-            max_steps=max_steps,
-        )
+        with server as (url, key):
+            report = evaluate(
+                domain, url, key, trials=trials, concurrency=concurrency, out=out, split=split,
+                task_ids=task_id or None, num_tasks=num_tasks, solo=solo, user=user, agent_model=model,
+                temperature=temperature, max_tokens=max_tokens, max_steps=max_steps,
+            )  # fmt: skip
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     t = report["totals"]

@@ -24,10 +24,11 @@ n trials scored is left out of every metric (named in ``tasks_incomplete``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -227,4 +228,56 @@ def evaluate(
     return report
 
 
-__all__ = ["evaluate", "is_success", "pass_at_k", "pass_hat_k", "play_all", "summarize"]
+@contextlib.contextmanager
+def serve_model(
+    model_path: str,
+    engine: str = "vllm",
+    max_model_len: int = 4096,
+    kv_cache_gib: int = 1,
+    dtype: str = "float32",
+    max_tokens: int = 256,
+) -> Iterator[tuple[str, str]]:
+    """Serve a model folder through the gateway on 127.0.0.1 for as long as the block runs.
+
+    One in-process rollout worker (``engine``: ``vllm`` or ``transformers``) behind a gateway whose
+    admin token makes untracked calls (served, never trained on).
+
+    Args:
+        model_path: an HF folder, or ``smollm2`` / ``tiny`` (prepared by ``trainer.modelhub``).
+        max_model_len: engine context, tokens. kv_cache_gib: vLLM-on-CPU KV cache, GiB.
+        max_tokens: completion budget of a call that gives none.
+
+    Yields:
+        ``(base_url, api_key)``: the gateway's ``.../v1`` URL and its admin token.
+
+    Raises:
+        ImportError: this build has no gateway (``rollout.gateway``).
+    """
+    from rollout import gateway as gw
+    from rollout.engine import EngineConfig, make_engine
+    from rollout.worker import RolloutWorkerCore
+    from trainer.modelhub import make_tiny_model, prepare_smollm2
+
+    if model_path == "smollm2":
+        model_path = str(prepare_smollm2())
+    elif model_path == "tiny":
+        model_path = str(make_tiny_model(seed=0, tokenizer_from=prepare_smollm2()))
+    cfg = EngineConfig(
+        kind=engine, model_path=model_path, dtype=dtype, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib
+    )
+    core = RolloutWorkerCore(make_engine(cfg))
+    core.start()
+    backend = gw.WorkerBackend.over_core(core)
+    server = None
+    try:
+        gateway = gw.Gateway(backend, chat=core.chat, max_model_len=max_model_len, default_max_tokens=max_tokens)
+        server = gw.GatewayServer(gateway).start()
+        yield f"{server.url}/v1", gateway.admin_token
+    finally:
+        if server is not None:
+            server.stop()
+        backend.close()
+        core.close()
+
+
+__all__ = ["evaluate", "is_success", "pass_at_k", "pass_hat_k", "play_all", "serve_model", "summarize"]
