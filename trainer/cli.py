@@ -105,10 +105,10 @@ def eval_tau2(
     server = (
         serve_model(model_path, engine=engine, max_model_len=max_model_len, max_tokens=max_tokens or 256)
         if model_path
-        else contextlib.nullcontext((base_url, api_key))
+        else contextlib.nullcontext((base_url, api_key, None))
     )
     try:
-        with server as (url, key):
+        with server as (url, key, _):
             report = evaluate(
                 domain, url, key, trials=trials, concurrency=concurrency, out=out, split=split,
                 task_ids=task_id or None, num_tasks=num_tasks, solo=solo, user=user, agent_model=model,

@@ -236,7 +236,7 @@ def serve_model(
     kv_cache_gib: int = 1,
     dtype: str = "float32",
     max_tokens: int = 256,
-) -> Iterator[tuple[str, str]]:
+) -> Iterator[tuple[str, str, Any]]:
     """Serve a model folder through the gateway on 127.0.0.1 for as long as the block runs.
 
     One in-process rollout worker (``engine``: ``vllm`` or ``transformers``) behind a gateway whose
@@ -248,7 +248,8 @@ def serve_model(
         max_tokens: completion budget of a call that gives none.
 
     Yields:
-        ``(base_url, api_key)``: the gateway's ``.../v1`` URL and its admin token.
+        ``(base_url, api_key, gateway)``: the gateway's ``.../v1`` URL, its admin token, and the
+        :class:`rollout.gateway.Gateway` itself (sessions, ended trajectories, status).
 
     Raises:
         ImportError: this build has no gateway (``rollout.gateway``).
@@ -272,7 +273,7 @@ def serve_model(
     try:
         gateway = gw.Gateway(backend, chat=core.chat, max_model_len=max_model_len, default_max_tokens=max_tokens)
         server = gw.GatewayServer(gateway).start()
-        yield f"{server.url}/v1", gateway.admin_token
+        yield f"{server.url}/v1", gateway.admin_token, gateway
     finally:
         if server is not None:
             server.stop()
