@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import numpy as np
 import openai
 import pytest
@@ -47,10 +46,9 @@ def test_eval_through_gateway_untracked(served):
 
 def test_training_session_played_by_tau2(served):
     base_url, key, gateway = served
-    root = base_url.removesuffix("/v1")
-    r = httpx.post(f"{root}/v1/sessions", headers={"Authorization": f"Bearer {key}"})
-    r.raise_for_status()
-    sess = r.json()
+    # the session is opened and ended in process, as the gateway's agent runner does
+    s = gateway.open_session()
+    sess = {"id": s.session_id, "key": s.key, "base_url": f"{base_url.removesuffix('/v1')}/sessions/{s.session_id}/v1"}
     user = [{"content": "Please create a task."}, {"content": "Still there?"}, {"content": "Bye ###STOP###"}]
     with ScriptedServer({"usersim": user}) as us:
         task = tb.load_tasks("mock", task_ids=["create_task_1"], user={"model": "usersim", "base_url": us.base_url})[0]
@@ -58,9 +56,7 @@ def test_training_session_played_by_tau2(served):
         out = asyncio.run(tb.run(task, client))
     # user, agent, user, agent, user(stop): two agent turns, both plain text
     assert (out["termination_reason"], out["agent_turns"], out["reward"]) == ("user_stop", 2, 0.0)
-    httpx.post(
-        f"{root}/v1/sessions/{sess['id']}/end", headers={"Authorization": f"Bearer {key}"}, json={"reward": 0.0}
-    ).raise_for_status()
+    gateway.end_session(sess["id"], reward=out["reward"])
     (ended,) = gateway.take_ended()
     assert ended.dropped is None and ended.reward == 0.0
     calls = gateway.session(sess["id"]).calls
