@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -326,11 +327,80 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL
 
 
+class Tau2TaskSource:
+    """Seeds to tau2 tasks, for a job's ``[agent] tasks = "env"`` source (``[env] path`` = this class).
+
+    Seeds below ``heldout_from`` pick training tasks, the others held-out tasks, each cycling over
+    its pool: seed ``s`` is task ``i % len(pool)``, trial ``i // len(pool)``, with ``i = s`` or
+    ``s - heldout_from``. Set ``heldout_from`` to the job's ``env.train_seeds`` and
+    ``env.eval_prompts`` to (held-out tasks) x (trials).
+
+    Args:
+        domains: tau2 domains whose tasks make the pools, in this order.
+        heldout_from: first held-out seed.
+        train_split, eval_split: tau2 splits of the training and held-out pools (None = every task:
+            the mock domain has no split, so there both pools are the same tasks).
+        solo: solo mode (tasks without a ticket are left out).
+        num_tasks: keep the first N tasks of each domain in each pool.
+        **settings: further :class:`Tau2Task` fields (``user``, ``temperature``, ``max_tokens``, ...).
+
+    Raises:
+        ValueError: as :func:`load_tasks`; ``heldout_from < 1``.
+    """
+
+    def __init__(
+        self,
+        domains: list[str] | str,
+        heldout_from: int,
+        train_split: str | None = None,
+        eval_split: str | None = None,
+        solo: bool = False,
+        num_tasks: int | None = None,
+        **settings: Any,
+    ):
+        if heldout_from < 1:
+            raise ValueError(f"heldout_from: must be >= 1, got {heldout_from}")
+        domains = [domains] if isinstance(domains, str) else list(domains)
+        self.heldout_from = heldout_from
+
+        def pool(split: str | None) -> list[dict[str, Any]]:
+            return [t for d in domains for t in load_tasks(d, split=split, num_tasks=num_tasks, solo=solo, **settings)]
+
+        self.train, self.held_out = pool(train_split), pool(eval_split)
+
+    def task(self, seed: int) -> dict[str, Any]:
+        """The task dict of ``seed`` (see the class docstring). Raises ValueError on a negative seed."""
+        if seed < 0:
+            raise ValueError(f"seed: must be >= 0, got {seed}")
+        pool, i = (self.train, seed) if seed < self.heldout_from else (self.held_out, seed - self.heldout_from)
+        return {**pool[i % len(pool)], "trial": i // len(pool)}
+
+
+_SOURCES: dict[str, Tau2TaskSource] = {}
+
+
+def resolve_task(task: dict[str, Any]) -> Tau2Task:
+    """A :class:`Tau2Task` from a task dict, or from the ``{"env": {"path", "kwargs"}, "seed"}``
+    form of an env-seeded task source (built by :class:`Tau2TaskSource` from ``kwargs``).
+
+    Raises:
+        ValueError / pydantic.ValidationError: bad task (names the field).
+    """
+    if "env" in task:
+        kwargs = dict(task["env"].get("kwargs") or {})
+        key = json.dumps(kwargs, sort_keys=True, default=str)
+        if key not in _SOURCES:
+            _SOURCES[key] = Tau2TaskSource(**kwargs)
+        return Tau2Task.model_validate(_SOURCES[key].task(int(task["seed"])))
+    return Tau2Task.model_validate(task)
+
+
 async def run(task: dict[str, Any], client: Any) -> dict[str, Any]:
     """Agent entry point for the gateway's runner: play ``task`` against ``client``'s server.
 
     Args:
-        task: a :class:`Tau2Task` dict (from :func:`load_tasks` or a JSONL task file).
+        task: a :class:`Tau2Task` dict (from :func:`load_tasks` or a JSONL task file), or an
+            env-seeded task ``{"env": {"path", "kwargs"}, "seed"}`` (see :func:`resolve_task`).
         client: an ``openai.AsyncOpenAI``; only its ``base_url`` and ``api_key`` are used (tau2's
             agent talks to that server through litellm).
 
@@ -340,14 +410,9 @@ async def run(task: dict[str, Any], client: Any) -> dict[str, Any]:
     Raises:
         See :func:`play`.
     """
-    t = Tau2Task.model_validate(task)
+    t = resolve_task(task)
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(_pool(), play, t, str(client.base_url), client.api_key)
 
 
-def tasks(**kwargs: Any) -> list[dict[str, Any]]:
-    """Task source for the ``[agent]`` section: :func:`load_tasks` with the section's kwargs."""
-    return load_tasks(**kwargs)
-
-
-__all__ = ["DOMAINS", "Tau2Task", "UserModel", "load_tasks", "play", "run", "tasks"]
+__all__ = ["DOMAINS", "Tau2Task", "Tau2TaskSource", "UserModel", "load_tasks", "play", "resolve_task", "run"]

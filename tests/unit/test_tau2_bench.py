@@ -119,3 +119,40 @@ def test_load_tasks_trials_solo_filter_and_errors():
     with pytest.raises(ValueError, match="temperature"):
         tb.load_tasks("mock", task_ids=["create_task_1"], solo=True, temperature=0.0)
     assert len(tb.load_tasks("retail", split="test", user={"model": "u", "base_url": "http://x/v1"})) == 40
+
+
+def test_task_source_seeds_to_tasks():
+    src = tb.Tau2TaskSource(domains=["mock"], heldout_from=100, solo=True)
+    # 6 solo mock tasks in both pools (the mock domain has no split)
+    assert (len(src.train), len(src.held_out)) == (6, 6)
+    pick = [(src.task(s)["task_id"], src.task(s)["trial"]) for s in (0, 7, 100, 113)]
+    assert pick == [
+        ("create_task_1", 0),
+        ("create_task_1_with_env_assertions", 1),  # 7 = 1 * 6 + 1
+        ("create_task_1", 0),
+        ("create_task_1_with_env_assertions", 2),  # 113 - 100 = 13 = 2 * 6 + 1
+    ]
+    user = {"model": "u", "base_url": "http://127.0.0.1:9/v1"}
+    r = tb.Tau2TaskSource(["retail", "airline"], 1000, "train", "test", user=user, temperature=0.7)
+    # retail 74 train + airline 30 train; retail 40 test + airline 20 test
+    assert (len(r.train), len(r.held_out)) == (104, 60)
+    assert (r.task(74)["domain"], r.task(74)["split"]) == ("airline", "train")
+    assert (r.task(1060)["task_id"], r.task(1060)["trial"]) == (r.held_out[0]["task_id"], 1)
+    assert r.task(5)["temperature"] == 0.7
+    with pytest.raises(ValueError, match="heldout_from"):
+        tb.Tau2TaskSource(["mock"], 0, solo=True)
+
+
+def test_env_seeded_task_through_run():
+    """The job's ``tasks = "env"`` form: ``{"env": {"path", "kwargs"}, "seed"}`` -> task of that seed."""
+    gold = ("create_task", {"user_id": "user_1", "title": "Important Meeting"})
+    task = {
+        "env": {
+            "path": "rollout.envs.tau2_bench:Tau2TaskSource",
+            "kwargs": {"domains": ["mock"], "heldout_from": 100, "solo": True},
+        },
+        "seed": 6,  # 6 % 6 = 0: create_task_1, trial 1
+    }
+    with ScriptedServer({"policy": [{"tool_calls": [gold]}, {"tool_calls": [("done", {})]}]}) as s:
+        out = asyncio.run(tb.run(task, openai.AsyncOpenAI(base_url=s.base_url, api_key="k")))
+    assert (out["task_id"], out["trial"], out["reward"]) == ("create_task_1", 1, 1.0)
