@@ -146,6 +146,10 @@ def run(
     if address:
         overrides.append(f'ray.address="{address}"')
     cfg = load_config(config, overrides)
+    if not cfg.ray.address and cfg.ray.loopback_only:
+        from trainer.netguard import reexec_with_loopback
+
+        reexec_with_loopback()  # once: the driver's own Ray port must be loopback-bound too
     summary = run_job(cfg, console=console)
     raise typer.Exit(0 if summary.get("state") == "finished" else 1)
 

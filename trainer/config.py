@@ -20,7 +20,9 @@ from trainer.loss_config import EwmaConfig, LossConfig, loss_config
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields and non-finite numbers (NaN, +-inf) are refused in every section."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class _Placement(_Section):
@@ -146,6 +148,10 @@ class RayConfig(_Section):
     """Ray cluster address; ``None`` starts a private local cluster (own temp dir, stopped at exit)."""
     num_cpus: int | None = Field(None, ge=1)
     """Logical CPUs of the local cluster (``None``: enough for all actors)."""
+    loopback_only: bool = True
+    """Private cluster only: every Ray process (GCS, raylet, workers, the driver) listens on
+    loopback, with Ray token authentication (``trainer.netguard``). ``vintage run`` re-executes
+    itself once to load the bind interposer into the driver too. Needs a C compiler the first time."""
 
 
 class JobConfig(_Section):

@@ -82,11 +82,20 @@ def ray_session(cfg: JobConfig):
     """Connect to ``cfg.ray.address``, or start a private local cluster stopped on exit.
 
     The local cluster gets its own temp dir; Ray's memory monitor is off (it killed actors on a
-    24 GiB box running several model copies) - size the job instead.
+    24 GiB box running several model copies) - size the job instead. With ``ray.loopback_only``
+    every process it starts listens on loopback only, with token authentication
+    (:func:`trainer.netguard.private_cluster_env`); the driver's own port is covered when the
+    process was started with that environment (``vintage run`` re-executes itself so).
+
+    Raises:
+        trainer.netguard.LoopbackUnavailable: ``ray.loopback_only`` and no C compiler to build the
+            bind interposer.
     """
     if ray.is_initialized():
         yield
         return
+    if not cfg.ray.address and cfg.ray.loopback_only:
+        _loopback_private_cluster()
     env = {"env_vars": {k: os.environ[k] for k in ENV_VARS if k in os.environ}}
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, runtime_env=env, log_to_driver=True)
@@ -116,6 +125,23 @@ def ray_session(cfg: JobConfig):
         yield
     finally:
         ray.shutdown()
+
+
+def _loopback_private_cluster() -> None:
+    """Give the processes the private cluster will start the loopback-only environment."""
+    from trainer import netguard
+
+    os.environ.update(netguard.private_cluster_env())
+    # Ray read this switch when it was imported; the node address must be loopback for this start
+    import ray._private.ray_constants as ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    if not netguard.active():
+        print(
+            "warning: ray.loopback_only: this driver process was not started with the bind interposer; "
+            "its own Ray port listens on every interface (start jobs with `vintage run`)",
+            file=sys.stderr,
+        )
 
 
 def resolve_model(cfg: JobConfig) -> Path:

@@ -30,7 +30,7 @@ OldLogitRoute = Literal["none", "snapshot", "old_logit_model", "interrupt_sync"]
 class LossConfig(BaseModel):
     """Everything the policy loss needs to know; defaults are plain PPO on pi_theta/mu."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     method: str = "ppo"
     """Name of the preset this config came from (informational, reported in metrics and logs)."""
@@ -112,7 +112,7 @@ class EwmaConfig(BaseModel):
     uses ``beta`` as given.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     beta_source: Literal["window", "lag", "fixed"] = "window"
     """Where the decay comes from: staleness window, measured mean lag, or a fixed beta."""

@@ -6,7 +6,8 @@ A publication is ``(WeightManifest, {hf_name: cpu tensor})``. Invariants:
   ``manifest.tied``; :func:`unpack_weights` restores the alias, so tied weights stay tied;
 * tensors are cast to the consumer's dtype before packing, and the checksum covers the bytes sent;
 * a consumer verifies the whole payload before touching its model, so a version is applied whole
-  or not at all (a failed check raises and the old version keeps serving).
+  or not at all (a failed check raises and the old version keeps serving); a payload holding a
+  non-finite value is refused like a corrupt one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from protocol import TensorSpec, WeightManifest, payload_checksum, verify_weight_payload
+from protocol import ProtocolError, TensorSpec, WeightManifest, payload_checksum, verify_weight_payload
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -63,16 +64,38 @@ def pack_weights(
     return WeightManifest(version=version, tensors=specs, checksum=checksum, tied=tied), payload
 
 
+def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when every element of every floating tensor is finite.
+
+    One fp32-accumulated sum per tensor (a NaN or an infinity makes the sum non-finite); a tensor
+    whose sum is not finite is then checked element-wise, so a sum that merely overflows on finite
+    values is not mistaken for a non-finite weight. Integer tensors are skipped.
+    """
+    floats = [t.detach() for t in tensors if torch.is_tensor(t) and t.is_floating_point()]
+    if not floats:
+        return True
+    sums = torch.stack([torch.sum(t, dtype=torch.float32) for t in floats])
+    if bool(torch.isfinite(sums).all()):
+        return True
+    return all(
+        bool(torch.isfinite(t).all()) for t, ok in zip(floats, torch.isfinite(sums).tolist(), strict=True) if not ok
+    )
+
+
 def unpack_weights(
     manifest: WeightManifest, payload: Mapping[str, torch.Tensor], verify: bool = True
 ) -> dict[str, torch.Tensor]:
     """Verify a payload against its manifest and return ``{name: tensor}`` with tied aliases restored.
 
     Raises:
-        protocol.ProtocolError: a tensor is missing, extra, mis-shaped, or the checksum differs.
+        protocol.ProtocolError: a tensor is missing, extra, mis-shaped, holds a NaN or an infinity,
+            or the checksum differs.
     """
     if verify:
         verify_weight_payload(manifest, {n: (list(t.shape), raw_bytes(t)) for n, t in payload.items()})
+        bad = [n for n, t in payload.items() if not all_finite([t])]
+        if bad:
+            raise ProtocolError(f"payload[{bad[0]!r}]: holds a non-finite value ({len(bad)} tensor(s) affected)")
     out = dict(payload)
     for alias, src in manifest.tied.items():
         out[alias] = out[src]

@@ -146,6 +146,44 @@ def test_nonfinite_gradient_with_finite_loss_skips_step(tiny_model_path, make_tr
     assert core.train_step(make_trajs())["applied"] == 1.0 and core.version == 1
 
 
+def _optimizer_state(core: LearnerCore) -> dict[tuple[int, str], torch.Tensor]:
+    opt = core._optimizer
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return {(i, k): v.clone() for i, p in enumerate(params) for k, v in opt.state.get(p, {}).items()}
+
+
+@pytest.mark.parametrize("stage,dtype", [(0, "float32"), (1, "bfloat16")])
+def test_nonfinite_weights_after_the_step_are_rolled_back(tiny_model_path, make_trajs, stage, dtype):
+    """Finite loss and gradients, but an infinite learning rate makes every updated weight inf/NaN:
+    the step is undone on weights and optimizer state, counted as skipped, and the version stays."""
+    core = LearnerCore(settings(tiny_model_path, zero_stage=stage, dtype=dtype))
+    assert core.train_step(make_trajs())["applied"] == 1.0  # optimizer state now exists
+    before_w, before_s = weights(core), _optimizer_state(core)
+    for g in core._optimizer.param_groups:
+        g["lr"] = float("inf")
+    m = core.train_step(make_trajs(seed=1))
+    assert math.isfinite(m["loss"]) and m["applied"] == 0.0
+    assert (
+        core.version == 1 and m["version"] == 1.0 and m["skipped_steps"] == 1.0 and m["nonfinite_weight_steps"] == 1.0
+    )
+    assert max_diff(weights(core), before_w) == 0.0
+    after_s = _optimizer_state(core)
+    assert after_s.keys() == before_s.keys() and all(torch.equal(after_s[k], before_s[k]) for k in before_s)
+    assert core.ewma.updates == 1  # the EWMA never saw the rejected weights
+    for g in core._optimizer.param_groups:
+        g["lr"] = 1e-3
+    assert core.train_step(make_trajs(seed=2))["applied"] == 1.0 and core.version == 2
+
+
+def test_first_step_rollback_leaves_no_optimizer_state(tiny_model_path, make_trajs):
+    core = LearnerCore(settings(tiny_model_path, lr=1e-3))
+    for g in core._optimizer.param_groups:
+        g["lr"] = float("inf")
+    m = core.train_step(make_trajs())
+    assert m["applied"] == 0.0 and m["nonfinite_weight_steps"] == 1.0 and core.version == 0
+    assert _optimizer_state(core) == {}
+
+
 def test_case2a_nan_mu_on_sampled_token_is_neutral(tiny_model_path, make_trajs):
     core = LearnerCore(settings(tiny_model_path))
     good = collate(make_trajs(), consuming_version=0)

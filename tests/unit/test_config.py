@@ -31,6 +31,9 @@ def test_file_then_overrides(tmp_path):
         ("controller.bogus=1", "bogus"),
         ('loss.method="nope"', "method"),
         ("controller.max_token_staleness=5", "max_token_staleness"),
+        ("learner.lr=inf", "lr"),
+        ("learner.grad_clip=nan", "grad_clip"),
+        ("loss.eps_high=inf", "eps_high"),
     ],
 )
 def test_invalid_config_names_field(override, field):

@@ -1,0 +1,80 @@
+"""A private cluster listens on loopback only: the bind interposer, and a whole `vintage run` job.
+
+The job runs as a user starts it (the `vintage` CLI in a subprocess, private local Ray cluster,
+tiny model, the transformers engine); from start-up to exit, every TCP/UDP socket its process tree
+listens on is listed twice a second, and each must be in 127.0.0.0/8 or ``::1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.netguard import is_loopback, library_path, listening_sockets, loopback_env
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+BIND = """
+import socket
+for fam, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::"), (socket.AF_INET, "127.0.0.2")):
+    s = socket.socket(fam, socket.SOCK_STREAM)
+    s.bind((host, 0))
+    print(s.getsockname()[0])
+v6 = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+v6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+v6.bind(("::", 0))
+print(v6.getsockname()[0])
+"""
+
+
+def test_interposer_turns_wildcard_binds_into_loopback():
+    out = subprocess.run([sys.executable, "-c", BIND], env=loopback_env(), capture_output=True, text=True, check=True)
+    # 0.0.0.0 -> 127.0.0.1; dual-stack :: -> IPv4-mapped loopback; explicit hosts untouched; v6-only :: -> ::1
+    assert out.stdout.split() == ["127.0.0.1", "::ffff:127.0.0.1", "127.0.0.2", "::1"]
+    plain = subprocess.run([sys.executable, "-c", BIND], capture_output=True, text=True, check=True)
+    assert plain.stdout.split() == ["0.0.0.0", "::", "127.0.0.2", "::"]
+
+
+def test_loopback_classification():
+    assert [is_loopback(h) for h in ("127.0.0.1", "127.5.0.1", "::1", "::ffff:127.0.0.1")] == [True] * 4
+    assert [is_loopback(h) for h in ("0.0.0.0", "::", "192.0.2.2", "::ffff:10.0.0.1")] == [False] * 4
+
+
+def test_running_job_listens_on_loopback_only(tmp_path, tiny_model_path):
+    library_path()  # built before the job starts, as `make install` does
+    run_dir = tmp_path / "run"
+    cmd = [
+        str(Path(sys.executable).parent / "vintage"), "run", str(ROOT / "deploy/configs/tiny.toml"),
+        "--set", f'logging.run_dir="{run_dir}"', "--set", "controller.total_steps=3",
+        "--set", "env.eval_prompts=0", "--set", "ray.num_cpus=4",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VINTAGE_LOOPBACK_BIND")}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    seen: dict[tuple[str, int], str] = {}
+    try:
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:  # from start-up to shutdown
+            for _pid, name, host, port in listening_sockets(proc.pid):
+                seen[(host, port)] = name
+            time.sleep(0.5)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
+    names = set(seen.values())
+    # the cluster's own servers and the learner were inspected while the job trained
+    assert {"gcs_server", "raylet"} <= names and any("LearnerCore" in n for n in names), seen
+    exposed = {f"{h}:{p}": n for (h, p), n in seen.items() if not is_loopback(h)}
+    assert exposed == {}
