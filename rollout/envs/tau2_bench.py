@@ -19,7 +19,8 @@ Who plays whom:
   are never evaluated, so a task whose basis needs them is refused.
 
 The orchestrator is synchronous (litellm ``completion``); :func:`run` plays it in a thread of a
-private pool so that many episodes proceed at once on one event loop.
+private pool so that many episodes proceed at once on one event loop (up to
+``VINTAGE_TAU2_THREADS``, default 1024).
 
 Errors: a failed HTTP call to a model (connection, 4xx/5xx, rate limit: ``openai.APIError`` and the
 litellm errors derived from it) is raised, since it says nothing about the policy. Anything else
@@ -320,9 +321,11 @@ _POOL: ThreadPoolExecutor | None = None
 
 
 def _pool() -> ThreadPoolExecutor:
+    """The threads episodes run in: one per episode in flight, so the size caps concurrency
+    (``VINTAGE_TAU2_THREADS``, default 1024; threads are started only as needed)."""
     global _POOL
     if _POOL is None:
-        size = int(os.environ.get("VINTAGE_TAU2_THREADS", "64"))
+        size = int(os.environ.get("VINTAGE_TAU2_THREADS", "1024"))
         _POOL = ThreadPoolExecutor(max_workers=size, thread_name_prefix="tau2")
     return _POOL
 
