@@ -115,7 +115,7 @@ async def play_all(tasks: list[dict[str, Any]], client: Any, concurrency: int, p
     import openai
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from rollout.envs.tau2_bench import run
+    from rollout.envs.tau2_bench import ModelCallError, run
 
     sem = asyncio.Semaphore(max(1, concurrency))
     results: list[dict | None] = [None] * len(tasks)
@@ -135,7 +135,7 @@ async def play_all(tasks: list[dict[str, Any]], client: Any, concurrency: int, p
             async with sem:
                 try:
                     res = await run(task, client)
-                except openai.APIError as e:
+                except (openai.APIError, ModelCallError) as e:
                     res = {"task_id": task["task_id"], "trial": task.get("trial", 0), "reward": None}
                     res["error"] = f"http: {type(e).__name__}: {e}"[:500]
             results[i] = res

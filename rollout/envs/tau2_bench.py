@@ -20,10 +20,12 @@ Who plays whom:
 
 The orchestrator is synchronous (litellm ``completion``); :func:`run` plays it in a thread of a
 private pool so that many episodes proceed at once on one event loop (up to
-``VINTAGE_TAU2_THREADS``, default 1024).
+``VINTAGE_TAU2_THREADS``, default 1024), or in ``VINTAGE_TAU2_PROCESSES`` worker processes when
+tau2's own CPU work would saturate one core (see :func:`_pool`).
 
 Errors: a failed HTTP call to a model (connection, 4xx/5xx, rate limit: ``openai.APIError`` and the
-litellm errors derived from it) is raised, since it says nothing about the policy. Anything else
+litellm errors derived from it) is raised (by :func:`run` as :class:`ModelCallError`), since it
+says nothing about the policy. Anything else
 that ends an episode early (a message with neither text nor tool call, malformed tool-call
 arguments, a protocol violation) is scored like tau2's ``skip_failed_samples``: reward 0.0 with
 termination ``agent_error`` and the error text.
@@ -34,9 +36,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import multiprocessing
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -317,17 +320,41 @@ def play(task: Tau2Task | dict[str, Any], base_url: str, api_key: str = "EMPTY")
     return out
 
 
-_POOL: ThreadPoolExecutor | None = None
+class ModelCallError(RuntimeError):
+    """A model call of an episode failed over HTTP (raised by :func:`run`; not a policy failure)."""
 
 
-def _pool() -> ThreadPoolExecutor:
-    """The threads episodes run in: one per episode in flight, so the size caps concurrency
-    (``VINTAGE_TAU2_THREADS``, default 1024; threads are started only as needed)."""
+def _play_remote(task: dict[str, Any], base_url: str, api_key: str) -> dict[str, Any]:
+    """:func:`play` in a worker process: an HTTP failure comes back as a marker (openai's errors
+    hold live HTTP objects and do not pickle)."""
+    import openai
+
+    try:
+        return play(task, base_url, api_key)
+    except openai.APIError as e:
+        return {"__model_call_error__": f"{type(e).__name__}: {e}"[:500]}
+
+
+_POOL: Executor | None = None
+
+
+def _pool() -> tuple[Executor, bool]:
+    """Where episodes run, and whether it is a process pool.
+
+    tau2's own work per episode (building the domain environment three times, hashing databases:
+    ~0.5 s for retail, ~2-4 s for airline on one core) holds the GIL, so threads share one core.
+    ``VINTAGE_TAU2_PROCESSES=N`` runs episodes in N spawned worker processes instead; otherwise
+    threads, one per episode in flight (``VINTAGE_TAU2_THREADS``, default 1024, started as needed).
+    """
     global _POOL
+    procs = int(os.environ.get("VINTAGE_TAU2_PROCESSES", "0"))
     if _POOL is None:
-        size = int(os.environ.get("VINTAGE_TAU2_THREADS", "1024"))
-        _POOL = ThreadPoolExecutor(max_workers=size, thread_name_prefix="tau2")
-    return _POOL
+        if procs > 0:
+            _POOL = ProcessPoolExecutor(max_workers=procs, mp_context=multiprocessing.get_context("spawn"))
+        else:
+            size = int(os.environ.get("VINTAGE_TAU2_THREADS", "1024"))
+            _POOL = ThreadPoolExecutor(max_workers=size, thread_name_prefix="tau2")
+    return _POOL, isinstance(_POOL, ProcessPoolExecutor)
 
 
 class Tau2TaskSource:
@@ -411,11 +438,34 @@ async def run(task: dict[str, Any], client: Any) -> dict[str, Any]:
         The result dict of :func:`play`; ``"reward"`` is the episode reward.
 
     Raises:
-        See :func:`play`.
+        ModelCallError: a model call failed over HTTP (not scored).
+        ValueError / pydantic.ValidationError: bad task (see :func:`play`).
     """
+    import openai
+
     t = resolve_task(task)
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_pool(), play, t, str(client.base_url), client.api_key)
+    pool, procs = _pool()
+    base_url, api_key = str(client.base_url), client.api_key
+    if procs:
+        out = await loop.run_in_executor(pool, _play_remote, t.model_dump(), base_url, api_key)
+        if "__model_call_error__" in out:
+            raise ModelCallError(out["__model_call_error__"])
+        return out
+    try:
+        return await loop.run_in_executor(pool, play, t, base_url, api_key)
+    except openai.APIError as e:
+        raise ModelCallError(f"{type(e).__name__}: {e}"[:500]) from e
 
 
-__all__ = ["DOMAINS", "Tau2Task", "Tau2TaskSource", "UserModel", "load_tasks", "play", "resolve_task", "run"]
+__all__ = [
+    "DOMAINS",
+    "ModelCallError",
+    "Tau2Task",
+    "Tau2TaskSource",
+    "UserModel",
+    "load_tasks",
+    "play",
+    "resolve_task",
+    "run",
+]

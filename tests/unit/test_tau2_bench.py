@@ -91,7 +91,7 @@ def test_empty_reply_is_an_agent_error_scored_zero():
 
 
 def test_http_failure_is_raised_not_scored():
-    with pytest.raises(openai.APIError):
+    with pytest.raises(tb.ModelCallError, match="InternalServerError"):
         _play({"usersim": list(USER)}, {})  # the agent's model has no script: HTTP 500
 
 
