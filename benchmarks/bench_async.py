@@ -1,4 +1,4 @@
-"""Async vs synchronous training on the same work, side by side in one run (issue 6).
+"""Async vs synchronous training on the same work, side by side in one run.
 
     python -m benchmarks.bench_async [--model smollm2|tiny] [--steps 6]
 

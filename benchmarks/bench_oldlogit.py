@@ -40,12 +40,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from modelkit.modelhub import load_causal_lm, make_tiny_model, prepare_smollm2  # noqa: E402
+from modelkit.scoring import sequence_logprobs  # noqa: E402
+from modelkit.weights import pack_weights  # noqa: E402
 from oldlogit_service import OldLogitService  # noqa: E402
 from oldlogit_service.service import right_padded  # noqa: E402
 from protocol import OldLogitItem, OldLogitRequest  # noqa: E402
-from trainer.modelhub import load_causal_lm, make_tiny_model, prepare_smollm2  # noqa: E402
-from trainer.scoring import sequence_logprobs  # noqa: E402
-from trainer.weights import pack_weights  # noqa: E402
 
 BLOCKS = {
     "snapshot": "learner (scores the batch before the step)",
@@ -252,7 +252,7 @@ def bench_model(
             )
             if clocks["snapshot"].steps:
                 clocks["snapshot"].forwards += svc.forwards - f0
-                clocks["snapshot"].exact.append(ans.exact_fraction())
+                clocks["snapshot"].exact.append(ans.exact_token_fraction())
             ids, mask = right_padded(items)
             clocks["ppo_ewma"].run("score", _ewma_logprobs, ewma, learner, ids, mask)
             clocks["ppo_ewma"].forwards += 1 if clocks["ppo_ewma"].steps else 0
@@ -274,7 +274,7 @@ def bench_model(
                     "update_cpu_s": c.median("update_cpu"),
                     "score_cpu_s": c.median("score_cpu"),
                     "forwards_per_step": c.forwards / steps,
-                    "exact_fraction": float(np.mean(c.exact)) if c.exact else (0.0 if r == "ppo_ewma" else 1.0),
+                    "exact_token_fraction": float(np.mean(c.exact)) if c.exact else (0.0 if r == "ppo_ewma" else 1.0),
                     "overhead_vs_learner_step": c.median_total("wall") / step_s,
                     "blocks": BLOCKS[r],
                 }
@@ -328,7 +328,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
             print(
                 f"{r['model']:5} {r['W']:>2} {r['route']:16} {r['bytes_held'] / 2**20:7.1f} {r['copies']:6.2f} {r['seconds_per_step']:7.3f} "
                 f"{r['update_s']:7.3f} {r['score_s']:7.3f} {r['cpu_seconds_per_step']:7.3f} {r['forwards_per_step']:4.1f} "
-                f"{r['exact_fraction']:5.2f} {100 * r['overhead_vs_learner_step']:5.1f}% {q['memory_ratio_vs_ewma']:7.2f}x "
+                f"{r['exact_token_fraction']:5.2f} {100 * r['overhead_vs_learner_step']:5.1f}% {q['memory_ratio_vs_ewma']:7.2f}x "
                 f"{q['time_ratio_vs_ewma']:6.2f}x {q['cpu_time_ratio_vs_ewma']:7.2f}x"
             )
         print(

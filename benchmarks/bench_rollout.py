@@ -27,10 +27,10 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+from modelkit.weights import pack_weights  # noqa: E402
 from protocol import RolloutRequest, SamplingParams  # noqa: E402
 from rollout.engine import EngineConfig, VllmEngine  # noqa: E402
 from rollout.worker import RolloutWorkerCore  # noqa: E402
-from trainer.weights import pack_weights  # noqa: E402
 
 TEXTS = [
     "Once upon a time",
@@ -109,7 +109,7 @@ def bench_worker(core: RolloutWorkerCore, ids, max_tokens: int) -> dict:
 
 
 def bench_update(core: RolloutWorkerCore, ids, max_tokens: int, repeats: int = 3) -> dict:
-    from trainer.modelhub import load_causal_lm
+    from modelkit.modelhub import load_causal_lm
 
     hf = load_causal_lm(core.engine.config.model_path)
     named = list(hf.state_dict().items())
@@ -144,7 +144,7 @@ def main() -> None:
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
-    from trainer.modelhub import make_tiny_model, prepare_smollm2
+    from modelkit.modelhub import make_tiny_model, prepare_smollm2
 
     real = Path(a.model) if a.model else prepare_smollm2()
     tiny = make_tiny_model(seed=0, tokenizer_from=real)

@@ -1,4 +1,4 @@
-"""Methods x staleness x discrepancy, side by side, on the real pipeline (issue 8).
+"""Methods x staleness x discrepancy, side by side, on the real pipeline.
 
 Every cell is one real job (``trainer.job.run_job``: vLLM rollout worker, DeepSpeed learner, the
 old-logit service, the EWMA, the async controller) on the tiny random model and the procedural
@@ -291,11 +291,11 @@ def cell_record(cell: Cell, rows: list[dict[str, Any]], summary: dict[str, Any],
         "reward_before_heldout": before.get("reward", math.nan),
         "reward_after_heldout": after.get("reward", math.nan),
         "steps_to_level": reach,
-        "mask_kept_frac": _mean(g("mask_kept_frac")),
-        "mask_kept_frac_min": min((x for x in g("mask_kept_frac") if math.isfinite(x)), default=math.nan),
+        "mask_kept_fraction": _mean(g("mask_kept_fraction")),
+        "mask_kept_fraction_min": min((x for x in g("mask_kept_fraction") if math.isfinite(x)), default=math.nan),
         "clip_frac_low": _mean(g("clip_frac_low")),
         "clip_frac_high": _mean(g("clip_frac_high")),
-        "exact_fraction": float(summary.get("exact_fraction", math.nan)),
+        "exact_token_fraction": float(summary.get("exact_token_fraction", math.nan)),
         "proxy_abs_err": _mean(g("proxy_abs_err")),
         "discrepancy_kl": _mean(g("discrepancy_kl")),
         "weight_capped_frac": _mean(g("weight_capped_frac")),
@@ -316,13 +316,13 @@ def cell_record(cell: Cell, rows: list[dict[str, Any]], summary: dict[str, Any],
             k: g(k)
             for k in (
                 "reward_mean",
-                "mask_kept_frac",
+                "mask_kept_fraction",
                 "clip_frac_low",
                 "clip_frac_high",
                 "proxy_abs_err",
                 "discrepancy_kl",
                 "staleness_mean",
-                "exact_fraction",
+                "exact_token_fraction",
             )  # fmt: skip
         },
     }
@@ -360,7 +360,7 @@ def run_cell(cell: Cell, out_dir: Path, console: Console) -> dict[str, Any]:
     path.write_text(json.dumps(rec, indent=1, default=_json_default))
     console.print(
         f"{cell.name}: reward {rec['reward_first']:.3f} -> {rec['final_reward']:.3f} (held-out {rec['reward_after_heldout']:.3f}), "
-        f"kept {rec['mask_kept_frac']:.3f}, exact {rec['exact_fraction']:.2f}, proxy err {rec['proxy_abs_err']:.4f}, "
+        f"kept {rec['mask_kept_fraction']:.3f}, exact {rec['exact_token_fraction']:.2f}, proxy err {rec['proxy_abs_err']:.4f}, "
         f"resets {rec['ewma_resets']}, {rec['cell_wall_s']:.0f}s"
     )
     return rec
@@ -401,7 +401,7 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[k] = _mean([_nan(r.get(k)) for r in rs])
         row["steps_to_level"] = _mean([float(x) for x in reach if x is not None])
         row["reached_level"] = sum(x is not None for x in reach)
-        for k in ("mask_kept_frac", "mask_kept_frac_min", "clip_frac_low", "clip_frac_high", "exact_fraction",
+        for k in ("mask_kept_fraction", "mask_kept_fraction_min", "clip_frac_low", "clip_frac_high", "exact_token_fraction",
                   "proxy_abs_err", "discrepancy_kl", "ewma_resets", "oldlogit_bytes", "ewma_bytes",
                   "old_logits_s", "ewma_s", "extra_s_per_step", "train_s", "staleness_mean", "wall_s"):  # fmt: skip
             row[k] = _mean([_nan(r.get(k)) for r in rs])
@@ -433,8 +433,8 @@ def table_markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['method']}{' [' + r['tag'] + ']' if r.get('tag') else ''} | {r['W']} | {r['disc']}{'' if r.get('model', 'tiny') == 'tiny' else ' (' + r['model'] + ')'} | {r['seeds']} | {_f(r['reward_first'])} -> "
             f"{_f(r['final_reward'])}{sd} | {_f(r['reward_before_heldout'])} -> {_f(r['reward_after_heldout'])} | {reach} | "
-            f"{_f(r['mask_kept_frac'])} ({_f(r['mask_kept_frac_min'])}) | "
-            f"{_f(r['clip_frac_low'])} / {_f(r['clip_frac_high'])} | {_f(r['exact_fraction'], '.2f')} | "
+            f"{_f(r['mask_kept_fraction'])} ({_f(r['mask_kept_fraction_min'])}) | "
+            f"{_f(r['clip_frac_low'])} / {_f(r['clip_frac_high'])} | {_f(r['exact_token_fraction'], '.2f')} | "
             f"{_f(r['proxy_abs_err'], '.4f')} | {_f(r['ewma_resets'], '.0f')} | {mib} | "
             f"{_f(r['extra_s_per_step'], '.2f')} | {_f(r['train_s'], '.2f')} | {_f(r['wall_s'], '.0f')} |"
         )
@@ -468,7 +468,7 @@ def plot(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     ncol = min(4, len(panels))
     nrow = -(-len(panels) // ncol)
     for key, fname, ylabel in (("reward_mean", "reward_curves.png", "batch reward"),
-                               ("mask_kept_frac", "mask_kept.png", "discrepancy-mask kept fraction")):  # fmt: skip
+                               ("mask_kept_fraction", "mask_kept.png", "discrepancy-mask kept fraction")):  # fmt: skip
         fig, axes = plt.subplots(nrow, ncol, figsize=(4.2 * ncol, 3.3 * nrow), squeeze=False, sharey=True)
         for ax, (model, d, W) in zip(axes.flat, panels, strict=False):
             same = [r for r in real if (r.get("model", "tiny"), r["disc"], r["W"]) == (model, d, W)]
@@ -540,11 +540,12 @@ def run_grid(cells: list[Cell], out_dir: Path, console: Console, grid_name: str)
     run into one folder (``reduced``, then ``seeds``) make one table with the seeds pooled per row.
     """
     from trainer.config import load_config
-    from trainer.job import _defaults_env, ray_session
+    from trainer.environment import defaults_env
+    from trainer.job import ray_session
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _defaults_env()
+    defaults_env()
     t0 = time.perf_counter()
     prev = out_dir / "results.json"
     walls = json.loads(prev.read_text())["meta"].get("grid_wall_s", {}) if prev.is_file() else {}

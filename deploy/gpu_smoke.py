@@ -29,7 +29,7 @@ CHECKS = ("env", "vllm", "deepspeed0", "deepspeed3", "run")
 
 
 def _model_path() -> Path:
-    from trainer.modelhub import prepare_smollm2
+    from modelkit.modelhub import prepare_smollm2
 
     return prepare_smollm2(log=lambda *a, **k: None)
 

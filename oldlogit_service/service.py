@@ -2,9 +2,8 @@
 
 For each sampled token t with version ``v_t`` the service answers ``log pi_old(token | prefix)``
 computed with the *learner's* model code and numerics (HF transformers forward +
-:func:`trainer.scoring.sequence_logprobs`, temperature applied the same way) under the weights of
-version ``v_t`` - or says per token why it cannot (:class:`protocol.TokenStatus`). Design brief
-section 4, known-failure case 13.
+:func:`modelkit.scoring.sequence_logprobs`, temperature applied the same way) under the weights of
+version ``v_t`` - or says per token why it cannot (:class:`protocol.TokenStatus`).
 
 Routes (``route=``):
 
@@ -49,6 +48,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from modelkit.scoring import sequence_logprobs
+from modelkit.weights import torch_dtype, unpack_weights
 from protocol import (
     OldLogitAnswer,
     OldLogitItem,
@@ -59,8 +60,6 @@ from protocol import (
     Trajectory,
     WeightManifest,
 )
-from trainer.scoring import sequence_logprobs
-from trainer.weights import torch_dtype, unpack_weights
 
 Route = Literal["snapshot", "old_logit_model", "interrupt_sync", "none"]
 ROUTES: tuple[str, ...] = get_args(Route)
@@ -96,7 +95,7 @@ class OldLogitService:
     """Versioned old-logit server (plain class; :data:`oldlogit_service.actor.OldLogitServer` wraps it).
 
     Args:
-        model_path: HF model folder (``trainer.modelhub.prepare_smollm2()`` / ``make_tiny_model()``);
+        model_path: HF model folder (``modelkit.modelhub.prepare_smollm2()`` / ``make_tiny_model()``);
             gives the architecture and, when ``initial_version`` is not None, the weights of that version.
         route: ``"snapshot" | "old_logit_model" | "interrupt_sync" | "none"``.
         max_staleness: W >= 0; the snapshot route keeps versions ``[V - W, V]``.
@@ -164,7 +163,7 @@ class OldLogitService:
             return
         if model_path is None:
             raise ValueError(f"model_path: required for route {route!r}")
-        from trainer.modelhub import load_causal_lm
+        from modelkit.modelhub import load_causal_lm
 
         model = load_causal_lm(model_path, dtype=str(self.dtype).removeprefix("torch.")).to(self.device)
         state = model.state_dict()
@@ -216,7 +215,7 @@ class OldLogitService:
     ) -> int:
         """Take the weight publication of version ``manifest.version`` (call it on every publication).
 
-        The payload is verified whole (:func:`trainer.weights.unpack_weights`) and its tensors are
+        The payload is verified whole (:func:`modelkit.weights.unpack_weights`) and its tensors are
         copied (cast to the service dtype) before any held version is touched, so a bad payload
         leaves the service as it was. Snapshot route: versions older than ``V - max_staleness``
         are evicted (reason ``staleness``), then the oldest until the copies fit the memory budget
@@ -227,7 +226,7 @@ class OldLogitService:
 
         Args:
             manifest: :class:`protocol.WeightManifest` (or its dict form).
-            payload: ``{hf_name: cpu tensor}`` from :func:`trainer.weights.pack_weights` (tied aliases left out).
+            payload: ``{hf_name: cpu tensor}`` from :func:`modelkit.weights.pack_weights` (tied aliases left out).
             verify: check shapes, byte counts and checksum against the manifest (default True).
 
         Returns:
@@ -513,7 +512,7 @@ class OldLogitService:
     def stats(self) -> dict[str, Any]:
         """:meth:`status` fields plus ``forwards``, ``latest_version``, ``evicted`` ({version:
         reason}), ``evictions`` (count by reason), ``seconds`` (by kind), ``seconds_per_request``
-        (mean over score/segment/prefix calls), ``last_request_seconds`` and ``exact_fraction``."""
+        (mean over score/segment/prefix calls), ``last_request_seconds`` and ``exact_token_fraction``."""
         out = self.status().model_dump()
         scored = self.seconds["score"] + self.seconds["segments"] + self.seconds["prefixes"]
         missing = sum(self.tokens_missing.values())
@@ -525,7 +524,9 @@ class OldLogitService:
             seconds=dict(self.seconds),
             seconds_per_request=scored / self.requests if self.requests else 0.0,
             last_request_seconds=self.last_request_seconds,
-            exact_fraction=self.tokens_exact / (self.tokens_exact + missing) if self.tokens_exact + missing else 1.0,
+            exact_token_fraction=self.tokens_exact / (self.tokens_exact + missing)
+            if self.tokens_exact + missing
+            else 1.0,
         )
         return out
 

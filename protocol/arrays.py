@@ -3,7 +3,8 @@
 Token arrays never travel as Python lists of floats. Inside a process and through Ray's object
 store a field holds a 1-D ``numpy.ndarray`` (pickled as one buffer); in JSON (HTTP) it is written as
 ``{"dtype": "float32", "b64": "<base64 of the little-endian bytes>"}``. Reading accepts an ndarray,
-that JSON form, or a plain list (convenient in tests and hand-written requests).
+that JSON form (a dtype with an explicit byte order, e.g. ``">f4"``, is read in that order), or a
+plain list (convenient in tests and hand-written requests).
 """
 
 from __future__ import annotations
@@ -22,8 +23,15 @@ def _to_array(dtype: str):
         if isinstance(value, dict):
             if set(value) != {"dtype", "b64"}:
                 raise ValueError(f"array object must have keys 'dtype' and 'b64', got {sorted(value)}")
+            if not isinstance(value["b64"], str) or not isinstance(value["dtype"], str):
+                raise ValueError("array object: 'dtype' and 'b64' must be strings")
             raw = base64.b64decode(value["b64"], validate=True)
-            src = np.dtype(value["dtype"]).newbyteorder("<")
+            try:
+                src = np.dtype(value["dtype"])
+            except TypeError:
+                raise ValueError(f"array dtype: {value['dtype']!r} is not a numpy dtype") from None
+            # an explicit byte order (">f4", "<f4") is honoured; none means little-endian
+            src = src if src.byteorder == ">" else src.newbyteorder("<")
             if len(raw) % src.itemsize:
                 raise ValueError(f"array bytes ({len(raw)}) not a multiple of {src} itemsize")
             value = np.frombuffer(raw, dtype=src)

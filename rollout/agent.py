@@ -8,7 +8,7 @@ Invariants of an :class:`Episode` (checked again by :class:`protocol.Trajectory`
 
 * ``loss_mask`` is 1 exactly on model-sampled tokens; prompt, tool/user observations and tokens the
   worker appends itself (e.g. the end-of-turn id after a length-truncated turn) have mask 0,
-  version ``-1`` and a placeholder ``behav_logprobs`` of 0.0 that is never read (case 7);
+  version ``-1`` and a placeholder ``behav_logprobs`` of 0.0 that is never read;
 * ``versions`` of sampled tokens never decrease (the engine's version only grows);
 * the generated length of an episode is ``sum(loss_mask)``, not the span of its turns.
 """
@@ -188,6 +188,7 @@ class Episode:
             turn_rewards=list(self.turn_rewards),
             turn_boundaries=list(self.turn_boundaries),
             truncated=self.truncated,
+            purpose=self.request.purpose,
             old_logprobs=None if self.old_logprobs is None else pad_nan(self.old_logprobs, len(self.token_ids)),
             info={
                 **self.info,

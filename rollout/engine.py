@@ -6,11 +6,11 @@ generation can be interrupted between two tokens for a weight update and resumed
 Contract of every engine (the worker and the tests rely on it):
 
 * every sampled token comes with its behaviour log-prob ``mu`` in nats, of the distribution that was
-  actually sampled: ``log_softmax(logits / T)`` with no top-p / top-k truncation (case 1);
+  actually sampled: ``log_softmax(logits / T)`` with no top-p / top-k truncation;
 * all tokens returned by one ``step()`` were produced by one weight version, ``engine.version``;
 * finish reasons come from the engine's own stop logic (``stop``: an EOS or stop id was sampled,
   ``length``: the token budget or the context length ran out, ``abort``: the engine gave up); they
-  are never guessed from the last token id (case 9);
+  are never guessed from the last token id;
 * ``update_weights`` verifies the whole update before touching the model; ``version`` changes only
   after every tensor is applied, and a failed update raises and keeps the old version serving
   (an engine whose weights may be half-applied marks itself ``failed`` and refuses to step).
@@ -166,7 +166,7 @@ class GenerationEngine(abc.ABC):
         return self._expected
 
     def update_weights(self, named: Mapping[str, torch.Tensor], version: int) -> int:
-        """Apply a whole weight version in place (HF names, e.g. from ``trainer.weights.unpack_weights``).
+        """Apply a whole weight version in place (HF names, e.g. from ``modelkit.weights.unpack_weights``).
 
         Every checkpoint tensor must be present with its checkpoint shape; extra names are allowed
         only if they are tied aliases of the embedding (``lm_head.weight``). Tensors are cast to the

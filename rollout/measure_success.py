@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.model is None:
-        from trainer.modelhub import prepare_smollm2
+        from modelkit.modelhub import prepare_smollm2
 
         a.model = str(prepare_smollm2())
     core = RolloutWorkerCore(

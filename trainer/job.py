@@ -2,16 +2,22 @@
 
     start Ray, the HTTP status server, the learner, the old-logit service and the rollout workers
     every consumer starts from the model folder (version 0); score held-out episodes (reward before)
-    loop until total_steps:
-        apply control requests (scale workers, pause)
-        top up rollout requests under the staleness admission rule
-        move finished trajectories into the buffer (old_logit_model/interrupt_sync: attach pi_old now,
-            before their version is superseded)
-        take a batch at the learner's version (stale ones are dropped, with a reason)
-        snapshot route: ask the old-logit service for exact pi_old, per token
-        learner step (exact where known, the configured proxy elsewhere); publish version + 1
-        log metrics, update /v1/status
+    loop until total_steps (``_loop``, one line per part):
+        controls      apply control requests (scale workers, pause)
+        admit         ``Job.top_up``: submit groups under the staleness admission rule
+        collect       ``Job.collect``: finished trajectories into the buffer (scorer routes attach
+                      exact pi_old here, before their version is superseded)
+        take          ``TrajectoryBuffer.take``: a batch at the learner's version (stale ones dropped,
+                      with a reason)
+        old logits    ``Job.async_old_logits``: a reference to the snapshot route's per-token answer
+        train         ``Job.train``: one learner step (exact where known, the configured proxy
+                      elsewhere); the version moves up by one when the step is applied
+        publish       ``route.before_publish`` (scorer routes collect first), then ``Job.publish``
+        log           ``Job.step_metrics`` -> ``metrics.jsonl``, TensorBoard, ``/v1/status``
+        checkpoint    every ``controller.checkpoint_every`` versions
     score held-out episodes (reward after), write summary, plots, checkpoint
+
+What differs per old-logit route lives in one object per route kind (:mod:`trainer.routes`).
 
 Invariants: the learner's version rises by exactly one per applied step and is published whole to
 every consumer before the next batch is taken; every submitted sample is consumed, dropped with a
@@ -34,47 +40,13 @@ import numpy as np
 import ray
 from rich.console import Console
 
-from protocol import EnvRef, EwmaStatus, OldLogitRequest, RolloutRequest, Trajectory
+from protocol import EnvRef, EwmaStatus, RolloutRequest, Trajectory
 from trainer.buffer import TrajectoryBuffer, admission_capacity, token_staleness_histogram
-from trainer.config import JobConfig, write_resolved
-from trainer.metrics_log import MetricsLog, plot_run
+from trainer.config import JobConfig, write_private, write_resolved
+from trainer.environment import ENV_VARS, defaults_env
+from trainer.metrics_log import MetricsLog, StepMetrics, plot_run
+from trainer.routes import make_route
 from trainer.server import ApiServer, StatusBoard
-
-ENV_VARS = (
-    "OMP_NUM_THREADS",
-    "DS_ACCELERATOR",
-    "HF_HUB_OFFLINE",
-    "TRANSFORMERS_OFFLINE",
-    "TOKENIZERS_PARALLELISM",
-    "VINTAGE_CACHE_DIR",
-    "HF_HUB_DISABLE_PROGRESS_BARS",
-    "VLLM_LOGGING_LEVEL",
-    "TRANSFORMERS_VERBOSITY",
-    "TORCH_EXTENSIONS_DIR",
-)
-
-
-def _defaults_env() -> None:
-    for k, v in (
-        ("OMP_NUM_THREADS", "1"),
-        ("HF_HUB_OFFLINE", "1"),
-        ("TRANSFORMERS_OFFLINE", "1"),
-        ("TOKENIZERS_PARALLELISM", "false"),
-        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
-        ("RAY_memory_monitor_refresh_ms", "0"),
-        ("VLLM_LOGGING_LEVEL", "ERROR"),
-        ("TRANSFORMERS_VERBOSITY", "error"),
-        # DeepSpeed's JIT ops (the CPU comm op) build once per virtual environment: two venvs
-        # sharing ~/.cache/torch_extensions invalidate each other's build on every learner start.
-        ("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions")),
-    ):
-        os.environ.setdefault(k, v)
-    try:
-        import torch
-
-        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    except ImportError:  # pragma: no cover
-        pass
 
 
 @contextlib.contextmanager
@@ -144,9 +116,14 @@ def _loopback_private_cluster() -> None:
         )
 
 
+def _finite_or_none(x: float | None) -> float | None:
+    """``x`` when it is a finite number, else None (the status never shows NaN)."""
+    return float(x) if x is not None and np.isfinite(x) else None
+
+
 def resolve_model(cfg: JobConfig) -> Path:
     """The HF folder for ``model.path`` (``smollm2``, ``tiny`` or a folder)."""
-    from trainer.modelhub import make_tiny_model, prepare_smollm2
+    from modelkit.modelhub import make_tiny_model, prepare_smollm2
 
     if cfg.model.path == "smollm2":
         return prepare_smollm2()
@@ -179,7 +156,7 @@ def perturbed(manifest, payload: dict, std: float, seed: int):
     """``payload`` with every floating tensor multiplied by ``1 + N(0, std)`` (re-packed, new checksum)."""
     import torch
 
-    from trainer.weights import pack_weights, unpack_weights
+    from modelkit.weights import pack_weights, unpack_weights
 
     g = torch.Generator().manual_seed(seed)
     named = unpack_weights(manifest, payload, verify=False)
@@ -194,13 +171,42 @@ def perturbed(manifest, payload: dict, std: float, seed: int):
     return pack_weights(noisy.items(), manifest.version, manifest.tensors[0].dtype)
 
 
+def learner_settings(cfg: JobConfig, model_path: Path):
+    """The :class:`trainer.learner.LearnerSettings` of ``cfg`` for the model folder ``model_path``.
+
+    The EWMA window is at least ``controller.max_staleness`` (the oldest consumable version).
+
+    Raises:
+        pydantic.ValidationError: the settings refuse the combination (e.g. ``loss.kl_coef > 0``).
+    """
+    from trainer.learner import LearnerSettings
+
+    c, s = cfg.controller, cfg.rollout.sampling
+    ewma = cfg.ewma.model_copy(update={"window": max(cfg.ewma.window, c.max_staleness)})
+    return LearnerSettings(
+        model_path=str(model_path),
+        zero_stage=cfg.learner.zero_stage,
+        dtype=cfg.learner.dtype,
+        lr=cfg.learner.lr,
+        weight_decay=cfg.learner.weight_decay,
+        grad_clip=cfg.learner.grad_clip,
+        overlong_filter=cfg.learner.overlong_filter,
+        micro_batch_size=cfg.learner.micro_batch_size,
+        loss=cfg.loss,
+        ewma=ewma,
+        temperature=s.temperature,
+        max_token_staleness=c.max_token_staleness,
+        seed=c.seed,
+    )
+
+
 class Job:
     """The parts of one running job and the bookkeeping the loop needs (see the module docstring)."""
 
     def __init__(self, cfg: JobConfig, console: Console):
         from oldlogit_service.actor import OldLogitServer
         from rollout.engine import EngineConfig
-        from trainer.learner import LearnerGroup, LearnerSettings
+        from trainer.learner import LearnerGroup
         from trainer.pool import WorkerPool
 
         self.cfg, self.console = cfg, console
@@ -209,34 +215,20 @@ class Job:
         c, s = cfg.controller, cfg.rollout.sampling
         self.group_size, self.batch_size = s.n, c.batch_groups * s.n
         self.buffer = TrajectoryBuffer(capacity=c.buffer_capacity, max_staleness=c.max_staleness)
-        self.route = cfg.oldlogit_route
-        ewma = cfg.ewma.model_copy(update={"window": max(cfg.ewma.window, c.max_staleness)})
-        settings = LearnerSettings(
-            model_path=str(self.model_path),
-            zero_stage=cfg.learner.zero_stage,
-            dtype=cfg.learner.dtype,
-            lr=cfg.learner.lr,
-            weight_decay=cfg.learner.weight_decay,
-            grad_clip=cfg.learner.grad_clip,
-            micro_batch_size=cfg.learner.micro_batch_size,
-            loss=cfg.loss,
-            ewma=ewma,
-            temperature=s.temperature,
-            max_token_staleness=c.max_token_staleness,
-            seed=c.seed,
-        )
+        settings = learner_settings(cfg, self.model_path)
         with console.status("starting learner ..."):
             self.learner = LearnerGroup(settings, world_size=cfg.learner.world_size, **cfg.learner.actor_options())
-        self.oldlogit = None
-        if self.route != "none":
-            with console.status(f"starting old-logit service ({self.route}) ..."):
-                self.oldlogit = OldLogitServer.options(**cfg.oldlogit.actor_options()).remote(
+        oldlogit = None
+        if cfg.oldlogit_route != "none":
+            with console.status(f"starting old-logit service ({cfg.oldlogit_route}) ..."):
+                oldlogit = OldLogitServer.options(**cfg.oldlogit.actor_options()).remote(
                     str(self.model_path),
-                    route=self.route,
+                    route=cfg.oldlogit_route,
                     max_staleness=c.max_staleness,
                     memory_budget_bytes=cfg.oldlogit.memory_budget_bytes,
                 )
-                ray.get(self.oldlogit.ready.remote())
+                ray.get(oldlogit.ready.remote())
+        self.route = make_route(cfg.oldlogit_route, oldlogit)
         engine = EngineConfig(
             kind=cfg.rollout.engine,
             model_path=str(self.model_path),
@@ -251,7 +243,7 @@ class Job:
             engine,
             actor_options=cfg.rollout.actor_options(),
             max_in_flight=cfg.rollout.max_batch,
-            oldlogit=self.oldlogit if self.route == "interrupt_sync" else None,
+            oldlogit=self.route.worker_scorer,
         )
         with console.status(f"starting {cfg.rollout.num_workers} rollout worker(s) ..."):
             self.pool.scale_to(cfg.rollout.num_workers)
@@ -265,40 +257,12 @@ class Job:
         self.times = Counter()
         self.tokens_exact = self.tokens_total = 0
         self.last_publish: dict[str, float] = {}
+        self._held_back: list[Trajectory] = []  # training trajectories polled during an evaluation
 
-    # -- the parts of one iteration ------------------------------------------------------------
-
-    def publish(self) -> None:
-        """Publish the learner's current version to every rollout worker and the old-logit service."""
-        t0 = time.perf_counter()
-        noise = self.cfg.rollout.inject_mismatch_std
-        # payloads stay in the object store: the driver handles manifests and references only
-        manifest, ref = self.learner.publish_ref(self.cfg.rollout.dtype)
-        scorer_args = None
-        if self.oldlogit is not None:
-            if self.cfg.rollout.dtype != "float32" or noise > 0:
-                scorer_args = self.learner.publish_ref("float32")
-            else:
-                scorer_args = (manifest, ref)
-        if noise > 0:
-            seed = self.cfg.controller.seed * 100_003 + manifest.version
-            manifest, payload = perturbed(manifest, ray.get(ref), noise, seed=seed)
-            ref = ray.put(payload)
-        if self.route in ("old_logit_model", "interrupt_sync"):
-            # the single-version scorer must still hold the outgoing version while finished trajectories are
-            # collected and (interrupt_sync) while workers score their interrupted prefixes; then it moves on
-            self.collect()
-            self.pool.update_weights(manifest, ref)
-            ray.get(self.oldlogit.update_weights.remote(*scorer_args))
-        else:
-            pending = [self.oldlogit.update_weights.remote(*scorer_args)] if scorer_args else []
-            self.pool.update_weights(manifest, ref)
-            ray.get(pending)
-        self.last_publish = {"seconds": time.perf_counter() - t0, "bytes": manifest.total_bytes, "unix": time.time()}
-        self.times["publish"] += self.last_publish["seconds"]
+    # -- the parts of one iteration (the loop in :func:`_loop` calls them in order) -----------
 
     def top_up(self) -> None:
-        """Submit as many new groups as the staleness admission rule allows."""
+        """Admit: submit as many new groups as the staleness admission rule allows."""
         room = admission_capacity(
             self.version, self.cfg.controller.max_staleness, self.batch_size, self.buffer.submitted
         )
@@ -318,32 +282,33 @@ class Job:
             ]
             self.buffer.note_submitted(self.pool.submit(reqs))
 
-    def collect(self, got: list[Trajectory] | None = None) -> None:
-        """Move finished trajectories into the buffer (attaching exact pi_old on the scorer routes)."""
-        got = self.pool.poll() if got is None else got
-        if got and self.route in ("old_logit_model", "interrupt_sync"):
-            t0 = time.perf_counter()
-            got = ray.get(self.oldlogit.attach_old_logprobs.remote(got, self.cfg.rollout.sampling.temperature))
-            self.times["old_logits"] += time.perf_counter() - t0
+    def collect(self) -> None:
+        """Move finished training trajectories into the buffer (the route attaches exact pi_old first).
+
+        Training trajectories polled while an evaluation waited are collected here too.
+        """
+        got, self._held_back = self._held_back + self.pool.poll(), []
+        t0 = time.perf_counter()
+        got = self.route.attach(got, self.cfg.rollout.sampling.temperature)
+        self.times["old_logits"] += time.perf_counter() - t0
         for t in got:
             if t.finish_reason == "abort":
                 self.buffer.reject("aborted")
             else:
                 self.buffer.offer(t)
 
-    def train(self, batch: list[Trajectory]) -> dict[str, Any]:
-        """Exact pi_old where the route has it, one learner step, and publication of the new version."""
-        from oldlogit_service.service import items_from_trajectories
+    def async_old_logits(self, batch: list[Trajectory]) -> ray.ObjectRef | None:
+        """A reference to the old-logit service's per-token answer for ``batch`` (snapshot route), or None."""
+        return self.route.async_old_logits(batch, self.version, self.cfg.rollout.sampling.temperature)
 
-        answer = None
+    def train(self, batch: list[Trajectory], old_logits: ray.ObjectRef | None = None) -> dict[str, Any]:
+        """One learner step on ``batch`` with the route's answer (``old_logits``); the learner's metrics.
+
+        On an applied step ``self.version`` moves to the learner's new version; nothing is published.
+        The metrics gain ``old_logits_s`` (wait for the answer) and ``train_s`` (the step), wall seconds.
+        """
         t0 = time.perf_counter()
-        if self.route == "snapshot":
-            req = OldLogitRequest(
-                request_id=f"step-{self.version}",
-                temperature=self.cfg.rollout.sampling.temperature,
-                items=items_from_trajectories(batch),
-            )
-            answer = ray.get(self.oldlogit.score.remote(req))
+        answer = None if old_logits is None else ray.get(old_logits)
         t1 = time.perf_counter()
         m = self.learner.train_step(batch, answer)
         t2 = time.perf_counter()
@@ -351,41 +316,89 @@ class Job:
         self.times["train"] += t2 - t1
         if m["applied"]:
             self.version = int(m["version"])
-            self.publish()
+        m.update(old_logits_s=t1 - t0, train_s=t2 - t1)
+        return m
+
+    def publish(self) -> None:
+        """Publish the learner's current version to every rollout worker and the old-logit service.
+
+        The route decides the order (see :mod:`trainer.routes`); payloads stay in the object store,
+        the driver handles manifests and references only.
+        """
+        t0 = time.perf_counter()
+        noise = self.cfg.rollout.inject_mismatch_std
+        manifest, ref = self.learner.async_publish(self.cfg.rollout.dtype)
+        scorer_weights = None
+        if self.route.oldlogit is not None:
+            if self.cfg.rollout.dtype != "float32" or noise > 0:
+                scorer_weights = self.learner.async_publish("float32")
+            else:
+                scorer_weights = (manifest, ref)
+        if noise > 0:
+            seed = self.cfg.controller.seed * 100_003 + manifest.version
+            manifest, payload = perturbed(manifest, ray.get(ref), noise, seed=seed)
+            ref = ray.put(payload)
+        self.route.publish(lambda: self.pool.update_weights(manifest, ref), scorer_weights)
+        self.last_publish = {"seconds": time.perf_counter() - t0, "bytes": manifest.total_bytes, "unix": time.time()}
+        self.times["publish"] += self.last_publish["seconds"]
+
+    def step_metrics(self, batch: list[Trajectory], m: dict[str, Any]) -> StepMetrics:
+        """The learner's metrics ``m`` plus the batch's rewards and staleness, the last publication and
+        the buffer's drop counts: one row of ``metrics.jsonl``. Adds to the job's exact-token totals.
+
+        Raises:
+            pydantic.ValidationError: the learner's metrics lack a field every step has.
+        """
         hist = token_staleness_histogram(batch, int(m["consumed_version"]))
         n = sum(hist.values())
         rewards = [t.reward for t in batch]
         exact = float(m.get("exact_token_fraction", 0.0))
         self.tokens_exact += exact * m["tokens"]
         self.tokens_total += m["tokens"]
-        m.update(
-            reward_mean=float(np.mean(rewards)),
-            reward_max=float(np.max(rewards)),
-            exact_fraction=exact,
-            staleness_mean=sum(k * v for k, v in hist.items()) / max(n, 1),
-            staleness_max=max(hist, default=0),
-            staleness_hist=hist,
-            publish_s=self.last_publish.get("seconds", 0.0),
-            old_logits_s=t1 - t0,
-            train_s=t2 - t1,
-            **{f"dropped_{k}": v for k, v in self.buffer.dropped.items()},
+        return StepMetrics(
+            **{
+                **m,
+                "reward_mean": float(np.mean(rewards)),
+                "reward_max": float(np.max(rewards)),
+                "exact_token_fraction": exact,
+                "staleness_mean": sum(k * v for k, v in hist.items()) / max(n, 1),
+                "staleness_max": max(hist, default=0),
+                "staleness_hist": hist,
+                "publish_s": self.last_publish.get("seconds", 0.0),
+                **{f"dropped_{k}": v for k, v in self.buffer.dropped.items()},
+            }
         )
-        return m
 
     def evaluate(self, tag: str) -> dict[str, float]:
-        """Mean reward on held-out env seeds (disjoint from training), one sample each, same sampling."""
+        """Mean reward on held-out env seeds (disjoint from training), one sample each, same sampling.
+
+        Evaluation requests carry ``purpose="eval"``; training trajectories that finish meanwhile are
+        held back for the next :meth:`collect`.
+
+        Raises:
+            TimeoutError: not every evaluation episode finished within ``env.eval_timeout_s`` (a rollout
+                worker failed or hung); the message names the field and the count received.
+        """
         k = self.cfg.env.eval_prompts
         if k == 0 or not len(self.pool):
             return {}
         t0 = time.perf_counter()
         seeds = list(range(self.cfg.env.train_seeds, self.cfg.env.train_seeds + k))
-        reqs = make_requests(self.cfg, seeds, f"eval-{tag}-", self.version, n=1)
+        reqs = [
+            r.model_copy(update={"purpose": "eval"})
+            for r in make_requests(self.cfg, seeds, f"eval-{tag}-", self.version, n=1)
+        ]
         self.pool.submit(reqs)
+        timeout = self.cfg.env.eval_timeout_s
         got: list[Trajectory] = []
         while len(got) < len(reqs):
-            polled = self.pool.poll()
-            got += [t for t in polled if t.trajectory_id.startswith("eval-")]
-            self.collect([t for t in polled if not t.trajectory_id.startswith("eval-")])
+            if time.perf_counter() - t0 > timeout:
+                raise TimeoutError(
+                    f"env.eval_timeout_s: held-out evaluation {tag!r} got {len(got)} of {len(reqs)} episodes "
+                    f"in {timeout:g} s (a rollout worker failed or hung)"
+                )
+            for t in self.pool.poll():
+                (got if t.purpose == "eval" else self._held_back).append(t)
             time.sleep(0.2)
         self.times["eval"] += time.perf_counter() - t0
         r = [t.reward for t in got]
@@ -404,10 +417,13 @@ class Job:
             self.console.print(f"scaled rollout workers to {want} (+{len(added)} -{len(removed)})")
         board.desired_workers = None
 
-    def status_fields(self, m: dict[str, Any] | None) -> dict[str, Any]:
-        st = ray.get(self.oldlogit.status.remote()) if self.oldlogit is not None else None
+    def status_fields(self, m: StepMetrics | None) -> dict[str, Any]:
+        """The ``/v1/status`` fields now; those of the last step ``m`` when given."""
+        oldlogit = self.route.oldlogit
+        st = ray.get(oldlogit.status.remote()) if oldlogit is not None else None
         f = dict(
             learner_version=self.version,
+            oldlogit_route=self.route.name,
             workers=self.pool.statuses(),
             buffer_size=len(self.buffer),
             buffer_staleness_hist=self.buffer.staleness_histogram(self.version),
@@ -420,21 +436,21 @@ class Job:
             last_publish_unix=self.last_publish.get("unix"),
         )
         if m is not None:
-            exact = m["exact_fraction"]
             f.update(
-                last_batch_staleness_hist=m["staleness_hist"],
-                exact_fraction_by_route={self.route: exact},
-                proxy_fraction=1.0 - exact,
-                mask_kept_fraction=m.get("mask_kept_frac"),
-                tokens_per_s=m.get("tokens_per_s", 0.0),
-                skipped_steps=int(m["skipped_steps"]),
+                last_batch_staleness_hist=m.staleness_hist,
+                exact_token_fraction=m.exact_token_fraction,
+                proxy_fraction=1.0 - m.exact_token_fraction,
+                mask_kept_fraction=_finite_or_none(m.mask_kept_fraction),
+                tokens_per_s=_finite_or_none(m.tokens_per_s) or 0.0,
+                skipped_steps=m.skipped_steps,
             )
-            if "ewma_beta" in m:
+            extra = m.model_extra or {}
+            if "ewma_beta" in extra:
                 f["ewma"] = EwmaStatus(
-                    beta=m["ewma_beta"],
-                    total_weight=m["ewma_total_weight"],
-                    resets=int(m["ewma_resets"]),
-                    bytes_held=int(m.get("ewma_bytes", 0)),
+                    beta=extra["ewma_beta"],
+                    total_weight=extra["ewma_total_weight"],
+                    resets=int(extra["ewma_resets"]),
+                    bytes_held=int(extra.get("ewma_bytes", 0)),
                 )
         return f
 
@@ -443,9 +459,9 @@ class Job:
             self.pool.shutdown()
         with contextlib.suppress(Exception):
             self.learner.shutdown()
-        if self.oldlogit is not None:
+        if self.route.oldlogit is not None:
             with contextlib.suppress(Exception):
-                ray.kill(self.oldlogit)
+                ray.kill(self.route.oldlogit)
 
 
 def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
@@ -455,16 +471,27 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
     TensorBoard), plots to ``reward.png`` / ``staleness.png``.
     """
     console = console or Console()
-    _defaults_env()
+    defaults_env()
     run_dir = Path(cfg.logging.run_dir)
     write_resolved(cfg, run_dir)
     t_start = time.perf_counter()
     board = StatusBoard()
     server = None
     if cfg.server.enabled:
-        server = ApiServer(board, cfg.server.host, cfg.server.port, cfg.server.token).start()
-        (run_dir / "token").write_text(server.token)
-        os.chmod(run_dir / "token", 0o600)
+        token = cfg.server.token.get_secret_value() if cfg.server.token else None
+        server = ApiServer(
+            board,
+            cfg.server.host,
+            cfg.server.port,
+            token,
+            docs=cfg.server.docs,
+            max_body_bytes=cfg.server.max_body_bytes,
+        ).start()
+        write_private(run_dir / "token", server.token)
+        if server.token_for_reads:
+            console.print(
+                f"[yellow]server.host={cfg.server.host} is not loopback: every endpoint requires the token[/yellow]"
+            )
         (run_dir / "server.json").write_text(json.dumps({"url": server.url}))
         console.print(f"status API: [bold]{server.url}/v1/status[/bold]  (bearer token in {run_dir / 'token'})")
     log = MetricsLog(run_dir, tensorboard=cfg.logging.tensorboard)
@@ -487,6 +514,7 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
 
 
 def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float) -> dict[str, Any]:
+    """The recipe: each line of the iteration is one part's job (see the module docstring)."""
     cfg, console = job.cfg, job.console
     if job.version > 0:  # resumed: consumers loaded the folder (version 0); give them the resumed weights
         job.publish()
@@ -497,29 +525,35 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float) -> dict
     t_loop = time.perf_counter()
     m = None
     while job.version < cfg.controller.total_steps and (deadline is None or time.perf_counter() < deadline):
-        job.apply_controls(board)
+        job.apply_controls(board)  # control requests: scale workers, pause
         if board.paused:
             time.sleep(0.2)
             continue
-        job.top_up()
-        job.collect()
-        batch = job.buffer.take(job.batch_size, job.version, job.group_size)
+        job.top_up()  # admit new groups under the staleness rule
+        job.collect()  # finished trajectories into the buffer
+        batch = job.buffer.take(job.batch_size, job.version, job.group_size)  # a batch at the learner's version
         if batch is None:
             time.sleep(0.05)
             continue
-        m = job.train(batch)
+        old_logits = job.async_old_logits(batch)  # exact pi_old where the route answers per batch
+        learned = job.train(batch, old_logits)  # learner step: version + 1 when applied
+        if learned["applied"]:
+            job.route.before_publish(job.collect)  # scorer routes: score finished work at the outgoing version
+            job.publish()  # the new version to every consumer
+        m = job.step_metrics(batch, learned)  # typed: one name per concept
         log.log(job.version, m)
         if cfg.controller.checkpoint_every and job.version % cfg.controller.checkpoint_every == 0:
             job.checkpoint()
         board.update(**job.status_fields(m))
         console.print(
-            f"step {int(m['consumed_version'])}->{job.version}  reward {m['reward_mean']:.3f}  staleness mean {m['staleness_mean']:.2f} "
-            f"max {m['staleness_max']}  exact {m['exact_fraction']:.2f}  kept {m.get('mask_kept_frac', float('nan')):.2f}  "
-            f"loss {m['loss']:+.4f}  {m['tokens_per_s']:.0f} tok/s  train {m['train_s']:.1f}s"
+            f"step {m.consumed_version}->{job.version}  reward {m.reward_mean:.3f}  staleness mean {m.staleness_mean:.2f} "
+            f"max {m.staleness_max}  exact {m.exact_token_fraction:.2f}  kept {m.mask_kept_fraction if m.mask_kept_fraction is not None else float('nan'):.2f}  "
+            f"loss {m.loss:+.4f}  {m.tokens_per_s:.0f} tok/s  train {m.train_s:.1f}s"
         )
     loop_s = time.perf_counter() - t_loop
     after = job.evaluate("after")
     console.print(f"held-out reward after training: {after}")
+    job.collect()  # training trajectories that finished during the evaluation
     job.checkpoint()
     return {
         "state": "finished",
@@ -528,9 +562,9 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float) -> dict
         "reward_after": after,
         "tokens_exact": job.tokens_exact,
         "tokens_total": job.tokens_total,
-        "exact_fraction": job.tokens_exact / job.tokens_total if job.tokens_total else 0.0,
-        "ewma_resets": int(m.get("ewma_resets", 0)) if m else 0,
-        "skipped_steps": int(m["skipped_steps"]) if m else 0,
+        "exact_token_fraction": job.tokens_exact / job.tokens_total if job.tokens_total else 0.0,
+        "ewma_resets": int((m.model_extra or {}).get("ewma_resets", 0)) if m else 0,
+        "skipped_steps": m.skipped_steps if m else 0,
         "generated": job.buffer.submitted,
         "consumed": job.buffer.consumed,
         "dropped": dict(job.buffer.dropped),
@@ -538,6 +572,6 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float) -> dict
         "loop_s": loop_s,
         "time_split_s": dict(job.times),
         "wall_s": time.perf_counter() - t_start,
-        "route": job.route,
+        "oldlogit_route": job.route.name,
         "method": cfg.loss.method,
     }

@@ -10,7 +10,7 @@ One :meth:`LearnerCore.train_step` at learner version ``V``:
    exact old log-probs where a route supplied them (NaN elsewhere), GRPO advantages over the whole
    batch; each rank then takes rows ``rank::world_size``;
 2. the global token count ``N`` (all-reduced over ranks) is the token-mean denominator of every
-   micro-batch (case 6), and the loss is multiplied by ``world_size`` because DeepSpeed averages
+   micro-batch, and the loss is multiplied by ``world_size`` because DeepSpeed averages
    gradients over data-parallel ranks;
 3. per micro-batch: with the PPO-EWMA proxy a no-grad forward with the EWMA weights, the forward
    of the current policy, :func:`trainer.losses.compute_policy_loss` (exact reference where known,
@@ -49,16 +49,16 @@ from typing import Any, Literal
 import numpy as np
 import ray
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from modelkit.scoring import sequence_logprobs
+from modelkit.weights import all_finite, pack_weights
 from protocol import OldLogitAnswer, Trajectory, WeightManifest
 from trainer.batch import Batch, collate
 from trainer.ewma import EwmaProximal
-from trainer.loss_config import EwmaConfig, LossConfig, loss_config
+from trainer.loss_config import EwmaConfig, LossConfig, kl_refusal, loss_config
 from trainer.losses import compute_policy_loss, discrepancy_ratio, icepop_mask
 from trainer.proximal import proximal_reference
-from trainer.scoring import sequence_logprobs
-from trainer.weights import all_finite, pack_weights
 
 
 class LearnerSettings(BaseModel):
@@ -67,7 +67,7 @@ class LearnerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model_path: str
-    """HF model folder (``trainer.modelhub``); loaded in fp32 on CPU, cast by DeepSpeed for bf16."""
+    """HF model folder (``modelkit.modelhub``); loaded in fp32 on CPU, cast by DeepSpeed for bf16."""
     zero_stage: int = Field(0, ge=0, le=3)
     """DeepSpeed ZeRO stage; 0-3 all work on CPU with gloo."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -89,18 +89,25 @@ class LearnerSettings(BaseModel):
     ewma: EwmaConfig = Field(default_factory=EwmaConfig)
     """PPO-EWMA decay and reset threshold (used when ``loss.proxy == "ewma"``)."""
     temperature: float = Field(1.0, gt=0.0)
-    """The rollouts' sampling temperature; every learner log-prob uses it (case 1)."""
+    """The rollouts' sampling temperature; every learner log-prob uses it."""
     max_token_staleness: int | None = Field(None, ge=0)
-    """Tokens staler than this are masked out of the loss, kept as context (case 5)."""
+    """Tokens staler than this are masked out of the loss, kept as context."""
     overlong_filter: bool = False
-    """Mask sequences truncated by the length budget (finish reason, case 9)."""
+    """Mask sequences truncated by the length budget (read from the finish reason)."""
     seed: int = 0
+    """Seed of the learner's torch generators."""
     master_addr: str = "127.0.0.1"
     """Rendezvous address of rank 0 (``MASTER_ADDR``)."""
     master_port: int = Field(29500, ge=1, le=65535)
     """Rendezvous port (``MASTER_PORT``); :class:`LearnerGroup` picks a free one."""
     dist_backend: str | None = None
     """torch.distributed backend; None: gloo on CPU, the accelerator's own otherwise."""
+
+    @model_validator(mode="after")
+    def _no_kl(self) -> LearnerSettings:
+        if self.loss.kl_coef > 0:
+            raise ValueError(kl_refusal(self.loss.kl_coef))
+        return self
 
 
 def free_port() -> int:
@@ -223,7 +230,7 @@ class LearnerCore:
     def __init__(self, settings: LearnerSettings, rank: int = 0, world_size: int = 1) -> None:
         import deepspeed
 
-        from trainer.modelhub import load_causal_lm
+        from modelkit.modelhub import load_causal_lm
 
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         self.settings, self.rank, self.world_size = settings, rank, world_size
@@ -351,12 +358,13 @@ class LearnerCore:
         Returns a dict of floats: ``loss`` (global token-mean loss), ``applied`` (1/0), ``version``
         (after the step), ``consumed_version``, ``skipped_steps``, ``grad_norm`` (before clipping,
         NaN when skipped), ``tokens`` (global N), ``sequences``, the loss library's metrics averaged
-        over tokens (``clip_frac_low/high``, ``mask_kept_frac``, ``exact_token_fraction``,
+        over tokens (``clip_frac_low/high``, ``mask_kept_fraction``, ``exact_token_fraction``,
         ``discrepancy_kl``, ``ratio_mean`` ...; ``*_max``/``*_min`` as extremes), ``proxy_abs_err``
         (mean |proxy - exact| in nats over exact tokens, NaN without any) and ``proxy_err_tokens``,
         ``ewma_*`` (beta, total_weight, resets, kept_frac, reset, bytes), ``step_s``, ``tokens_per_s``,
         phase seconds (``ewma_forward_s``, ``forward_backward_s``, ``optimizer_s``, ``ewma_update_s``)
-        and the collation counts (``stale_masked_tokens``, ``overlong_masked_seqs``, ``staleness_*``).
+        and the collation counts (``stale_masked_tokens``, ``overlong_masked_seqs``, ``staleness_*``,
+        ``groups``, ``zero_variance_groups``: groups whose rewards are all equal).
 
         Raises:
             ValueError: the batch was collated for another version than the learner's.
@@ -503,7 +511,7 @@ class LearnerCore:
 
     def publish(self, dtype: str = "float32") -> tuple[WeightManifest, dict[str, torch.Tensor]]:
         """Pack the current weights as version :attr:`version` for the rollout workers and the
-        old-logit service (:func:`trainer.weights.pack_weights`: cast to ``dtype``, tied tensors sent
+        old-logit service (:func:`modelkit.weights.pack_weights`: cast to ``dtype``, tied tensors sent
         once, checksummed). Records ``last_publish`` = {seconds, bytes, version}.
 
         Under ZeRO-3 with several ranks every rank must call it (parameters are gathered).
@@ -598,7 +606,7 @@ class LearnerGroup:
             return self._all("publish", dtype)[0]
         return ray.get(self.actors[0].publish.remote(dtype))
 
-    def publish_ref(self, dtype: str = "float32") -> tuple[WeightManifest, ray.ObjectRef]:
+    def async_publish(self, dtype: str = "float32") -> tuple[WeightManifest, ray.ObjectRef]:
         """Like :meth:`publish`, but the payload stays in Ray's object store: returns the manifest and
         an ``ObjectRef`` to hand to every consumer, so the driver never copies the weights."""
         ranks = self.actors if self.zero_stage == 3 else self.actors[:1]

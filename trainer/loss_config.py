@@ -38,7 +38,7 @@ class LossConfig(BaseModel):
     """Token-ratio PPO clip, or GSPO's length-normalised sequence ratio."""
     proxy: Proxy = "behav"
     """Reference for tokens without exact old logits: mu, recompute, linear/log-linear proxy, EWMA."""
-    old_logit_route: OldLogitRoute = "none"
+    oldlogit_route: OldLogitRoute = "none"
     """Exact pi_old route; when not "none" the learner must pass old log-probs (NaN where missing)."""
     eps_low: float = Field(0.2, gt=0.0, lt=1.0)
     """Lower clip: the ratio is clipped at 1 - eps_low."""
@@ -76,6 +76,14 @@ class LossConfig(BaseModel):
         return self
 
 
+def kl_refusal(kl_coef: float) -> str:
+    """The one-line refusal of ``loss.kl_coef > 0``: the learner scores no frozen reference model."""
+    return (
+        f"loss.kl_coef: {kl_coef} is not supported (must be 0): the learner scores no frozen reference "
+        "model, so the KL penalty has no ref_logprobs"
+    )
+
+
 _EXACT = {"proxy": "ewma", "behav_weight_cap": 5.0, "discrepancy_mask": True}
 
 METHODS: dict[str, dict[str, Any]] = {
@@ -86,9 +94,9 @@ METHODS: dict[str, dict[str, Any]] = {
     "icepop": {"proxy": "recompute", "discrepancy_mask": True},
     "linear_prox": {"proxy": "linear_prox", "behav_weight_cap": 5.0},
     "loglinear_prox": {"proxy": "loglinear_prox", "behav_weight_cap": 5.0},
-    "snapshot": {**_EXACT, "old_logit_route": "snapshot"},
-    "old_logit_model": {**_EXACT, "old_logit_route": "old_logit_model"},
-    "interrupt_sync": {**_EXACT, "old_logit_route": "interrupt_sync"},
+    "snapshot": {**_EXACT, "oldlogit_route": "snapshot"},
+    "old_logit_model": {**_EXACT, "oldlogit_route": "old_logit_model"},
+    "interrupt_sync": {**_EXACT, "oldlogit_route": "interrupt_sync"},
     "ppo_ewma": {"proxy": "ewma", "behav_weight_cap": 5.0, "discrepancy_mask": True},
     "gspo": {"policy_loss": "gspo", "eps_low": 3e-4, "eps_high": 4e-4, "aggregation": "seq_mean_token_mean"},
 }

@@ -1,7 +1,6 @@
 """Policy losses for vintage: ratios, discrepancy corrections, policy losses, KL, aggregation.
 
-Small pure functions over tensors (no state, no Ray, no collectives). The algorithm is section 3 of
-``shared/design.md``; per generated token t with advantage A_t and loss mask m_t::
+Small pure functions over tensors (no state, no Ray, no collectives). Per generated token t with advantage A_t and loss mask m_t::
 
     d_t  = exp(ref_t - mu_t)                        discrepancy ratio (detached)
     w_t  = min(d_t, C)                              truncated IS weight (optional)
@@ -23,7 +22,7 @@ Conventions (each is tested in ``tests/unit/test_losses*.py``):
 - Denominator N: fixed by ``loss_mask`` and the aggregation mode alone. Tokens rejected by the
   discrepancy mask stay in N: N can then be counted once per optimizer step, before any forward, and
   summed over micro-batches and data-parallel ranks; a rejected token lowers the loss magnitude
-  instead of re-weighting the survivors (``mask_kept_frac`` reports how much was rejected).
+  instead of re-weighting the survivors (``mask_kept_fraction`` reports how much was rejected).
 - Every loss returns ``(loss, metrics)``: a scalar to minimise and a ``dict[str, float]``.
 
 Proximal references (which log-prob plays pi_old) live in :mod:`trainer.proximal`, advantages and
@@ -61,7 +60,7 @@ def token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float) -> Ten
     logits ``[B, T, V]`` (position t's logits are the ones that produced ``token_ids[:, t]``; the
     caller does the shift), token_ids ``[B, T]`` -> ``[B, T]`` fp32. The temperature must be the
     engine's sampling temperature so that the learner's log-probs and mu describe the same
-    distribution (case 1). Temperature 0 (greedy) has no usable log-probs and is refused.
+    distribution. Temperature 0 (greedy) has no usable log-probs and is refused.
     """
     if isinstance(temperature, bool) or not isinstance(temperature, int | float):
         raise ValueError(f"temperature must be a number > 0, got temperature={temperature!r}")
@@ -165,10 +164,10 @@ def aggregate(
     - "token_mean": sum over masked-in tokens / N_tokens. N_tokens is ``global_token_count`` (the
       token count of the whole optimizer batch, summed over micro-batches and data-parallel ranks)
       or, if None, this call's own count. With the global count, summing the micro-batch losses
-      gives the same value and gradient whatever the split (case 6: 2 tokens of loss 1 + 8 of 0 ->
+      gives the same value and gradient whatever the split (e.g. 2 tokens of loss 1 + 8 of 0 ->
       0.2). Data-parallel engines that *average* gradients over ranks need the loss scaled by the
       world size.
-    - "seq_mean_token_mean": mean over sequences of each sequence's token mean (case 6: 0.5).
+    - "seq_mean_token_mean": mean over sequences of each sequence's token mean (same example, one sequence each: 0.5).
     - "seq_mean_token_sum": mean over sequences of each sequence's token sum.
     Sequence modes divide by ``global_seq_count`` (sequences with >= 1 masked-in token) or the local
     count. Empty denominators count as 1, so an all-masked batch gives 0, not NaN.
@@ -313,7 +312,7 @@ def discrepancy_weights(
     """Detached per-token factor w_t * keep_t ``[B, T]`` from d = exp(prox - mu) at ``level``.
 
     ``weight_cap`` C gives w = min(d, C) (None: no weight, w = 1); ``apply_mask`` multiplies by the
-    two-sided mask on ``mask_bounds``. ``mask_kept_frac`` (fraction of masked-in tokens with d inside
+    two-sided mask on ``mask_bounds``. ``mask_kept_fraction`` (fraction of masked-in tokens with d inside
     the bounds) is reported even when the mask is not applied: PPO-EWMA resets on it. Also reports
     d stats, the k3 discrepancy KL mean(d - 1 - log d), the fraction of non-finite mu on masked-in
     tokens (given ratio 1), and with ``exact_mask`` the fraction of tokens with an exact reference.
@@ -329,7 +328,7 @@ def discrepancy_weights(
         log_d = d.log()
         metrics = {
             # no valid token: nothing was rejected (1.0), so an empty batch never triggers an EWMA reset
-            "mask_kept_frac": torch.where(mask.any(), _frac(keep.bool(), mask), 1.0),
+            "mask_kept_fraction": torch.where(mask.any(), _frac(keep.bool(), mask), 1.0),
             "weight_mean": torch.where(mask, weights, 0.0).sum() / mask.sum().clamp(min=1),
             "weight_capped_frac": _frac(d > weight_cap, mask) if weight_cap is not None else torch.zeros(()),
             "discrepancy_kl": torch.where(mask, torch.expm1(log_d) - log_d, 0.0).sum() / mask.sum().clamp(min=1),
@@ -483,16 +482,16 @@ def compute_policy_loss(
 
     logprobs ``[B, T]`` (pi_theta, with gradient), behav_logprobs ``[B, T]`` (mu), advantages ``[B]``
     or ``[B, T]``, loss_mask ``[B, T]``. ``old_logprobs`` (exact pi_old, NaN where missing) and
-    ``exact_mask`` are required when ``cfg.old_logit_route`` is set and ignored otherwise;
+    ``exact_mask`` are required when ``cfg.oldlogit_route`` is set and ignored otherwise;
     ``ewma_logprobs`` when the proxy is "ewma"; ``staleness`` ``[B, T]`` for the linear proxies;
     ``ref_logprobs`` (frozen reference model) when ``cfg.kl_coef > 0``. Metrics add
     ``exact_token_fraction`` (0 without a route) and ``kl`` when the KL term is on.
     """
     mask = _as_bool(loss_mask)
-    if cfg.old_logit_route == "none":
+    if cfg.oldlogit_route == "none":
         old_logprobs = exact_mask = None
     elif old_logprobs is None:
-        raise ValueError(f"old_logit_route={cfg.old_logit_route!r} needs old_logprobs (NaN where missing)")
+        raise ValueError(f"oldlogit_route={cfg.oldlogit_route!r} needs old_logprobs (NaN where missing)")
     prox = proximal_reference(
         cfg.proxy, logprobs, behav_logprobs, staleness=staleness, ewma_logprobs=ewma_logprobs,
         old_logprobs=old_logprobs, exact_mask=exact_mask, loss_mask=mask,

@@ -8,6 +8,57 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class StepMetrics(BaseModel):
+    """One learner step as the driver reports it: a row of ``metrics.jsonl``, TensorBoard scalars and
+    the ``/v1/status`` fields. One name per concept; times are wall seconds, shares are in [0, 1].
+
+    The declared fields are the ones every step has; the learner's method-specific metrics (clip
+    fractions, ratio statistics, phase seconds, ``ewma_*`` ...) ride along as extra float fields.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    version: int = Field(ge=0)
+    """The learner's version after the step (``consumed_version + 1`` when applied)."""
+    consumed_version: int = Field(ge=0)
+    """The version that consumed the batch (staleness is measured against it)."""
+    applied: bool
+    """False when the non-finite guard skipped the optimizer step (nothing was published)."""
+    skipped_steps: int = Field(ge=0)
+    """Steps skipped by the non-finite guard so far."""
+    loss: float
+    """Global token-mean policy loss of the optimizer batch."""
+    tokens: float = Field(ge=0)
+    """Trained (loss-masked) tokens of the batch, all ranks."""
+    exact_token_fraction: float = 0.0
+    """Share of the trained tokens whose pi_old was exact (the rest used the configured proxy)."""
+    mask_kept_fraction: float | None = None
+    """Share of the trained tokens the discrepancy mask keeps (reported even when not applied)."""
+    zero_variance_groups: int = Field(0, ge=0)
+    """Groups whose rewards were all equal (advantages exactly 0)."""
+    tokens_per_s: float = 0.0
+    """Trained tokens per second of the learner step."""
+    reward_mean: float
+    reward_max: float
+    staleness_mean: float = Field(ge=0)
+    """Mean token staleness (``consumed_version - versions[t]``) over the batch's sampled tokens."""
+    staleness_max: int = Field(ge=0)
+    staleness_hist: dict[int, int]
+    """``{staleness: sampled-token count}`` of the batch."""
+    old_logits_s: float = Field(ge=0)
+    """Wait for the old-logit service's answer (snapshot route)."""
+    train_s: float = Field(ge=0)
+    """The learner step, all ranks."""
+    publish_s: float = Field(ge=0)
+    """The last weight publication to every consumer."""
+
+    def row(self) -> dict[str, Any]:
+        """The flat dict written to ``metrics.jsonl`` (declared and extra fields)."""
+        return self.model_dump()
+
 
 class MetricsLog:
     """Append one JSON object per step; scalars also go to TensorBoard when enabled."""
@@ -23,7 +74,10 @@ class MetricsLog:
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
+    def log(self, step: int, metrics: StepMetrics | dict[str, Any]) -> None:
+        """Append ``metrics`` (a :class:`StepMetrics` or a flat dict) as the row of ``step``."""
+        if isinstance(metrics, StepMetrics):
+            metrics = metrics.row()
         row = {"step": step, "time": time.time(), **metrics}
         self._fh.write(json.dumps(row, default=_jsonable) + "\n")
         if self._tb is not None:
@@ -76,7 +130,9 @@ def plot_run(run_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [r.get("staleness_mean", float("nan")) for r in rows], marker="o", label="mean token staleness")
     ax.plot(steps, [r.get("staleness_max", float("nan")) for r in rows], marker="x", label="max token staleness")
-    ax.plot(steps, [r.get("exact_fraction", float("nan")) for r in rows], marker=".", label="exact old-logit fraction")
+    ax.plot(
+        steps, [r.get("exact_token_fraction", float("nan")) for r in rows], marker=".", label="exact old-logit fraction"
+    )
     out.append(_save(plt, fig, ax, Path(run_dir) / "staleness.png"))
     return out
 

@@ -6,7 +6,7 @@ gradient. Per-token versions are the ground truth; staleness of a token is
 batch (queue time counts), so ``k >= 0``.
 
 Invariant: exact old log-probs win token by token. :func:`proximal_reference` builds the configured
-proxy for every token, then puts the exact value wherever one is available (case 13: a mixed batch).
+proxy for every token, then puts the exact value wherever one is available, so a mixed batch is exact where it can be.
 A proxy that is not finite on a token (e.g. mu was NaN) falls back to the detached current log-prob,
 so the loss never sees NaN; ``nonfinite_behav_frac`` in the loss metrics counts such tokens.
 """
@@ -68,7 +68,7 @@ def prox_loglinear(behav_logprobs: Tensor, logprobs_detached: Tensor, staleness:
 
     Then w * r = exp(ref - mu) exp(logp - ref) = exp(logp - mu) exactly, and clipping r to
     [1 - eps, 1 + eps] clips the total ratio to [(1 - eps)^(1/(1-alpha)), (1 + eps)^(1/(1-alpha))]
-    (case 12: k = 2, eps = 0.2 -> [0.64, 1.44]).
+    (e.g. k = 2, eps = 0.2 -> [0.64, 1.44]).
     """
     alpha = staleness_alpha(staleness)
     lp = at_least_fp32(logprobs_detached.detach())
@@ -93,7 +93,7 @@ def prox_linear(behav_logprobs: Tensor, logprobs_detached: Tensor, staleness: Te
 def mix_reference(exact_old_logprobs: Tensor, exact_mask: Tensor | None, proxy: Tensor) -> Tensor:
     """Token by token: the exact old log-prob where usable (:func:`resolve_exact_mask`), else the proxy.
 
-    Returns ``[B, T]`` detached (case 13: tokens of an evicted version get the proxy, the rest exact).
+    Returns ``[B, T]`` detached: tokens of an evicted version get the proxy, the rest exact.
     """
     exact = resolve_exact_mask(exact_old_logprobs, exact_mask)
     return torch.where(exact, prox_exact(exact_old_logprobs), at_least_fp32(proxy.detach()))

@@ -7,11 +7,15 @@ require ``Authorization: Bearer <token>`` and only record the request; the drive
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import ipaddress
+import json
 import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Annotated
 
 import uvicorn
@@ -53,16 +57,25 @@ class StatusBoard:
         }
         self._dropped = Gauge("vintage_trajectories_dropped", "Trajectories dropped, by reason", ["reason"], registry=r)
         self._exact = Gauge(
-            "vintage_exact_fraction", "Exact old-logit fraction of the last batch, by route", ["route"], registry=r
+            "vintage_exact_token_fraction",
+            "Share of the last batch's trained tokens with exact old logits, by old-logit route",
+            ["oldlogit_route"],
+            registry=r,
         )
         self.requests = Counter("vintage_http_requests", "HTTP requests served", ["endpoint"], registry=r)
 
     def update(self, **fields) -> JobStatus:
-        """Replace some fields of the status (validated) and refresh the Prometheus gauges."""
+        """Replace some fields of the status and refresh the Prometheus gauges.
+
+        The new status is validated before it is stored: on a bad field (a NaN, a fraction above 1,
+        a negative count) this raises and the previous status stays served, whole.
+
+        Raises:
+            pydantic.ValidationError: naming the field and the value.
+        """
         with self._lock:
-            self._status = self._status.model_copy(update=fields)
-            self._status = JobStatus.model_validate(self._status.model_dump())
-            s = self._status
+            s = JobStatus.model_validate({**self._status.model_dump(), **fields})
+            self._status = s
         for name, g in self._g.items():
             if name == "workers":
                 g.set(len(s.workers))
@@ -74,8 +87,8 @@ class StatusBoard:
                     g.set(v)
         for reason, n in s.dropped.items():
             self._dropped.labels(reason).set(n)
-        for route, f in s.exact_fraction_by_route.items():
-            self._exact.labels(route).set(f)
+        if s.exact_token_fraction is not None:
+            self._exact.labels(s.oldlogit_route).set(s.exact_token_fraction)
         return s
 
     def status(self) -> JobStatus:
@@ -83,15 +96,100 @@ class StatusBoard:
             return self._status
 
 
-def build_app(board: StatusBoard, token: str) -> FastAPI:
-    """The HTTP API over ``board``; ``token`` guards the mutating endpoints."""
-    app = FastAPI(title="vintage", version="1", summary="Async RL trainer: versions, staleness, old logits")
+MIN_TOKEN_CHARS = 16
+"""Shortest bearer token accepted (a generated one has 32 characters)."""
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for ``localhost``, 127.0.0.0/8 and ``::1``."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class BodyLimit:
+    """ASGI middleware bounding every request body in size and in the time its sender may take.
+
+    A declared ``Content-Length`` above ``max_bytes`` is answered 413 before anything is read. Any
+    other body is read here first, counted as it arrives and refused at ``max_bytes`` (413), or
+    408 when its next chunk does not arrive within ``read_timeout_s`` seconds; the application then
+    receives the whole body at once. Header sizes are bounded by the server (uvicorn's
+    ``h11_max_incomplete_event_size``).
+    """
+
+    def __init__(self, app: Callable, max_bytes: int, read_timeout_s: float):
+        self.app, self.max_bytes, self.read_timeout_s = app, max_bytes, read_timeout_s
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await _plain(
+                send, 413, f"request body: Content-Length {declared.decode()[:20]} > limit {self.max_bytes} bytes"
+            )
+            return
+        body, more = bytearray(), True
+        while more:
+            try:
+                msg = await asyncio.wait_for(receive(), self.read_timeout_s)
+            except TimeoutError:
+                await _plain(send, 408, f"request body: nothing received for {self.read_timeout_s} s")
+                return
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > self.max_bytes:
+                await _plain(send, 413, f"request body: more than {self.max_bytes} bytes")
+                return
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # the app waits for a disconnect after the body
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+async def _plain(send: Callable, status: int, detail: str) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"connection", b"close")],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def build_app(board: StatusBoard, token: str, docs: bool = False, token_for_reads: bool = False) -> FastAPI:
+    """The HTTP API over ``board``; ``token`` guards the mutating endpoints (and, with
+    ``token_for_reads``, every endpoint). ``docs`` serves ``/docs``, ``/redoc`` and ``/openapi.json``."""
 
     def require_token(authorization: Annotated[str | None, Header()] = None) -> None:
         if authorization is None or not authorization.startswith("Bearer "):
             raise HTTPException(status_code=401, detail="missing bearer token", headers={"WWW-Authenticate": "Bearer"})
         if not hmac.compare_digest(authorization.removeprefix("Bearer ").encode(), token.encode()):
             raise HTTPException(status_code=403, detail="invalid bearer token")
+
+    app = FastAPI(
+        title="vintage",
+        version="1",
+        summary="Async RL trainer: versions, staleness, old logits",
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+        dependencies=[Depends(require_token)] if token_for_reads else [],
+    )
 
     @app.get("/healthz")
     def healthz() -> dict:
@@ -132,17 +230,44 @@ def build_app(board: StatusBoard, token: str) -> FastAPI:
 
 
 class ApiServer:
-    """uvicorn in a daemon thread; ``port=0`` binds a free port (see :attr:`port`)."""
+    """uvicorn in a daemon thread; ``port=0`` binds a free port (see :attr:`port`).
 
-    def __init__(self, board: StatusBoard, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
+    Request bodies are bounded (``max_body_bytes``, ``read_timeout_s``, see :class:`BodyLimit`),
+    headers to 16 KiB, idle keep-alive connections close after 5 s, and at most 64 connections are
+    served at once. On a host other than loopback every endpoint requires the token.
+
+    Raises:
+        ValueError: ``token`` shorter than :data:`MIN_TOKEN_CHARS` (the message names ``server.token``).
+    """
+
+    def __init__(
+        self,
+        board: StatusBoard,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        docs: bool = False,
+        max_body_bytes: int = 1 << 20,
+        read_timeout_s: float = 10.0,
+    ):
+        if token is not None and len(token) < MIN_TOKEN_CHARS:
+            raise ValueError(f"server.token: {len(token)} characters, at least {MIN_TOKEN_CHARS} required")
         self.token = token or secrets.token_urlsafe(24)
         self.host = host
+        self.token_for_reads = not is_loopback_host(host)
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         self.port = sock.getsockname()[1]
         self._sock = sock
-        config = uvicorn.Config(build_app(board, self.token), log_level="warning", access_log=False)
+        app = BodyLimit(
+            build_app(board, self.token, docs=docs, token_for_reads=self.token_for_reads), max_bytes=max_body_bytes,
+            read_timeout_s=read_timeout_s,
+        )  # fmt: skip
+        config = uvicorn.Config(
+            app, log_level="warning", access_log=False, timeout_keep_alive=5, limit_concurrency=64,
+            h11_max_incomplete_event_size=16 * 1024,
+        )  # fmt: skip
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [sock]}, daemon=True, name="vintage-http"

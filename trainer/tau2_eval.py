@@ -243,7 +243,7 @@ def serve_model(
     admin token makes untracked calls (served, never trained on).
 
     Args:
-        model_path: an HF folder, or ``smollm2`` / ``tiny`` (prepared by ``trainer.modelhub``).
+        model_path: an HF folder, or ``smollm2`` / ``tiny`` (prepared by ``modelkit.modelhub``).
         max_model_len: engine context, tokens. kv_cache_gib: vLLM-on-CPU KV cache, GiB.
         max_tokens: completion budget of a call that gives none.
 
@@ -254,10 +254,10 @@ def serve_model(
     Raises:
         ImportError: this build has no gateway (``rollout.gateway``).
     """
+    from modelkit.modelhub import make_tiny_model, prepare_smollm2
     from rollout import gateway as gw
     from rollout.engine import EngineConfig, make_engine
     from rollout.worker import RolloutWorkerCore
-    from trainer.modelhub import make_tiny_model, prepare_smollm2
 
     if model_path == "smollm2":
         model_path = str(prepare_smollm2())

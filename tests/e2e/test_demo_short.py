@@ -1,4 +1,4 @@
-"""End to end on the real SmolLM2-135M-Instruct: a shortened `make demo` (issue 7).
+"""End to end on the real SmolLM2-135M-Instruct: a shortened `make demo`.
 
 Real vLLM rollout worker, DeepSpeed learner, snapshot old-logit service on a local Ray cluster, the
 HTTP status server on 127.0.0.1. The snapshot memory budget is set to hold exactly two versions
@@ -78,10 +78,10 @@ def test_exact_and_proxy_accounting_per_token(demo_run):
     for r in rows:
         hist = {int(k): v for k, v in r["staleness_hist"].items()}
         held = hist.get(0, 0) + hist.get(1, 0)  # versions V and V-1 fit the budget; V-2 was evicted
-        assert r["exact_fraction"] == pytest.approx(held / sum(hist.values()), abs=1e-9)
+        assert r["exact_token_fraction"] == pytest.approx(held / sum(hist.values()), abs=1e-9)
         assert r["tokens"] == sum(hist.values())
     assert summary["tokens_total"] == sum(r["tokens"] for r in rows)
-    assert 0.0 <= summary["exact_fraction"] <= 1.0
+    assert 0.0 <= summary["exact_token_fraction"] <= 1.0
 
 
 def test_status_endpoint_answered_during_the_run(demo_run):

@@ -40,11 +40,11 @@ def test_table_has_every_method_with_finite_values(quick_result):
     assert set(rows) == set(METHODS)
     for m, r in rows.items():
         assert f"| {m} | 1 | bf16 |" in table
-        for k in ("final_reward", "reward_first", "mask_kept_frac", "clip_frac_low", "clip_frac_high",
-                  "exact_fraction", "extra_s_per_step", "train_s", "wall_s"):  # fmt: skip
+        for k in ("final_reward", "reward_first", "mask_kept_fraction", "clip_frac_low", "clip_frac_high",
+                  "exact_token_fraction", "extra_s_per_step", "train_s", "wall_s"):  # fmt: skip
             assert math.isfinite(r[k]), (m, k, r[k])
-        assert 0.0 <= r["final_reward"] <= 1.0 and 0.0 <= r["mask_kept_frac"] <= 1.0
+        assert 0.0 <= r["final_reward"] <= 1.0 and 0.0 <= r["mask_kept_fraction"] <= 1.0
     # exact old logits only on the snapshot route, where the EWMA proxy error is measured
-    assert rows["snapshot"]["exact_fraction"] == 1.0 and math.isfinite(rows["snapshot"]["proxy_abs_err"])
+    assert rows["snapshot"]["exact_token_fraction"] == 1.0 and math.isfinite(rows["snapshot"]["proxy_abs_err"])
     assert rows["snapshot"]["oldlogit_bytes"] > 0 and rows["ppo_ewma"]["ewma_bytes"] > 0
-    assert rows["recompute"]["exact_fraction"] == 0.0
+    assert rows["recompute"]["exact_token_fraction"] == 0.0

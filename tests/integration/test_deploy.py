@@ -53,7 +53,7 @@ def test_tiny_config_is_a_few_cpu_steps():
     cfg = load_config(DEPLOY / "configs" / "tiny.toml")
     assert cfg.model.path == "tiny"
     assert cfg.rollout.num_workers == 1
-    assert cfg.loss.method == "snapshot" and cfg.loss.old_logit_route == "snapshot"
+    assert cfg.loss.method == "snapshot" and cfg.loss.oldlogit_route == "snapshot"
     assert cfg.controller.max_staleness == 1 and cfg.controller.total_steps == 3
     assert cfg.controller.batch_groups == 2
     assert cfg.rollout.sampling.max_tokens == 16 and cfg.rollout.sampling.n == 4

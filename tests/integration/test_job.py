@@ -1,6 +1,6 @@
 """A short async job on the tiny model, for real: Ray local cluster, DeepSpeed on CPU, vLLM, HTTP.
 
-Checks (issue 6): versions advance one per step; no consumed token exceeds ``max_staleness``; the
+Checks: versions advance one per step; no consumed token exceeds ``max_staleness``; the
 status endpoint answers during the run; rollout workers scale up and down mid-run; the accounting
 identity holds; a mutating call without the token is refused; a resumed run continues the version
 sequence from its checkpoint.
@@ -108,7 +108,7 @@ def test_versions_advance_one_per_step_and_staleness_bounded(first_run):
     assert [int(r["consumed_version"]) for r in rows] == [0, 1, 2, 3, 4, 5]
     for r in rows:
         assert max(int(k) for k in r["staleness_hist"]) <= 1  # max_staleness = 1, per token, queue time included
-        assert r["exact_fraction"] == 1.0  # snapshot route holds [V-1, V]
+        assert r["exact_token_fraction"] == 1.0  # snapshot route holds [V-1, V]
 
 
 def test_accounting_identity_and_summary(first_run):
@@ -172,6 +172,6 @@ def test_scorer_routes_attach_exact_old_logprobs(method, tmp_path, tiny_model_pa
     for r in rows:
         assert max(int(k) for k in r["staleness_hist"]) <= 1
         if method == "interrupt_sync":
-            assert r["exact_fraction"] == 1.0
+            assert r["exact_token_fraction"] == 1.0
         else:
-            assert 0.0 < r["exact_fraction"] <= 1.0
+            assert 0.0 < r["exact_token_fraction"] <= 1.0

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
+from modelkit.modelhub import load_causal_lm
+from modelkit.scoring import sequence_logprobs
+from modelkit.weights import unpack_weights
 from protocol import Trajectory
 from trainer.batch import Batch, collate
 from trainer.learner import LearnerCore, LearnerGroup, LearnerSettings, free_port
 from trainer.loss_config import loss_config
-from trainer.modelhub import load_causal_lm
-from trainer.scoring import sequence_logprobs
-from trainer.weights import unpack_weights
 
 pytestmark = pytest.mark.integration
 
@@ -75,7 +75,7 @@ def test_one_step_changes_weights_and_bumps_version(tiny_model_path, make_trajs,
     # (the EWMA forward uses the learner's numerics, also in bf16)
     assert m["ratio_max"] == 1.0 and m["ratio_min"] == 1.0
     assert math.isfinite(m["loss"]) and m["grad_norm"] > 0 and m["tokens"] == 32
-    assert m["mask_kept_frac"] == pytest.approx(1.0) and m["exact_token_fraction"] == 0.0
+    assert m["mask_kept_fraction"] == pytest.approx(1.0) and m["exact_token_fraction"] == 0.0
     assert m["ewma_updates"] == 1 and m["ewma_resets"] == 0 and m["ewma_beta"] == pytest.approx(0.5)
     assert max_diff(weights(core), before) > 1e-4
     # the next batch is consumed at version 1: its version-0 tokens have staleness 1
@@ -194,7 +194,7 @@ def test_case2a_nan_mu_on_sampled_token_is_neutral(tiny_model_path, make_trajs):
 
 
 def test_exact_old_logits_and_proxy_error(tiny_model_path, make_trajs):
-    """Exact pi_old on some tokens (case 13 style): exact fraction and proxy-vs-exact error reported."""
+    """Exact pi_old on some tokens (a mixed batch): exact fraction and proxy-vs-exact error reported."""
     core = LearnerCore(settings(tiny_model_path, loss=loss_config("snapshot")))
     trajs = make_trajs()
     b = collate(trajs, consuming_version=0)
@@ -247,7 +247,7 @@ def test_publish_roundtrip_fresh_model_identical_logprobs(tiny_model_path, make_
 
 def test_world_size_2_ray_ranks_agree(tiny_model_path, make_trajs, ray_cluster):
     """Two Ray actors (gloo, ZeRO-2) do one step; both ranks hold the same weights, and the
-    gradient norm equals a single rank's on the whole batch (global token count, case 6)."""
+    gradient norm equals a single rank's on the whole batch (global token count)."""
     import ray
 
     trajs = make_trajs(n=6, seed=7)

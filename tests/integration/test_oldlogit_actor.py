@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from modelkit.modelhub import load_causal_lm
+from modelkit.scoring import sequence_logprobs
+from modelkit.weights import pack_weights
 from protocol import OldLogitRequest, TokenStatus, Trajectory
-from trainer.modelhub import load_causal_lm
-from trainer.scoring import sequence_logprobs
-from trainer.weights import pack_weights
 
 pytestmark = pytest.mark.integration
 T = 0.8
@@ -97,7 +97,7 @@ def test_three_routes_as_actors(ray_cluster, tiny_model_path):
     ans = ray.get(snap.score.remote(req))
     assert ans.status[0][4:].tolist() == [TokenStatus.MISSING_EVICTED] * 3 + [TokenStatus.EXACT] * 5
     assert np.allclose(ans.old_logprobs[0][7:], want[7:], atol=1e-5, rtol=0)
-    assert ans.exact_fraction() == pytest.approx(5 / 8)
+    assert ans.exact_token_fraction() == pytest.approx(5 / 8)
     st = ray.get(snap.status.remote())
     assert st.versions_held == [1, 2] and st.tokens_missing == {"MISSING_EVICTED": 3} and st.tokens_exact == 5
     one_copy = sum(p.numel() for p in learner.parameters()) * 4

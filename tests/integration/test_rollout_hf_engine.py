@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
+from modelkit.modelhub import load_causal_lm
+from modelkit.scoring import sequence_logprobs
+from modelkit.weights import pack_weights
 from protocol import RolloutRequest, SamplingParams
 from rollout.engine import EngineConfig, EngineRequest, TransformersEngine
 from rollout.worker import RolloutWorkerCore
-from trainer.modelhub import load_causal_lm
-from trainer.scoring import sequence_logprobs
-from trainer.weights import pack_weights
 
 pytestmark = pytest.mark.integration
 

@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
+from modelkit.modelhub import load_causal_lm
+from modelkit.weights import pack_weights
 from protocol import EnvRef, RolloutRequest, SamplingParams, WorkerStatus
-from trainer.modelhub import load_causal_lm
-from trainer.weights import pack_weights
 
 pytestmark = pytest.mark.integration
 

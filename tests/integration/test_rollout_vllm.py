@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
+from modelkit.modelhub import load_causal_lm
+from modelkit.scoring import sequence_logprobs
+from modelkit.weights import pack_weights
 from protocol import EnvRef, RolloutRequest, SamplingParams
 from rollout.engine import EngineConfig, EngineRequest, VllmEngine
 from rollout.worker import RolloutWorkerCore
-from trainer.modelhub import load_causal_lm
-from trainer.scoring import sequence_logprobs
-from trainer.weights import pack_weights
 
 pytestmark = pytest.mark.integration
 TOL = 1e-3  # fp32 engine vs fp32 learner (measured ~1e-6 here)

@@ -1,4 +1,4 @@
-"""Staleness accounting and buffer bookkeeping (cases 4 and 5 of shared/cases)."""
+"""Staleness accounting and buffer bookkeeping."""
 
 import numpy as np
 import pytest

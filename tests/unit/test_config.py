@@ -1,5 +1,7 @@
 """Config: defaults, presets, overrides, and errors that name the field."""
 
+import re
+
 import pydantic
 import pytest
 
@@ -47,3 +49,96 @@ def test_parse_override_types():
     assert parse_override("a.b=hello") == ("a.b", "hello")
     with pytest.raises(ValueError, match="expected"):
         parse_override("nonsense")
+
+
+def test_kl_coef_above_zero_is_refused_at_load_naming_the_field():
+    with pytest.raises(pydantic.ValidationError) as e:
+        load_config(None, ["loss.kl_coef=0.05"])
+    errs = e.value.errors()
+    assert len(errs) == 1 and errs[0]["msg"] == (
+        "Value error, loss.kl_coef: 0.05 is not supported (must be 0): the learner scores no frozen "
+        "reference model, so the KL penalty has no ref_logprobs"
+    )
+    assert load_config(None, ["loss.kl_coef=0"]).loss.kl_coef == 0.0
+
+
+def test_overlong_filter_reaches_the_learner_settings():
+    from trainer.job import learner_settings
+
+    assert learner_settings(load_config(), "/m").overlong_filter is False
+    s = learner_settings(load_config(None, ["learner.overlong_filter=true", "learner.grad_clip=0"]), "/m")
+    assert s.overlong_filter is True and s.grad_clip == 0.0 and s.model_path == "/m"
+
+
+def test_learner_settings_declare_shared_fields_as_the_config_does():
+    from trainer.config import LearnerConfig
+    from trainer.learner import LearnerSettings
+
+    shared = sorted(set(LearnerConfig.model_fields) & set(LearnerSettings.model_fields))
+    assert shared == ["dtype", "grad_clip", "lr", "micro_batch_size", "overlong_filter", "weight_decay", "zero_stage"]
+    for name in shared:
+        a, b = LearnerConfig.model_fields[name], LearnerSettings.model_fields[name]
+        assert (a.default, a.annotation, a.metadata) == (b.default, b.annotation, b.metadata), name
+
+
+def test_token_redacted_in_resolved_config_and_private_files(tmp_path):
+    import json
+    import stat
+
+    from trainer.config import write_private, write_resolved
+
+    cfg = load_config(None, ['server.token="tok-0123456789abcdef"'])
+    assert cfg.server.token.get_secret_value() == "tok-0123456789abcdef"
+    text = write_resolved(cfg, tmp_path).read_text()
+    assert "tok-0123456789abcdef" not in text and json.loads(text)["server"]["token"] == "**********"
+    p = write_private(tmp_path / "token", "abc")
+    assert stat.S_IMODE(p.stat().st_mode) == 0o600 and p.read_text() == "abc"
+    with pytest.raises(pydantic.ValidationError, match="token"):
+        load_config(None, ['server.token="short"'])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("controller.buffer_capacity=4", "controller.buffer_capacity: 4 < one batch (4 groups x 4 samples)"),
+        ("rollout.max_batch=2", "rollout.max_batch: 2 < sampling.n 4"),
+        ("rollout.num_workers=0", "rollout.num_workers: 0 without controller.time_budget_s"),
+    ],
+)
+def test_configs_that_cannot_work_are_refused(override, message):
+    with pytest.raises(pydantic.ValidationError, match=re.escape(message)):
+        load_config(None, ["rollout.sampling.n=4", "controller.batch_groups=4", override])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ('env.path="rollout.envs.nope:Env"', "env.path: 'rollout.envs.nope:Env' does not import (ModuleNotFoundError"),
+        ('env.path="rollout.envs:NOPE"', "env.path: 'rollout.envs:NOPE' does not import (AttributeError"),
+        ('env.path="rollout.envs:__doc__"', "env.path: 'rollout.envs:__doc__' is not a class or factory"),
+        ('model.path="/nonexistent/model"', "model.path: '/nonexistent/model' is not 'smollm2', 'tiny'"),
+        ('controller.resume_from="/nonexistent/ckpt"', "controller.resume_from: '/nonexistent/ckpt' does not exist"),
+    ],
+)
+def test_preflight_names_the_field(override, message):
+    from trainer.config import preflight
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        preflight(load_config(None, [override]))
+
+
+def test_cli_config_error_is_one_line_exit_2():
+    from typer.testing import CliRunner
+
+    from vintage_cli.main import app
+
+    r = CliRunner().invoke(app, ["run", "--set", "learner.lr=inf"])
+    assert r.exit_code == 2
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "config error: learner.lr: Input should be a finite number (got inf)"
+    )
+    r = CliRunner().invoke(app, ["run", "--set", 'model.path="/nonexistent/model"'])
+    assert r.exit_code == 2 and r.output.strip() == (
+        "config error: model.path: '/nonexistent/model' is not 'smollm2', 'tiny' or an existing folder"
+    )

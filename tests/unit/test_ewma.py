@@ -1,4 +1,4 @@
-"""PPO-EWMA bookkeeping (case 11), resets, checkpoints, and forwards with EWMA weights."""
+"""PPO-EWMA bookkeeping, resets, checkpoints, and forwards with EWMA weights."""
 
 import math
 
@@ -95,7 +95,7 @@ def test_reset_driven_by_the_loss_metric():
     ewma_logprobs = torch.tensor([[-1.0, -1.0, -1.0, -2.4]])
     mu = torch.tensor([[-2.5, -2.5, -2.5, -2.5]])
     _, metrics = discrepancy_weights(ewma_logprobs, mu, torch.ones(1, 4))
-    kept = metrics["mask_kept_frac"].item()
+    kept = metrics["mask_kept_fraction"].item()
     assert kept == pytest.approx(0.25)
     model = Scalar(2.0)
     ewma = EwmaProximal(Scalar(0.0))

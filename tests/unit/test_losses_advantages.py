@@ -1,4 +1,4 @@
-"""Advantages, returns, lengths and truncation (cases 7 and 9)."""
+"""Advantages, returns, lengths and truncation."""
 
 import math
 
@@ -12,6 +12,7 @@ from trainer.advantages import (
     reinforce_returns,
     rloo_advantages,
     truncation_mask,
+    zero_variance_groups,
 )
 from trainer.losses import aggregate
 
@@ -46,6 +47,29 @@ def test_grpo_floor_keeps_near_zero_variance_groups_small():
         grpo_advantages(torch.zeros(1, 2), std_floor=0.0)
     with pytest.raises(ValueError, match="group_ids"):
         grpo_advantages(torch.zeros(4))
+
+
+def test_equal_rewards_not_representable_in_binary_give_exact_zero():
+    # the fp32 mean of eight 0.35 is 2.98e-8 below fp32(0.35): without the rule that residue over
+    # the 1e-3 std floor gives every sample +2.98e-5 (GRPO); three 0.1 give RLOO -7.45e-9 each
+    eights = torch.full((1, 8), 0.35)
+    assert (eights.mean() - eights[0, 0]).item() != 0.0  # the residue the rule guards against
+    threes = torch.full((1, 3), 0.1)
+    for r in (eights, threes):
+        assert grpo_advantages(r).tolist() == [[0.0] * r.shape[1]]
+        assert grpo_advantages(r, scale=False).tolist() == [[0.0] * r.shape[1]]
+        assert rloo_advantages(r).tolist() == [[0.0] * r.shape[1]]
+    # flat form with group ids: the equal group is exactly 0, the other group is untouched
+    flat = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0])
+    gid = torch.tensor([7, 7, 7, 2, 2])
+    assert grpo_advantages(flat, gid).tolist() == [0.0, 0.0, 0.0, 1.0, -1.0]
+    assert rloo_advantages(flat, gid).tolist() == [0.0, 0.0, 0.0, 1.0, -1.0]
+
+
+def test_zero_variance_groups_counted():
+    rewards = torch.tensor([[0.35] * 4, [1.0, 0.0, 0.0, 0.0], [0.1] * 4, [0.0] * 4])
+    assert zero_variance_groups(rewards) == 3
+    assert zero_variance_groups(torch.tensor([0.1, 0.1, 0.2, 5.0]), torch.tensor([0, 0, 0, 1])) == 1  # one of size 1
 
 
 def test_rloo_leave_one_out():

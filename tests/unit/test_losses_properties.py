@@ -1,4 +1,4 @@
-"""Property tests (hypothesis): the ratio decomposition (case 10) and that masked tokens never matter."""
+"""Property tests (hypothesis): the ratio decomposition d * r = pi_theta / mu and that masked tokens never matter."""
 
 import math
 

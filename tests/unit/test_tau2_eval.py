@@ -59,7 +59,7 @@ def test_cli_eval_tau2_on_scripted_server(tmp_path):
     from typer.testing import CliRunner
 
     from tests.scripted_openai import ScriptedServer
-    from trainer.cli import app
+    from vintage_cli.main import app
 
     create = {"tool_calls": [("create_task", {"user_id": "user_1", "title": "Important Meeting"})]}
     wrong = {"tool_calls": [("create_task", {"user_id": "user_1", "title": "Meeting"})]}
@@ -85,7 +85,7 @@ def test_cli_eval_tau2_on_scripted_server(tmp_path):
 def test_cli_eval_tau2_needs_a_user_or_solo():
     from typer.testing import CliRunner
 
-    from trainer.cli import app
+    from vintage_cli.main import app
 
     res = CliRunner().invoke(app, ["eval", "tau2", "--domain", "mock", "--base-url", "http://127.0.0.1:9/v1"])
     assert res.exit_code == 2 and "--solo" in res.output

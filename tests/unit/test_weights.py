@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from modelkit.weights import all_finite, pack_weights, unpack_weights
 from protocol import ProtocolError
-from trainer.weights import all_finite, pack_weights, unpack_weights
 
 
 def test_all_finite_by_hand():

@@ -15,7 +15,7 @@ def sequence_logprobs(
         token_ids: ``[batch, seq]`` int64, right-padded.
         attention_mask: ``[batch, seq]`` 1 on real tokens.
         temperature: sampling temperature (> 0); logits are divided by it before log_softmax,
-            exactly as the engine samples (case 1 of ``shared/cases``).
+            exactly as the engine samples.
 
     Returns:
         ``[batch, seq]`` float32 log-probs in nats; position 0 (no prefix) and padding hold 0.0.

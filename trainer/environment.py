@@ -1,0 +1,47 @@
+"""The process environment a vintage job runs with: defaults and the variables passed to Ray workers.
+
+Imports neither Ray nor the driver, so test fixtures and tools can apply the same defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ENV_VARS = (
+    "OMP_NUM_THREADS",
+    "DS_ACCELERATOR",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "TOKENIZERS_PARALLELISM",
+    "VINTAGE_CACHE_DIR",
+    "HF_HUB_DISABLE_PROGRESS_BARS",
+    "VLLM_LOGGING_LEVEL",
+    "TRANSFORMERS_VERBOSITY",
+    "TORCH_EXTENSIONS_DIR",
+)
+
+
+def defaults_env() -> None:
+    """Set the job's environment defaults (threads, offline hubs, Ray's memory monitor off, one DeepSpeed
+    JIT build per virtual environment, the DeepSpeed accelerator) where the variable is unset."""
+    for k, v in (
+        ("OMP_NUM_THREADS", "1"),
+        ("HF_HUB_OFFLINE", "1"),
+        ("TRANSFORMERS_OFFLINE", "1"),
+        ("TOKENIZERS_PARALLELISM", "false"),
+        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+        ("RAY_memory_monitor_refresh_ms", "0"),
+        ("VLLM_LOGGING_LEVEL", "ERROR"),
+        ("TRANSFORMERS_VERBOSITY", "error"),
+        # DeepSpeed's JIT ops (the CPU comm op) build once per virtual environment: two venvs
+        # sharing ~/.cache/torch_extensions invalidate each other's build on every learner start.
+        ("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions")),
+    ):
+        os.environ.setdefault(k, v)
+    try:
+        import torch
+
+        os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+    except ImportError:  # pragma: no cover
+        pass

@@ -1,0 +1,130 @@
+"""Old-logit routes as objects: what the driver loop does differently for each route kind.
+
+The loop calls the same hooks on every route; each route kind answers them its own way:
+
+==================  ============================  ==============================  ===========================
+hook                ``none``                      ``snapshot``                    scorer (``old_logit_model``,
+                                                                                  ``interrupt_sync``)
+==================  ============================  ==============================  ===========================
+``attach``          returns the trajectories      returns the trajectories        scores them at the loaded
+(on collect)        unchanged                     unchanged                       version (exact ``old_logprobs``)
+``async_old_logits``  None                        a reference to the service's    None (already attached)
+(per batch)                                       per-token answer for the batch
+``before_publish``  nothing                       nothing                         collects: finished work is
+                                                                                  scored before the scorer
+                                                                                  moves to the new version
+``publish``         workers only                  service and workers at once     workers first (interrupt_sync:
+                                                                                  prefixes scored at the outgoing
+                                                                                  version), then the scorer
+==================  ============================  ==============================  ===========================
+
+A route holds the old-logit service's Ray handle (None on ``none``); it never owns the buffer or the
+workers - the loop passes what a hook needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+
+from protocol import OldLogitRequest, Trajectory, WeightManifest
+
+ScorerWeights = tuple[WeightManifest, Any]
+"""``(manifest, payload ObjectRef)`` of the float32 publication the old-logit service installs."""
+
+
+class NoRoute:
+    """Route ``none``: no old-logit service; the learner uses its configured proxy for every token."""
+
+    name = "none"
+
+    def __init__(self, oldlogit: Any = None) -> None:
+        self.oldlogit = oldlogit
+
+    @property
+    def worker_scorer(self) -> Any:
+        """The service handle rollout workers score their interrupted prefixes with (None here)."""
+        return None
+
+    def attach(self, got: list[Trajectory], temperature: float) -> list[Trajectory]:
+        """Finished trajectories as they enter the buffer (unchanged here)."""
+        return got
+
+    def async_old_logits(self, batch: Sequence[Trajectory], version: int, temperature: float) -> ray.ObjectRef | None:
+        """A reference to the per-token exact ``pi_old`` of ``batch`` (None: nothing to ask for)."""
+        return None
+
+    def before_publish(self, collect: Callable[[], None]) -> None:
+        """Called after an applied learner step, before the new version is published (nothing here)."""
+
+    def publish(self, update_workers: Callable[[], Any], scorer_weights: ScorerWeights | None) -> None:
+        """Install a publication: the rollout workers' update (``update_workers``) and the service's."""
+        update_workers()
+
+
+class SnapshotRoute(NoRoute):
+    """Route ``snapshot``: the service keeps every version in ``[V - W, V]`` and answers per batch."""
+
+    name = "snapshot"
+
+    def async_old_logits(self, batch: Sequence[Trajectory], version: int, temperature: float) -> ray.ObjectRef:
+        from oldlogit_service.service import items_from_trajectories
+
+        req = OldLogitRequest(
+            request_id=f"step-{version}", temperature=temperature, items=items_from_trajectories(batch)
+        )
+        return self.oldlogit.score.remote(req)
+
+    def publish(self, update_workers: Callable[[], Any], scorer_weights: ScorerWeights | None) -> None:
+        # the service and the workers take the same publication concurrently
+        pending = self.oldlogit.update_weights.remote(*scorer_weights)
+        update_workers()
+        ray.get(pending)
+
+
+class ScorerRoute(NoRoute):
+    """Routes ``old_logit_model`` and ``interrupt_sync``: one scorer replica at the newest version.
+
+    Finished trajectories are scored on collect, so they must be collected before the scorer moves
+    on; on ``interrupt_sync`` the workers also score their in-flight prefixes at the outgoing
+    version during their weight update, so the workers are updated before the scorer.
+    """
+
+    def __init__(self, name: str, oldlogit: Any) -> None:
+        super().__init__(oldlogit)
+        self.name = name
+
+    @property
+    def worker_scorer(self) -> Any:
+        return self.oldlogit if self.name == "interrupt_sync" else None
+
+    def attach(self, got: list[Trajectory], temperature: float) -> list[Trajectory]:
+        if not got:
+            return got
+        return ray.get(self.oldlogit.attach_old_logprobs.remote(got, temperature))
+
+    def before_publish(self, collect: Callable[[], None]) -> None:
+        collect()
+
+    def publish(self, update_workers: Callable[[], Any], scorer_weights: ScorerWeights | None) -> None:
+        update_workers()
+        ray.get(self.oldlogit.update_weights.remote(*scorer_weights))
+
+
+def make_route(name: str, oldlogit: Any) -> NoRoute:
+    """The route object for ``loss.oldlogit_route`` ``name`` around the service handle ``oldlogit``.
+
+    Raises:
+        ValueError: an unknown route name, or a route other than ``none`` without a service handle.
+    """
+    if name == "none":
+        return NoRoute(oldlogit)
+    if oldlogit is None:
+        raise ValueError(f"oldlogit_route: {name!r} needs a running old-logit service")
+    if name == "snapshot":
+        return SnapshotRoute(oldlogit)
+    if name in ("old_logit_model", "interrupt_sync"):
+        return ScorerRoute(name, oldlogit)
+    raise ValueError(f"oldlogit_route: {name!r} is not one of none, snapshot, old_logit_model, interrupt_sync")
