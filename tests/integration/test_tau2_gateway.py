@@ -56,10 +56,10 @@ def test_training_session_played_by_tau2(served):
         out = asyncio.run(tb.run(task, client))
     # user, agent, user, agent, user(stop): two agent turns, both plain text
     assert (out["termination_reason"], out["agent_turns"], out["reward"]) == ("user_stop", 2, 0.0)
+    calls = list(gateway.session(sess["id"]).calls)  # the gateway frees them when the session ends
     gateway.end_session(sess["id"], reward=out["reward"])
     (ended,) = gateway.take_ended()
     assert ended.dropped is None and ended.reward == 0.0
-    calls = gateway.session(sess["id"]).calls
     assert len(calls) == 2
     assert len(ended.trajectories) == 1 + max(c.segment for c in calls)
     for i, t in enumerate(ended.trajectories):
