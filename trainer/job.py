@@ -29,8 +29,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -42,7 +44,7 @@ from rich.console import Console
 
 from protocol import EnvRef, EwmaStatus, RolloutRequest, Trajectory
 from trainer.buffer import TrajectoryBuffer, admission_capacity, token_staleness_histogram
-from trainer.config import JobConfig, write_private, write_resolved
+from trainer.config import JobConfig, one_line, write_private, write_resolved
 from trainer.environment import ENV_VARS, defaults_env
 from trainer.metrics_log import MetricsLog, StepMetrics, plot_run
 from trainer.routes import make_route
@@ -114,6 +116,55 @@ def _loopback_private_cluster() -> None:
             "its own Ray port listens on every interface (start jobs with `vintage run`)",
             file=sys.stderr,
         )
+
+
+class StopSignal:
+    """SIGINT / SIGTERM ask the loop to stop; a second signal exits at once.
+
+    The first signal sets :attr:`requested`: the loop leaves after the current step, the job
+    checkpoints, stops every actor and writes ``summary.json`` (``end_reason = "interrupted"``).
+    A second signal ends the process immediately with status 130. Handlers are installed only in
+    the main thread (a job run from another thread keeps the process's handlers).
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            os._exit(130)
+        self.requested = True
+        print(f"\n{signal.Signals(signum).name}: stopping after this step (again to exit at once)", file=sys.stderr)
+
+    @contextlib.contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+def end_reason(version: int, total_steps: int, interrupted: bool) -> str:
+    """Why the loop ended: ``completed`` (``total_steps`` reached), ``interrupted`` (a signal), or
+    ``time_budget`` (the budget expired first)."""
+    if version >= total_steps:
+        return "completed"
+    return "interrupted" if interrupted else "time_budget"
+
+
+_PARTS = {"LearnerCore": "learner", "RolloutWorker": "rollout worker", "OldLogit": "old-logit service"}
+
+
+def failed_part(e: BaseException) -> str:
+    """The part a failure came from: the Ray actor's role for actor errors, else the exception type."""
+    if isinstance(e, ray.exceptions.RayActorError):
+        return next((part for key, part in _PARTS.items() if key in str(e)), "actor")
+    return type(e).__name__
 
 
 def _finite_or_none(x: float | None) -> float | None:
@@ -495,25 +546,34 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
         (run_dir / "server.json").write_text(json.dumps({"url": server.url}))
         console.print(f"status API: [bold]{server.url}/v1/status[/bold]  (bearer token in {run_dir / 'token'})")
     log = MetricsLog(run_dir, tensorboard=cfg.logging.tensorboard)
-    summary: dict[str, Any] = {"state": "failed"}
-    with ray_session(cfg):
-        job = Job(cfg, console)
-        try:
-            summary = _loop(job, board, log, t_start)
-        finally:
-            board.update(state=summary["state"])
-            job.shutdown()
-            log.close()
-            if server is not None:
-                server.stop()
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    summary: dict[str, Any] = {"state": "failed", "end_reason": "failed: start-up"}
+    stop = StopSignal()
+    try:
+        with ray_session(cfg), stop.installed():  # after ray.init: Ray installs its own SIGTERM handler
+            job = Job(cfg, console)
+            try:
+                summary = _loop(job, board, log, t_start, stop)
+            except Exception as e:
+                summary = {"state": "failed", "end_reason": f"failed: {failed_part(e)}", "error": one_line(e)}
+                raise
+            finally:
+                board.update(state=summary["state"])
+                job.shutdown()
+    except Exception as e:
+        summary.setdefault("error", one_line(e))
+        raise
+    finally:
+        log.close()
+        if server is not None:
+            server.stop()
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     if cfg.logging.plots:
         summary["plots"] = [str(p) for p in plot_run(run_dir)]
     console.print_json(json.dumps(summary, default=str))
     return summary
 
 
-def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float) -> dict[str, Any]:
+def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: StopSignal) -> dict[str, Any]:
     """The recipe: each line of the iteration is one part's job (see the module docstring)."""
     cfg, console = job.cfg, job.console
     if job.version > 0:  # resumed: consumers loaded the folder (version 0); give them the resumed weights
@@ -524,7 +584,9 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float) -> dict
     deadline = t_start + cfg.controller.time_budget_s if cfg.controller.time_budget_s else None
     t_loop = time.perf_counter()
     m = None
-    while job.version < cfg.controller.total_steps and (deadline is None or time.perf_counter() < deadline):
+    while job.version < cfg.controller.total_steps and not stop.requested:
+        if deadline is not None and time.perf_counter() >= deadline:
+            break
         job.apply_controls(board)  # control requests: scale workers, pause
         if board.paused:
             time.sleep(0.2)
@@ -551,12 +613,16 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float) -> dict
             f"loss {m.loss:+.4f}  {m.tokens_per_s:.0f} tok/s  train {m.train_s:.1f}s"
         )
     loop_s = time.perf_counter() - t_loop
-    after = job.evaluate("after")
-    console.print(f"held-out reward after training: {after}")
+    reason = end_reason(job.version, cfg.controller.total_steps, stop.requested)
+    after = {} if stop.requested else job.evaluate("after")  # an interrupted run stops promptly
+    if not stop.requested:
+        console.print(f"held-out reward after training: {after}")
     job.collect()  # training trajectories that finished during the evaluation
     job.checkpoint()
+    console.print(f"run ended: {reason} at version {job.version}")
     return {
         "state": "finished",
+        "end_reason": reason,
         "steps": job.version,
         "reward_before": before,
         "reward_after": after,

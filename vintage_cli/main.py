@@ -20,7 +20,7 @@ bench_app = typer.Typer(help="Benchmarks that compare methods or routes side by 
 app.add_typer(bench_app, name="bench")
 eval_app = typer.Typer(help="Evaluate a model on an outside benchmark.", no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
-console = Console()
+console = Console(soft_wrap=True)  # one line per step at any width, terminal or not
 
 DEFAULT_URL = os.environ.get("VINTAGE_URL", "http://127.0.0.1:8477")
 
@@ -157,7 +157,17 @@ def run(
 
         reexec_with_loopback()  # once: the driver's own Ray port must be loopback-bound too
     summary = run_job(cfg, console=console)
-    raise typer.Exit(0 if summary.get("state") == "finished" else 1)
+    raise typer.Exit(exit_code(summary))
+
+
+def exit_code(summary: dict) -> int:
+    """0: completed, interrupted (checkpointed) or stopped by the time budget after at least one
+    step; 3: the time budget expired before any step; 1: failed."""
+    if summary.get("state") != "finished":
+        return 1
+    if summary.get("end_reason") == "time_budget" and summary.get("steps", 0) == 0:
+        return 3
+    return 0
 
 
 @app.command()

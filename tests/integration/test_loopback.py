@@ -2,7 +2,8 @@
 
 The job runs as a user starts it (the `vintage` CLI in a subprocess, private local Ray cluster,
 tiny model, the transformers engine); from start-up to exit, every TCP/UDP socket its process tree
-listens on is listed twice a second, and each must be in 127.0.0.0/8 or ``::1``.
+listens on is listed twice a second, and each must be in 127.0.0.0/8 or ``::1``. The same job is
+stopped with SIGTERM and must end cleanly.
 """
 
 from __future__ import annotations
@@ -49,30 +50,39 @@ def test_loopback_classification():
     assert [is_loopback(h) for h in ("0.0.0.0", "::", "192.0.2.2", "::ffff:10.0.0.1")] == [False] * 4
 
 
-def test_running_job_listens_on_loopback_only(tmp_path, tiny_model_path):
+def test_running_job_listens_on_loopback_only_and_stops_cleanly_on_sigterm(tmp_path, tiny_model_path):
+    """Sockets are sampled from start-up to exit; after two steps the job gets SIGTERM: it stops
+    after the current step, checkpoints, and exits 0 with ``end_reason = "interrupted"``."""
     library_path()  # built before the job starts, as `make install` does
     run_dir = tmp_path / "run"
     cmd = [
         str(Path(sys.executable).parent / "vintage"), "run", str(ROOT / "deploy/configs/tiny.toml"),
-        "--set", f'logging.run_dir="{run_dir}"', "--set", "controller.total_steps=3",
+        "--set", f'logging.run_dir="{run_dir}"', "--set", "controller.total_steps=40",
         "--set", "env.eval_prompts=0", "--set", "ray.num_cpus=4",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VINTAGE_LOOPBACK_BIND")}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
+    log = tmp_path / "out.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     seen: dict[tuple[str, int], str] = {}
+    metrics, signalled = run_dir / "metrics.jsonl", False
     try:
         deadline = time.monotonic() + 600
         while proc.poll() is None and time.monotonic() < deadline:  # from start-up to shutdown
             for _pid, name, host, port in listening_sockets(proc.pid):
                 seen[(host, port)] = name
+            if not signalled and metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                proc.send_signal(signal.SIGTERM)
+                signalled = True
             time.sleep(0.5)
-        out, _ = proc.communicate(timeout=600)
+        proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, out[-3000:]
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["end_reason"] == "interrupted" and 2 <= summary["steps"] < 40 and summary["accounting_ok"]
+    assert (run_dir / "checkpoints").is_dir()
     names = set(seen.values())
     # the cluster's own servers and the learner were inspected while the job trained
     assert {"gcs_server", "raylet"} <= names and any("LearnerCore" in n for n in names), seen

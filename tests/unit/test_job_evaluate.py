@@ -76,3 +76,29 @@ def test_eval_that_never_finishes_raises_naming_the_timeout():
         "env.eval_timeout_s: held-out evaluation 'before' got 1 of 2 episodes in 0.5 s (a rollout worker failed or hung)"
     )
     assert j._held_back == [train]
+
+
+def test_end_reason_and_exit_code():
+    from trainer.job import end_reason
+    from vintage_cli.main import exit_code
+
+    assert end_reason(5, 5, interrupted=False) == "completed"
+    assert end_reason(5, 5, interrupted=True) == "completed"  # the last step finished anyway
+    assert end_reason(2, 5, interrupted=True) == "interrupted"
+    assert end_reason(0, 5, interrupted=False) == "time_budget"
+    fin = {"state": "finished"}
+    assert exit_code({**fin, "end_reason": "completed", "steps": 5}) == 0
+    assert exit_code({**fin, "end_reason": "interrupted", "steps": 2}) == 0
+    assert exit_code({**fin, "end_reason": "time_budget", "steps": 3}) == 0
+    assert exit_code({**fin, "end_reason": "time_budget", "steps": 0}) == 3
+    assert exit_code({"state": "failed", "end_reason": "failed: learner"}) == 1
+
+
+def test_failed_part_names_the_actor_role():
+    import ray
+
+    from trainer.job import failed_part
+
+    err = ray.exceptions.RayActorError(error_msg="The actor died: class_name: RolloutWorkerActor")
+    assert failed_part(err) == "rollout worker"
+    assert failed_part(ValueError("x")) == "ValueError"
