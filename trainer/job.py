@@ -290,6 +290,7 @@ class Job:
             kv_cache_gib=cfg.rollout.kv_cache_gib,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
             max_num_seqs=cfg.rollout.max_batch,
+            max_model_len=cfg.rollout.max_model_len,
             seed=c.seed,
         )
         self.pool = WorkerPool(

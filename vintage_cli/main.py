@@ -18,6 +18,8 @@ model_app = typer.Typer(help="Model preparation (offline).", no_args_is_help=Tru
 app.add_typer(model_app, name="model")
 bench_app = typer.Typer(help="Benchmarks that compare methods or routes side by side.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+eval_app = typer.Typer(help="Evaluate a model on an outside benchmark.", no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
 console = Console(soft_wrap=True)  # one line per step at any width, terminal or not
 
 DEFAULT_URL = os.environ.get("VINTAGE_URL", "http://127.0.0.1:8477")
@@ -61,6 +63,69 @@ def bench_methods(
     if grid not in GRIDS:
         raise typer.BadParameter(f"grid={grid!r} is not one of {', '.join(GRIDS)}", param_hint="--grid")
     methods_main(out_dir=out, quick=quick, console=console, kind=grid)
+
+
+@eval_app.command("tau2")
+def eval_tau2(
+    domain: Annotated[str, typer.Option(help="tau2 domain: mock, retail, airline or telecom.")],
+    base_url: Annotated[str | None, typer.Option(help="The agent model's OpenAI-compatible URL (.../v1).")] = None,
+    model_path: Annotated[
+        str | None, typer.Option(help="Or serve this HF folder (or smollm2, tiny) through the gateway here.")
+    ] = None,
+    model: Annotated[str, typer.Option(help="Model name sent to the agent's server.")] = "policy",
+    api_key: Annotated[str, typer.Option(envvar="OPENAI_API_KEY", help="API key for --base-url.")] = "EMPTY",
+    trials: Annotated[int, typer.Option(help="k: episodes per task.")] = 4,
+    solo: Annotated[bool, typer.Option(help="tau2 solo mode (no user; tasks with a ticket).")] = False,
+    user_base_url: Annotated[str | None, typer.Option(help="User simulator's OpenAI-compatible URL.")] = None,
+    user_model: Annotated[str | None, typer.Option(help="User simulator's model name.")] = None,
+    user_api_key: Annotated[str, typer.Option(envvar="VINTAGE_TAU2_USER_KEY", help="Its API key.")] = "EMPTY",
+    split: Annotated[str | None, typer.Option(help="tau2 task split (train, test, base, ...).")] = None,
+    task_id: Annotated[list[str] | None, typer.Option(help="Only these task ids (repeatable).")] = None,
+    num_tasks: Annotated[int | None, typer.Option(help="Only the first N tasks.")] = None,
+    concurrency: Annotated[int, typer.Option(help="Episodes in flight at once.")] = 4,
+    temperature: Annotated[float, typer.Option(help="Agent sampling temperature (> 0).")] = 1.0,
+    max_tokens: Annotated[int | None, typer.Option(help="Agent completion cap per turn.")] = None,
+    max_steps: Annotated[int, typer.Option(help="tau2 orchestrator step limit.")] = 100,
+    engine: Annotated[str, typer.Option(help="With --model-path: vllm or transformers.")] = "vllm",
+    max_model_len: Annotated[int, typer.Option(help="With --model-path: context length, tokens.")] = 4096,
+    out: Annotated[Path, typer.Option(help="JSON report: per-task results and totals.")] = Path("tau2-eval.json"),
+) -> None:
+    """tau2-bench avg@k, pass@k and pass^k of a model (definitions: trainer/tau2_eval.py)."""
+    import contextlib
+
+    from trainer.tau2_eval import evaluate, serve_model
+
+    if (base_url is None) == (model_path is None):
+        raise typer.BadParameter("give exactly one of --base-url and --model-path", param_hint="--base-url")
+    user = None
+    if not solo:
+        if not (user_base_url and user_model):
+            raise typer.BadParameter("give --user-base-url and --user-model, or --solo", param_hint="--user-model")
+        user = {"model": user_model, "base_url": user_base_url, "api_key": user_api_key}
+    server = (
+        serve_model(model_path, engine=engine, max_model_len=max_model_len, max_tokens=max_tokens or 256)
+        if model_path
+        else contextlib.nullcontext((base_url, api_key, None))
+    )
+    try:
+        with server as (url, key, _):
+            report = evaluate(
+                domain, url, key, trials=trials, concurrency=concurrency, out=out, split=split,
+                task_ids=task_id or None, num_tasks=num_tasks, solo=solo, user=user, agent_model=model,
+                temperature=temperature, max_tokens=max_tokens, max_steps=max_steps,
+            )  # fmt: skip
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    t = report["totals"]
+    table = Table(title=f"tau2 {domain}: {t['num_tasks']} tasks x {trials} trials, {report['wall_s']:.0f} s")
+    for name in ("avg@k", "pass@k", "pass^k"):
+        table.add_column(name.replace("k", str(trials)))
+    table.add_row(*("-" if t[n] is None else f"{t[n]:.3f}" for n in ("avg@k", "pass@k", "pass^k")))
+    console.print(table)
+    console.print(f"report: {out}")
+    if report["episodes_failed"]:
+        console.print(f"[red]{report['episodes_failed']} episodes failed over HTTP (not scored)[/red]")
+        raise typer.Exit(1)
 
 
 @app.command()
