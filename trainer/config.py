@@ -66,6 +66,9 @@ class RolloutConfig(_Placement):
     """Rollout workers at start; scale at runtime with ``POST /v1/workers`` or ``vintage scale``."""
     max_workers: int = Field(64, ge=1, le=256)
     """Most rollout workers a scale request may ask for (422 above it)."""
+    max_restarts: int = Field(3, ge=0)
+    """Replacements started for rollout workers whose process died, over the whole run; past that
+    the job goes on with fewer workers (``/v1/status`` ``scale_note`` says so)."""
     start_timeout_s: float = Field(300.0, gt=0.0)
     """Seconds a new worker may take to be placed and start; one that does not is abandoned and the
     job goes on with fewer (the status's ``scale_note`` says so)."""

@@ -303,6 +303,7 @@ class Job:
         with console.status(f"starting {cfg.rollout.num_workers} rollout worker(s) ..."):
             self.pool.scale_to(cfg.rollout.num_workers)
         self.version = 0
+        self.workers_wanted, self.restarts = cfg.rollout.num_workers, 0
         if c.resume_from:
             extra = self.learner.load_checkpoint(c.resume_from)
             self.buffer.load_state_dict(extra.get("buffer", {"submitted": 0, "consumed": 0, "dropped": {}}))
@@ -481,11 +482,33 @@ class Job:
         """Learner state (weights, optimizer, version, EWMA) plus the buffer accounting."""
         return self.learner.save_checkpoint(str(self.run_dir / "checkpoints"), {"buffer": self.buffer.state_dict()})
 
+    def replace_dead_workers(self, board: StatusBoard) -> None:
+        """Rollout workers whose process died: their in-flight samples are dropped (``worker_died``)
+        and replacements start, at most ``rollout.max_restarts`` over the run; past that the job
+        goes on with fewer and ``scale_note`` says so."""
+        deaths = self.pool.take_deaths()
+        if not deaths:
+            return
+        if self.agents is None:  # agent sessions account for their own calls
+            for lost in deaths.values():
+                self.buffer.note_lost(lost, "worker_died")
+        add = min(self.workers_wanted - len(self.pool), self.cfg.rollout.max_restarts - self.restarts)
+        if add > 0:
+            added, _ = self.pool.scale_to(len(self.pool) + add)
+            self.restarts += len(added)
+        note = (
+            f"rollout worker(s) {', '.join(sorted(deaths))} died ({sum(deaths.values())} samples lost); "
+            f"{len(self.pool)} of {self.workers_wanted} running, {self.restarts} of {self.cfg.rollout.max_restarts} restarts used"
+        )
+        self.console.print(note)
+        board.update(scale_note=note, workers=self.pool.statuses())
+
     def apply_controls(self, board: StatusBoard) -> None:
         """Apply the latest scale request (one that arrives meanwhile stays pending for the next call)."""
         want = board.take_scale_request()
         if want is None:
             return
+        self.workers_wanted = want
         added, removed = self.pool.scale_to(want)
         for _wid, lost in removed.items():
             self.buffer.note_lost(lost, "worker_removed")
@@ -620,6 +643,7 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
         if deadline is not None and time.perf_counter() >= deadline:
             break
         job.apply_controls(board)  # control requests: scale workers, pause
+        job.replace_dead_workers(board)  # a worker process died: count its samples, start a replacement
         if board.paused:
             time.sleep(0.2)
             continue
@@ -667,6 +691,7 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
         "consumed": job.buffer.consumed,
         "dropped": dict(job.buffer.dropped),
         "accounting_ok": job.buffer.accounting_ok(),
+        "worker_restarts": job.restarts,
         "loop_s": loop_s,
         "time_split_s": dict(job.times),
         "wall_s": time.perf_counter() - t_start,
