@@ -116,6 +116,10 @@ class OldLogitConfig(_Placement):
     """Host memory the snapshot route may hold, bytes; the oldest versions are evicted first."""
     num_cpus: float = Field(0.5, ge=0.0)
     """Ray CPUs reserved by the old-logit server (it runs only between learner steps)."""
+    max_restarts: int = Field(3, ge=0)
+    """Times Ray restarts the old-logit server after its process dies (calls in flight are retried
+    on the restarted one). A restarted server holds no version until the next publication: tokens of
+    earlier versions are answered ``missing`` (never stored) and the learner uses its proxy for them."""
 
 
 class ControllerConfig(_Section):

@@ -275,7 +275,10 @@ class Job:
         oldlogit = None
         if cfg.oldlogit_route != "none":
             with console.status(f"starting old-logit service ({cfg.oldlogit_route}) ..."):
-                oldlogit = OldLogitServer.options(**cfg.oldlogit.actor_options()).remote(
+                restarts = cfg.oldlogit.max_restarts
+                oldlogit = OldLogitServer.options(
+                    **cfg.oldlogit.actor_options(), max_restarts=restarts, max_task_retries=restarts
+                ).remote(
                     str(self.model_path),
                     route=cfg.oldlogit_route,
                     max_staleness=c.max_staleness,
