@@ -307,11 +307,15 @@ class Job:
             self.pool.scale_to(cfg.rollout.num_workers)
         self.version = 0
         self.workers_wanted, self.restarts = cfg.rollout.num_workers, 0
+        self.run_segment = 0
+        """0 for a fresh run, +1 at every resume: (segment, version) names one set of weights even
+        when a resumed run re-reaches a version number it had passed before the resume point."""
         if c.resume_from:
             extra = self.learner.load_checkpoint(c.resume_from)
             self.buffer.load_state_dict(extra.get("buffer", {"submitted": 0, "consumed": 0, "dropped": {}}))
             self.version = self.learner.version()
-            console.print(f"resumed from {c.resume_from} at version {self.version}")
+            self.run_segment = int(extra.get("run_segment", 0)) + 1
+            console.print(f"resumed from {c.resume_from} at version {self.version} (run segment {self.run_segment})")
         self.seeds = iter(range(self.buffer.submitted, 10**9))
         self.times = Counter()
         self.tokens_exact = self.tokens_total = 0
@@ -439,6 +443,7 @@ class Job:
                 "staleness_max": max(hist, default=0),
                 "staleness_hist": hist,
                 "publish_s": self.last_publish.get("seconds", 0.0),
+                "run_segment": self.run_segment,
                 **{f"dropped_{k}": v for k, v in self.buffer.dropped.items()},
             }
         )
@@ -483,7 +488,8 @@ class Job:
 
     def checkpoint(self) -> str:
         """Learner state (weights, optimizer, version, EWMA) plus the buffer accounting."""
-        return self.learner.save_checkpoint(str(self.run_dir / "checkpoints"), {"buffer": self.buffer.state_dict()})
+        extra = {"buffer": self.buffer.state_dict(), "run_segment": self.run_segment}
+        return self.learner.save_checkpoint(str(self.run_dir / "checkpoints"), extra)
 
     def replace_dead_workers(self, board: StatusBoard) -> None:
         """Rollout workers whose process died: their in-flight samples are dropped (``worker_died``)
@@ -527,6 +533,7 @@ class Job:
         st = ray.get(oldlogit.status.remote()) if oldlogit is not None else None
         f = dict(
             learner_version=self.version,
+            run_segment=self.run_segment,
             oldlogit_route=self.route.name,
             workers=self.pool.statuses(),
             buffer_size=len(self.buffer),
@@ -695,6 +702,7 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
         "dropped": dict(job.buffer.dropped),
         "accounting_ok": job.buffer.accounting_ok(),
         "worker_restarts": job.restarts,
+        "run_segment": job.run_segment,
         "loop_s": loop_s,
         "time_split_s": dict(job.times),
         "wall_s": time.perf_counter() - t_start,
