@@ -137,6 +137,9 @@ class ControllerConfig(_Section):
     """Stop after this many seconds even if ``total_steps`` is not reached."""
     checkpoint_every: int = Field(0, ge=0)
     """Checkpoint every N steps into ``<run_dir>/checkpoints`` (0: only at the end)."""
+    start_timeout_s: float = Field(900.0, gt=0.0)
+    """Seconds the learner and the old-logit service may take to start (model load, DeepSpeed init);
+    past that the job stops with an error naming the part instead of waiting silently."""
     resume_from: str | None = None
     """Checkpoint directory to resume from: weights, optimizer, version counter, EWMA state and buffer
     accounting continue; ``total_steps`` counts versions, so a resumed run stops at the same final version."""

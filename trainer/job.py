@@ -161,10 +161,11 @@ _PARTS = {"LearnerCore": "learner", "RolloutWorker": "rollout worker", "OldLogit
 
 
 def failed_part(e: BaseException) -> str:
-    """The part a failure came from: the Ray actor's role for actor errors, else the exception type."""
+    """The part a failure came from: the Ray actor's role for actor errors, the part an error message
+    starts with (``"learner: ..."``), else the exception type."""
     if isinstance(e, ray.exceptions.RayActorError):
         return next((part for key, part in _PARTS.items() if key in str(e)), "actor")
-    return type(e).__name__
+    return next((part for part in _PARTS.values() if str(e).startswith(part + ":")), type(e).__name__)
 
 
 def _finite_or_none(x: float | None) -> float | None:
@@ -271,7 +272,12 @@ class Job:
         self.buffer = TrajectoryBuffer(capacity=c.buffer_capacity, max_staleness=c.max_staleness)
         settings = learner_settings(cfg, self.model_path)
         with console.status("starting learner ..."):
-            self.learner = LearnerGroup(settings, world_size=cfg.learner.world_size, **cfg.learner.actor_options())
+            self.learner = LearnerGroup(
+                settings,
+                world_size=cfg.learner.world_size,
+                start_timeout_s=c.start_timeout_s,
+                **cfg.learner.actor_options(),
+            )
         oldlogit = None
         if cfg.oldlogit_route != "none":
             with console.status(f"starting old-logit service ({cfg.oldlogit_route}) ..."):
@@ -284,7 +290,13 @@ class Job:
                     max_staleness=c.max_staleness,
                     memory_budget_bytes=cfg.oldlogit.memory_budget_bytes,
                 )
-                ray.get(oldlogit.ready.remote())
+                try:
+                    ray.get(oldlogit.ready.remote(), timeout=c.start_timeout_s)
+                except ray.exceptions.GetTimeoutError:
+                    ray.kill(oldlogit)
+                    raise TimeoutError(
+                        f"old-logit service: not started within controller.start_timeout_s = {c.start_timeout_s} s"
+                    ) from None
         self.route = make_route(cfg.oldlogit_route, oldlogit)
         engine = EngineConfig(
             kind=cfg.rollout.engine,
