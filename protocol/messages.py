@@ -498,6 +498,8 @@ class JobStatus(Message):
     """``GET /v1/status``: the learner's version and everything about staleness and references."""
 
     learner_version: int = Field(ge=0)
+    run_segment: int = Field(0, ge=0)
+    """0 for a fresh run, +1 at every resume: (run_segment, learner_version) names one set of weights."""
     state: Literal["starting", "running", "paused", "finished", "failed"] = "running"
     workers: list[WorkerStatus] = Field(default_factory=list)
     buffer_size: int = Field(0, ge=0)

@@ -196,7 +196,7 @@ def collate(
         temperature: sampling temperature of the rollouts (> 0).
         pad_token_id: id written into padding slots (they are masked everywhere).
         max_token_staleness: tokens with staleness above it are masked out of the loss (kept as
-            context). Case 5: versions [3,3,3,4,4,5] at V = 6, limit 2 -> first 3 masked, N = 3.
+            context). Example: versions [3,3,3,4,4,5] at V = 6, limit 2 -> first 3 masked, N = 3.
         overlong_filter: mask whole sequences whose engine ``finish_reason`` is "length" or "abort"
             or that are flagged ``truncated`` (decided by the finish reason, never an EOS id).
         advantage: "grpo", "rloo" or "reinforce" (see :func:`sequence_advantages`).

@@ -66,6 +66,9 @@ class RolloutConfig(_Placement):
     """Rollout workers at start; scale at runtime with ``POST /v1/workers`` or ``vintage scale``."""
     max_workers: int = Field(64, ge=1, le=256)
     """Most rollout workers a scale request may ask for (422 above it)."""
+    max_restarts: int = Field(3, ge=0)
+    """Replacements started for rollout workers whose process died, over the whole run; past that
+    the job goes on with fewer workers (``/v1/status`` ``scale_note`` says so)."""
     start_timeout_s: float = Field(300.0, gt=0.0)
     """Seconds a new worker may take to be placed and start; one that does not is abandoned and the
     job goes on with fewer (the status's ``scale_note`` says so)."""
@@ -113,6 +116,10 @@ class OldLogitConfig(_Placement):
     """Host memory the snapshot route may hold, bytes; the oldest versions are evicted first."""
     num_cpus: float = Field(0.5, ge=0.0)
     """Ray CPUs reserved by the old-logit server (it runs only between learner steps)."""
+    max_restarts: int = Field(3, ge=0)
+    """Times Ray restarts the old-logit server after its process dies (calls in flight are retried
+    on the restarted one). A restarted server holds no version until the next publication: tokens of
+    earlier versions are answered ``missing`` (never stored) and the learner uses its proxy for them."""
 
 
 class ControllerConfig(_Section):
@@ -130,6 +137,9 @@ class ControllerConfig(_Section):
     """Stop after this many seconds even if ``total_steps`` is not reached."""
     checkpoint_every: int = Field(0, ge=0)
     """Checkpoint every N steps into ``<run_dir>/checkpoints`` (0: only at the end)."""
+    start_timeout_s: float = Field(900.0, gt=0.0)
+    """Seconds the learner and the old-logit service may take to start (model load, DeepSpeed init);
+    past that the job stops with an error naming the part instead of waiting silently."""
     resume_from: str | None = None
     """Checkpoint directory to resume from: weights, optimizer, version counter, EWMA state and buffer
     accounting continue; ``total_steps`` counts versions, so a resumed run stops at the same final version."""

@@ -161,10 +161,11 @@ _PARTS = {"LearnerCore": "learner", "RolloutWorker": "rollout worker", "OldLogit
 
 
 def failed_part(e: BaseException) -> str:
-    """The part a failure came from: the Ray actor's role for actor errors, else the exception type."""
+    """The part a failure came from: the Ray actor's role for actor errors, the part an error message
+    starts with (``"learner: ..."``), else the exception type."""
     if isinstance(e, ray.exceptions.RayActorError):
         return next((part for key, part in _PARTS.items() if key in str(e)), "actor")
-    return type(e).__name__
+    return next((part for part in _PARTS.values() if str(e).startswith(part + ":")), type(e).__name__)
 
 
 def _finite_or_none(x: float | None) -> float | None:
@@ -271,17 +272,31 @@ class Job:
         self.buffer = TrajectoryBuffer(capacity=c.buffer_capacity, max_staleness=c.max_staleness)
         settings = learner_settings(cfg, self.model_path)
         with console.status("starting learner ..."):
-            self.learner = LearnerGroup(settings, world_size=cfg.learner.world_size, **cfg.learner.actor_options())
+            self.learner = LearnerGroup(
+                settings,
+                world_size=cfg.learner.world_size,
+                start_timeout_s=c.start_timeout_s,
+                **cfg.learner.actor_options(),
+            )
         oldlogit = None
         if cfg.oldlogit_route != "none":
             with console.status(f"starting old-logit service ({cfg.oldlogit_route}) ..."):
-                oldlogit = OldLogitServer.options(**cfg.oldlogit.actor_options()).remote(
+                restarts = cfg.oldlogit.max_restarts
+                oldlogit = OldLogitServer.options(
+                    **cfg.oldlogit.actor_options(), max_restarts=restarts, max_task_retries=restarts
+                ).remote(
                     str(self.model_path),
                     route=cfg.oldlogit_route,
                     max_staleness=c.max_staleness,
                     memory_budget_bytes=cfg.oldlogit.memory_budget_bytes,
                 )
-                ray.get(oldlogit.ready.remote())
+                try:
+                    ray.get(oldlogit.ready.remote(), timeout=c.start_timeout_s)
+                except ray.exceptions.GetTimeoutError:
+                    ray.kill(oldlogit)
+                    raise TimeoutError(
+                        f"old-logit service: not started within controller.start_timeout_s = {c.start_timeout_s} s"
+                    ) from None
         self.route = make_route(cfg.oldlogit_route, oldlogit)
         engine = EngineConfig(
             kind=cfg.rollout.engine,
@@ -303,11 +318,16 @@ class Job:
         with console.status(f"starting {cfg.rollout.num_workers} rollout worker(s) ..."):
             self.pool.scale_to(cfg.rollout.num_workers)
         self.version = 0
+        self.workers_wanted, self.restarts = cfg.rollout.num_workers, 0
+        self.run_segment = 0
+        """0 for a fresh run, +1 at every resume: (segment, version) names one set of weights even
+        when a resumed run re-reaches a version number it had passed before the resume point."""
         if c.resume_from:
             extra = self.learner.load_checkpoint(c.resume_from)
             self.buffer.load_state_dict(extra.get("buffer", {"submitted": 0, "consumed": 0, "dropped": {}}))
             self.version = self.learner.version()
-            console.print(f"resumed from {c.resume_from} at version {self.version}")
+            self.run_segment = int(extra.get("run_segment", 0)) + 1
+            console.print(f"resumed from {c.resume_from} at version {self.version} (run segment {self.run_segment})")
         self.seeds = iter(range(self.buffer.submitted, 10**9))
         self.times = Counter()
         self.tokens_exact = self.tokens_total = 0
@@ -435,6 +455,7 @@ class Job:
                 "staleness_max": max(hist, default=0),
                 "staleness_hist": hist,
                 "publish_s": self.last_publish.get("seconds", 0.0),
+                "run_segment": self.run_segment,
                 **{f"dropped_{k}": v for k, v in self.buffer.dropped.items()},
             }
         )
@@ -479,13 +500,36 @@ class Job:
 
     def checkpoint(self) -> str:
         """Learner state (weights, optimizer, version, EWMA) plus the buffer accounting."""
-        return self.learner.save_checkpoint(str(self.run_dir / "checkpoints"), {"buffer": self.buffer.state_dict()})
+        extra = {"buffer": self.buffer.state_dict(), "run_segment": self.run_segment}
+        return self.learner.save_checkpoint(str(self.run_dir / "checkpoints"), extra)
+
+    def replace_dead_workers(self, board: StatusBoard) -> None:
+        """Rollout workers whose process died: their in-flight samples are dropped (``worker_died``)
+        and replacements start, at most ``rollout.max_restarts`` over the run; past that the job
+        goes on with fewer and ``scale_note`` says so."""
+        deaths = self.pool.take_deaths()
+        if not deaths:
+            return
+        if self.agents is None:  # agent sessions account for their own calls
+            for lost in deaths.values():
+                self.buffer.note_lost(lost, "worker_died")
+        add = min(self.workers_wanted - len(self.pool), self.cfg.rollout.max_restarts - self.restarts)
+        if add > 0:
+            added, _ = self.pool.scale_to(len(self.pool) + add)
+            self.restarts += len(added)
+        note = (
+            f"rollout worker(s) {', '.join(sorted(deaths))} died ({sum(deaths.values())} samples lost); "
+            f"{len(self.pool)} of {self.workers_wanted} running, {self.restarts} of {self.cfg.rollout.max_restarts} restarts used"
+        )
+        self.console.print(note)
+        board.update(scale_note=note, workers=self.pool.statuses())
 
     def apply_controls(self, board: StatusBoard) -> None:
         """Apply the latest scale request (one that arrives meanwhile stays pending for the next call)."""
         want = board.take_scale_request()
         if want is None:
             return
+        self.workers_wanted = want
         added, removed = self.pool.scale_to(want)
         for _wid, lost in removed.items():
             self.buffer.note_lost(lost, "worker_removed")
@@ -501,6 +545,7 @@ class Job:
         st = ray.get(oldlogit.status.remote()) if oldlogit is not None else None
         f = dict(
             learner_version=self.version,
+            run_segment=self.run_segment,
             oldlogit_route=self.route.name,
             workers=self.pool.statuses(),
             buffer_size=len(self.buffer),
@@ -620,6 +665,7 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
         if deadline is not None and time.perf_counter() >= deadline:
             break
         job.apply_controls(board)  # control requests: scale workers, pause
+        job.replace_dead_workers(board)  # a worker process died: count its samples, start a replacement
         if board.paused:
             time.sleep(0.2)
             continue
@@ -667,6 +713,8 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
         "consumed": job.buffer.consumed,
         "dropped": dict(job.buffer.dropped),
         "accounting_ok": job.buffer.accounting_ok(),
+        "worker_restarts": job.restarts,
+        "run_segment": job.run_segment,
         "loop_s": loop_s,
         "time_split_s": dict(job.times),
         "wall_s": time.perf_counter() - t_start,

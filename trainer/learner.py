@@ -574,7 +574,12 @@ class LearnerGroup:
         num_cpus: float = 1.0,
         num_gpus: float = 0.0,
         resources: dict[str, float] | None = None,
+        start_timeout_s: float | None = None,
     ) -> None:
+        """Raises:
+        TimeoutError: the ranks did not start within ``start_timeout_s`` (the actors are killed).
+        RuntimeError: Ray cannot place a rank (e.g. resources no node has); the message starts
+            with ``learner:``."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         settings = settings.model_copy(
@@ -594,7 +599,18 @@ class LearnerGroup:
             ).remote(settings, r, world_size)
             for r in range(world_size)
         ]
-        ray.get([a.get_version.remote() for a in self.actors])  # wait for the collective init
+        try:  # wait for the collective init
+            ray.get([a.get_version.remote() for a in self.actors], timeout=start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            for a in self.actors:
+                ray.kill(a)
+            raise TimeoutError(
+                f"learner: {world_size} rank(s) not started within controller.start_timeout_s = {start_timeout_s} s"
+            ) from None
+        except ray.exceptions.ActorUnschedulableError as e:
+            for a in self.actors:
+                ray.kill(a)
+            raise RuntimeError(f"learner: cannot be placed ({str(e).splitlines()[0]})") from None
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         return ray.get([getattr(a, method).remote(*args) for a in self.actors])

@@ -364,7 +364,7 @@ def decoupled_ppo_loss(
 
     Per token ``-w * keep * min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` with
     w = min(exp(prox - mu), behav_weight_cap) and keep the optional two-sided mask, both detached
-    (see :func:`discrepancy_weights`), and r = exp(logp - prox). Case 3: mu = 0.2, prox = 0.4,
+    (see :func:`discrepancy_weights`), and r = exp(logp - prox). Example: mu = 0.2, prox = 0.4,
     pi_theta = 0.6, A = 1, eps 0.2 -> loss -2.4, zero gradient; pi_theta = 0.44 -> -2.2, gradient
     -2.2. Shapes ``[B, T]``; denominator as in :func:`aggregate` (rejected tokens stay in it).
     """
@@ -447,7 +447,7 @@ def kl_estimator(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3", loss_
     """Per-token KL(pi_theta || ref) estimate ``[B, T]`` (nats) from delta = logp - ref (ref detached).
 
     k1 = delta (grad 1); k2 = delta^2 / 2 (grad delta); k3 = e^-delta - 1 + delta (grad 1 - e^-delta);
-    k3_plus = straight-through: value of k3, gradient of k2. Case 8 (delta = 0.5): 0.5, 0.125,
+    k3_plus = straight-through: value of k3, gradient of k2. Example (delta = 0.5): 0.5, 0.125,
     0.106531, 0.106531 with gradients 1, 0.5, 0.393469, 0.5. Masked slots (and non-finite inputs)
     give 0; k3 clamps delta to +-MAX_LOG_RATIO so it stays finite (zero gradient beyond).
     """

@@ -1,7 +1,8 @@
 """The driver's handle on the rollout workers: create, scale, feed, poll and update them.
 
 Workers are independent Ray actors (:data:`rollout.worker.RolloutWorker`); adding or removing one
-never stops the others. A removed worker's unfinished samples are counted as lost by the caller.
+never stops the others. A removed worker's unfinished samples are counted as lost by the caller; so
+are those of a worker whose process died, which every call notices and leaves out (:meth:`take_deaths`).
 The pool may be fed from several threads (the driver and the gateway): one lock guards the worker
 table and the in-flight counts; remote calls are made outside it, except while scaling.
 """
@@ -39,6 +40,7 @@ class WorkerPool:
         self._ids = itertools.count()
         self._latest: tuple[WeightManifest, Any] | None = None
         self._lock = threading.RLock()
+        self._died: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -77,9 +79,36 @@ class WorkerPool:
             removed[wid] = self.in_flight.pop(wid)
             try:
                 ray.get(actor.close.remote(), timeout=30)
+            except ray.exceptions.RayActorError:
+                pass  # already dead: nothing to close
             finally:
                 ray.kill(actor)
         return added, removed
+
+    def _bury(self, wid: str) -> None:
+        """Forget a worker whose process died; its in-flight samples are recorded as lost."""
+        with self._lock:
+            if wid in self.workers:
+                del self.workers[wid]
+                self._died[wid] = self.in_flight.pop(wid, 0)
+
+    def take_deaths(self) -> dict[str, int]:
+        """``{worker id: in-flight samples lost}`` of workers found dead since the last call."""
+        with self._lock:
+            died, self._died = self._died, {}
+        return died
+
+    def _call_all(self, method: str, *args: Any) -> dict[str, Any]:
+        """``method`` on every worker at once; a worker found dead is buried and left out."""
+        with self._lock:
+            refs = {wid: getattr(a, method).remote(*args) for wid, a in self.workers.items()}
+        out = {}
+        for wid, ref in refs.items():
+            try:
+                out[wid] = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                self._bury(wid)
+        return out
 
     def submit(self, requests: list[RolloutRequest]) -> int:
         """Spread requests over workers, fewest in-flight first; returns samples submitted.
@@ -88,7 +117,9 @@ class WorkerPool:
         for a worker's current step never delays a submission from another thread.
         """
         total = 0
-        for r in requests:
+        pending = list(requests)
+        while pending:
+            r = pending[0]
             with self._lock:
                 if not self.workers:
                     return total
@@ -97,26 +128,28 @@ class WorkerPool:
                 self.in_flight[wid] += r.sampling.n
             try:
                 n = ray.get(actor.submit.remote([r]))
-            except BaseException:
+            except BaseException as e:
                 with self._lock:
                     if wid in self.in_flight:
                         self.in_flight[wid] -= r.sampling.n
-                raise
+                if not isinstance(e, ray.exceptions.RayActorError):
+                    raise
+                self._bury(wid)  # the worker died: the request goes to another one
+                continue
             with self._lock:
                 if wid in self.in_flight:
                     self.in_flight[wid] += n - r.sampling.n
             total += n
+            pending.pop(0)
         return total
 
     def poll(self) -> list[Trajectory]:
-        """Finished trajectories from every worker (remote calls outside the lock, as in :meth:`submit`)."""
-        with self._lock:
-            ids = list(self.workers)
-            actors = [self.workers[w] for w in ids]
-        got = ray.get([a.poll.remote() for a in actors])
+        """Finished trajectories from every live worker (remote calls outside the lock, as in
+        :meth:`submit`); a worker found dead is buried (see :meth:`take_deaths`)."""
+        got = self._call_all("poll")
         out: list[Trajectory] = []
         with self._lock:
-            for wid, g in zip(ids, got, strict=True):
+            for wid, g in got.items():
                 if wid in self.in_flight:
                     self.in_flight[wid] -= len(g)
                 out += g
@@ -126,13 +159,11 @@ class WorkerPool:
         """Apply a publication on every worker (interrupt, update, resume); returns their versions."""
         with self._lock:
             self._latest = (manifest, payload_ref)
-            workers = list(self.workers.values())
-        return ray.get([w.update_weights.remote(manifest, payload_ref) for w in workers])
+        return list(self._call_all("update_weights", manifest, payload_ref).values())
 
     def statuses(self) -> list[WorkerStatus]:
-        with self._lock:
-            workers = list(self.workers.values())
-        return ray.get([w.status.remote() for w in workers])
+        """Each live worker's status."""
+        return list(self._call_all("status").values())
 
     def shutdown(self) -> None:
         self.scale_to(0)

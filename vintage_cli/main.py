@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Annotated
@@ -137,6 +138,10 @@ def run(
     set_: Annotated[
         list[str] | None, typer.Option("--set", help="Override, e.g. --set controller.max_staleness=1")
     ] = None,
+    resume: Annotated[
+        str | None,
+        typer.Option(help="'auto': continue from <run_dir>/checkpoints when it holds one; or a checkpoint folder."),
+    ] = None,
 ) -> None:
     """Run an async RL job (local Ray by default, or against --address)."""
     from trainer.config import load_config, one_line, preflight
@@ -146,6 +151,9 @@ def run(
         overrides.append(f'ray.address="{address}"')
     try:
         cfg = load_config(config, overrides)
+        resume_from = resume_path(cfg.logging.run_dir, resume) if resume is not None else None
+        if resume_from is not None:
+            cfg = load_config(config, [*overrides, f"controller.resume_from={json.dumps(resume_from)}"])
         preflight(cfg)
     except (ValueError, OSError) as e:  # pydantic.ValidationError is a ValueError
         console.print(f"[red]config error:[/red] {one_line(e)}", soft_wrap=True)
@@ -158,6 +166,19 @@ def run(
         reexec_with_loopback()  # once: the driver's own Ray port must be loopback-bound too
     summary = run_job(cfg, console=console)
     raise typer.Exit(exit_code(summary))
+
+
+def resume_path(run_dir: str, resume: str) -> str | None:
+    """The checkpoint folder ``--resume`` names: ``resume`` itself, or for ``auto``
+    ``<run_dir>/checkpoints`` when it holds a complete checkpoint (None: start fresh)."""
+    from trainer.checkpoint import latest_tag
+
+    if resume != "auto":
+        return resume
+    ckpt = Path(run_dir) / "checkpoints"
+    path = str(ckpt) if ckpt.is_dir() and latest_tag(ckpt) else None
+    console.print(f"--resume auto: {'continuing from ' + path if path else 'no checkpoint yet, starting fresh'}")
+    return path
 
 
 def exit_code(summary: dict) -> int:

@@ -145,6 +145,7 @@ def test_resume_continues_version_sequence(first_run, tmp_path):
     assert summary["state"] == "finished" and summary["steps"] == 8
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [int(r["consumed_version"]) for r in rows] == [6, 7]
+    assert [r["run_segment"] for r in rows] == [1, 1] and summary["run_segment"] == 1  # versions 7, 8 of segment 1
     assert summary["accounting_ok"]
 
 

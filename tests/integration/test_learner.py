@@ -126,7 +126,7 @@ def test_nonfinite_loss_skips_step_keeps_version_and_weights(tiny_model_path, ma
 
 
 def test_nonfinite_gradient_with_finite_loss_skips_step(tiny_model_path, make_trajs, monkeypatch):
-    """Case 2: the guard also looks at gradients. sqrt(|0 * logp|) adds 0 to the loss but a NaN
+    """The guard also looks at gradients: sqrt(|0 * logp|) adds 0 to the loss but a NaN
     gradient (inf * 0); stage 0 has no DeepSpeed overflow check to fall back on."""
     import trainer.learner as learner_mod
 

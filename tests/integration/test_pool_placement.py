@@ -1,4 +1,5 @@
-"""A worker the cluster cannot place is abandoned after ``start_timeout_s``; the pool goes on."""
+"""Parts that cannot start: a rollout worker is abandoned after ``start_timeout_s`` (the pool goes
+on); a learner that cannot start raises naming the part instead of waiting silently."""
 
 from __future__ import annotations
 
@@ -19,3 +20,15 @@ def test_unplaceable_worker_times_out_and_pool_stays_empty(ray_cluster, tiny_mod
     )
     added, removed = pool.scale_to(2)
     assert (added, removed, len(pool)) == ([], {}, 0)
+
+
+def test_learner_that_cannot_start_raises_naming_the_part(ray_cluster, tiny_model_path):
+    from trainer.job import failed_part
+    from trainer.learner import LearnerGroup, LearnerSettings
+
+    with pytest.raises(RuntimeError) as ei:  # rank 0 is pinned to the driver's node, which lacks the resource
+        LearnerGroup(
+            LearnerSettings(model_path=str(tiny_model_path)), resources={"no_such_node": 1}, start_timeout_s=2.0
+        )
+    assert str(ei.value).startswith("learner: cannot be placed (The actor is not schedulable")
+    assert failed_part(ei.value) == "learner"

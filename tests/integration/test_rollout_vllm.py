@@ -57,7 +57,7 @@ def _to(engine, named, version=None):
 
 @pytest.mark.parametrize("temperature", [0.7, 1.3])
 def test_logprobs_match_transformers_at_same_weights_and_temperature(engine, hf, weights, temperature):
-    """Case 1 integration variant: 64 tokens at T; mu == learner log_softmax(logits/T) per token."""
+    """64 tokens at temperature T from the engine: mu == learner log_softmax(logits/T) per token."""
     _with_weights(hf, weights[0])
     if engine.version:  # make sure the engine serves W0
         _to(engine, weights[0])

@@ -102,3 +102,14 @@ def test_failed_part_names_the_actor_role():
     err = ray.exceptions.RayActorError(error_msg="The actor died: class_name: RolloutWorkerActor")
     assert failed_part(err) == "rollout worker"
     assert failed_part(ValueError("x")) == "ValueError"
+
+
+def test_resume_auto_finds_the_run_dirs_latest_checkpoint(tmp_path):
+    from vintage_cli.main import resume_path
+
+    assert resume_path(str(tmp_path), "auto") is None  # nothing yet: a fresh start
+    (tmp_path / "checkpoints").mkdir()
+    assert resume_path(str(tmp_path), "auto") is None  # a save that never completed names no tag
+    (tmp_path / "checkpoints" / "vintage_latest").write_text("v6")
+    assert resume_path(str(tmp_path), "auto") == str(tmp_path / "checkpoints")
+    assert resume_path(str(tmp_path), "/some/ckpt") == "/some/ckpt"

@@ -56,7 +56,7 @@ CASE5_VERSIONS = [3, 3, 3, 4, 4, 5]
 
 
 def traj_dict(**over) -> dict:
-    """Case 5: a K-token prompt (no version) and 6 sampled tokens with versions [3,3,3,4,4,5]."""
+    """A K-token prompt (no version) and 6 sampled tokens with versions [3,3,3,4,4,5]."""
     n = K + len(CASE5_VERSIONS)
     d = dict(
         trajectory_id="t-0",

@@ -107,7 +107,7 @@ def _weights(version):
 
 
 def test_multiturn_mask_and_generated_length_case7():
-    """Case 7: mask [0,0,0,1,1,1,1,0,0,0,1,1,1,1,1]; generated length 9 (not the span 12)."""
+    """Mask [0,0,0,1,1,1,1,0,0,0,1,1,1,1,1]; generated length 9 (not the span 12)."""
     eng = FakeEngine([([10, 11, 12, EOS], "stop"), ([20, 21, 22, 23, EOS], "stop")])
     core = RolloutWorkerCore(eng, chat=FakeChat())
     core.submit(_req(turns=2))
