@@ -9,20 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import secrets
-import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Annotated
 
-import uvicorn
 from fastapi import Depends, FastAPI, Header, HTTPException, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from protocol import JobStatus, ScaleRequest, ScaleResponse, WorkerStatus
+from rollout.httpserve import ThreadedServer, is_loopback_host
 
 
 class StatusBoard:
@@ -113,16 +110,6 @@ class StatusBoard:
 
 MIN_TOKEN_CHARS = 16
 """Shortest bearer token accepted (a generated one has 32 characters)."""
-
-
-def is_loopback_host(host: str) -> bool:
-    """True for ``localhost``, 127.0.0.0/8 and ``::1``."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class BodyLimit:
@@ -251,7 +238,7 @@ def build_app(
     return app
 
 
-class ApiServer:
+class ApiServer(ThreadedServer):
     """uvicorn in a daemon thread; ``port=0`` binds a free port (see :attr:`port`).
 
     Request bodies are bounded (``max_body_bytes``, ``read_timeout_s``, see :class:`BodyLimit`),
@@ -276,40 +263,12 @@ class ApiServer:
         if token is not None and len(token) < MIN_TOKEN_CHARS:
             raise ValueError(f"server.token: {len(token)} characters, at least {MIN_TOKEN_CHARS} required")
         self.token = token or secrets.token_urlsafe(24)
-        self.host = host
         self.token_for_reads = not is_loopback_host(host)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        self.port = sock.getsockname()[1]
-        self._sock = sock
         app = BodyLimit(
             build_app(board, self.token, docs=docs, token_for_reads=self.token_for_reads, max_workers=max_workers), max_bytes=max_body_bytes,
             read_timeout_s=read_timeout_s,
         )  # fmt: skip
-        config = uvicorn.Config(
-            app, log_level="warning", access_log=False, timeout_keep_alive=5, limit_concurrency=64,
+        super().__init__(
+            app, host, port, "vintage-http", timeout_keep_alive=5, limit_concurrency=64,
             h11_max_incomplete_event_size=16 * 1024,
         )  # fmt: skip
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [sock]}, daemon=True, name="vintage-http"
-        )
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, timeout_s: float = 10.0) -> ApiServer:
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"HTTP server did not start on {self.url}")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=5)
-        self._sock.close()

@@ -36,11 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import json
 import math
 import secrets
-import socket
 import threading
 import time
 import uuid
@@ -49,7 +47,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -58,6 +55,7 @@ from protocol import GatewayStatus, SamplingParams, Trajectory
 from rollout.gateway.backend import WorkerBackend
 from rollout.gateway.session import Session
 from rollout.gateway.tools import normalized, parse_tool_calls, render_messages
+from rollout.httpserve import ThreadedServer, is_loopback_host
 
 GREEDY_TEMPERATURE = 1e-3
 """Temperature that stands in for ``temperature = 0`` outside training sessions (the engine needs T > 0)."""
@@ -765,15 +763,6 @@ class Gateway:
         return app
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _finite(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -827,7 +816,7 @@ def _stream_text(body: dict) -> StreamingResponse:
     return _sse([body])
 
 
-class GatewayServer:
+class GatewayServer(ThreadedServer):
     """uvicorn serving a :class:`Gateway` in a daemon thread; ``port=0`` binds a free port.
 
     ``wrap(app) -> app`` adds ASGI middleware (the job bounds request bodies with it). Headers are
@@ -838,38 +827,10 @@ class GatewayServer:
     def __init__(
         self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0, wrap: Callable[[Any], Any] | None = None
     ):
-        self.gateway, self.host = gateway, host
-        gateway.token_for_reads = not _is_loopback(host)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        self.port = sock.getsockname()[1]
-        self._sock = sock
-        gateway.base_url = self.url
+        self.gateway = gateway
+        gateway.token_for_reads = not is_loopback_host(host)
         app = gateway.app() if wrap is None else wrap(gateway.app())
-        config = uvicorn.Config(
-            app, log_level="warning", access_log=False, timeout_keep_alive=30, h11_max_incomplete_event_size=16 * 1024
+        super().__init__(
+            app, host, port, "vintage-gateway", timeout_keep_alive=30, h11_max_incomplete_event_size=16 * 1024
         )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [sock]}, daemon=True, name="vintage-gateway"
-        )
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, timeout_s: float = 10.0) -> GatewayServer:
-        """Start serving; raises RuntimeError if uvicorn is not up within ``timeout_s``."""
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"gateway did not start on {self.url}")
-            time.sleep(0.02)
-        return self
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=5)
-        self._sock.close()
+        gateway.base_url = self.url
