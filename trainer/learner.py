@@ -12,7 +12,9 @@ One :meth:`LearnerCore.train_step` at learner version ``V``:
 2. the global token count ``N`` (all-reduced over ranks) is the token-mean denominator of every
    micro-batch, and the loss is multiplied by ``world_size`` because DeepSpeed averages
    gradients over data-parallel ranks;
-3. per micro-batch: with the PPO-EWMA proxy a no-grad forward with the EWMA weights, the forward
+3. per micro-batch: with the PPO-EWMA proxy a no-grad forward with the EWMA weights (only where a
+   sampled token lacks exact old logits, plus a probe every ``ewma.probe_every`` steps that keeps
+   the auto-reset signal and the proxy-error metric measured), the forward
    of the current policy, :func:`trainer.losses.compute_policy_loss` (exact reference where known,
    the configured proxy elsewhere), ``engine.backward``; gradient accumulation is driven by hand
    (``set_gradient_accumulation_boundary``), so the number of micro-batches may change per step;
@@ -387,17 +389,28 @@ class LearnerCore:
         acc: dict[str, list[float]] = {}
         sums = {"loss": 0.0, "err": 0.0, "err_n": 0.0, "ewma_keep": 0.0, "ewma_n": 0.0}
         timing = {"ewma_forward_s": 0.0, "forward_backward_s": 0.0}
+        ewma_runs = 0
+        probe = (
+            self.ewma is not None
+            and self.ewma.config.probe_every > 0
+            and self.version % self.ewma.config.probe_every == 0
+        )
         eng.train()
         for i, mb in enumerate(micro):
             eng.set_gradient_accumulation_boundary(i == len(micro) - 1)
             mask = mb.loss_mask
             ta = time.perf_counter()
-            ewma_lp = self._ewma_logprobs(mb) if self.ewma is not None else None
+            ewma_lp = None
+            if self.ewma is not None and (bool((mask & ~mb.exact_mask).any()) or (probe and i == 0)):
+                ewma_lp, ewma_runs = self._ewma_logprobs(mb), ewma_runs + 1
             tb = time.perf_counter()
             lp = sequence_logprobs(eng, mb.token_ids, mb.attention_mask, mb.temperature)
             loss, m = compute_policy_loss(
                 lp, mb.behav_logprobs, mb.advantages, mask, cfg, old_logprobs=mb.old_logprobs,
-                exact_mask=mb.exact_mask, ewma_logprobs=ewma_lp, staleness=mb.staleness,
+                exact_mask=mb.exact_mask, staleness=mb.staleness,
+                # every sampled token has exact old logits when the EWMA forward was skipped: the
+                # proxy is never read there, so the current log-probs stand in for it
+                ewma_logprobs=ewma_lp if ewma_lp is not None or self.ewma is None else lp.detach(),
                 global_token_count=n_tok, global_seq_count=n_seq,
             )  # fmt: skip
             eng.backward(loss * scale)
@@ -407,7 +420,7 @@ class LearnerCore:
             _sum_max_min(m, float(mask.sum()), acc)
             with torch.no_grad():
                 exact = mb.exact_mask & mask
-                if bool(exact.any()):
+                if bool(exact.any()) and (ewma_lp is not None or self.ewma is None):
                     proxy = proximal_reference(
                         cfg.proxy, lp, mb.behav_logprobs, staleness=mb.staleness, ewma_logprobs=ewma_lp
                     )
@@ -459,7 +472,7 @@ class LearnerCore:
             grad_norm=grad_norm if applied else math.nan, tokens=n_tok, sequences=float(batch.size),
             proxy_abs_err=glob["err"] / glob["err_n"] if glob["err_n"] > 0 else math.nan, proxy_err_tokens=glob["err_n"],
             ewma_kept_frac=kept, ewma_reset=float(ewma_reset), step_s=step_s, tokens_per_s=n_tok / step_s if step_s > 0 else 0.0,
-            micro_batches=float(len(micro)),
+            micro_batches=float(len(micro)), ewma_forward_micro_batches=float(ewma_runs),
         )  # fmt: skip
         if self.ewma is not None:
             out.update({f"ewma_{k}": float(v) for k, v in self.ewma.status().items()})

@@ -136,3 +136,8 @@ class EwmaConfig(BaseModel):
     more than the mask tolerates, and its reference would discard most of the batch."""
     device: str = "cpu"
     """Where the fp32 EWMA copy lives; host memory by default, so it costs no accelerator memory."""
+    probe_every: int = Field(4, ge=0)
+    """The EWMA forward runs only on micro-batches holding a sampled token without exact old logits.
+    So that the auto-reset signal stays measured when every token is exact, the forward still runs on
+    the first micro-batch of every ``probe_every``-th step (step versions 0, k, 2k, ...; 0: never);
+    on other steps without such tokens ``ewma_kept_frac`` is NaN and the EWMA does not reset."""

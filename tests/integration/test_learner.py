@@ -208,6 +208,37 @@ def test_exact_old_logits_and_proxy_error(tiny_model_path, make_trajs):
     assert m["proxy_abs_err"] < 1e-4  # EWMA == current weights at version 0: the proxy is exact here
 
 
+def test_ewma_forward_runs_only_where_a_token_needs_the_proxy(tiny_model_path, make_trajs):
+    """Two micro-batches per step, probe every 2 steps. All tokens exact: the EWMA forward runs on
+    the first micro-batch at versions 0 and 2 (probes) and not at all at version 1 (no reset signal:
+    NaN). A batch with tokens lacking exact old logits runs it on every micro-batch."""
+    from trainer.loss_config import EwmaConfig
+
+    core = LearnerCore(
+        settings(tiny_model_path, loss=loss_config("snapshot"), micro_batch_size=2, ewma=EwmaConfig(probe_every=2))
+    )
+
+    def exact_for(trajs, missing_from=None):
+        lp = core.logprobs(collate(trajs, consuming_version=core.version)).numpy()
+        cut = missing_from or 10**9
+        return [
+            np.where(np.arange(len(t.token_ids)) < cut, lp[i, : len(t.token_ids)], np.nan).astype(np.float32)
+            for i, t in enumerate(trajs)
+        ]
+
+    runs, kept = [], []
+    for seed in range(3):
+        trajs = make_trajs(seed=seed)
+        m = core.train_step(trajs, old_logits=exact_for(trajs))
+        assert m["applied"] == 1.0 and m["exact_token_fraction"] == 1.0 and math.isfinite(m["loss"])
+        runs.append(m["ewma_forward_micro_batches"])
+        kept.append(math.isnan(m["ewma_kept_frac"]))
+    assert runs == [1.0, 0.0, 1.0] and kept == [False, True, False]
+    trajs = make_trajs(seed=3)
+    m = core.train_step(trajs, old_logits=exact_for(trajs, missing_from=8))  # version 3: no probe
+    assert m["ewma_forward_micro_batches"] == 2.0 and m["exact_token_fraction"] == pytest.approx(0.5)
+
+
 def test_checkpoint_resume_continues_versions_and_ewma(tiny_model_path, make_trajs, tmp_path):
     s = settings(tiny_model_path)
     core = LearnerCore(s)
