@@ -344,19 +344,30 @@ def preflight(cfg: JobConfig) -> None:
             ``smollm2``, ``tiny`` or an existing folder; ``controller.resume_from`` does not exist.
             The message names the field and the value.
     """
-    import importlib
-
-    module, _, attr = cfg.env.path.partition(":")
-    try:
-        target = getattr(importlib.import_module(module), attr) if attr else None
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"env.path: {cfg.env.path!r} does not import ({type(e).__name__}: {e})") from None
-    if not callable(target):
-        raise ValueError(f"env.path: {cfg.env.path!r} is not a class or factory (expected 'package.module:Name')")
+    _check_import("env.path", cfg.env.path)
+    if cfg.agent is not None:
+        if cfg.agent.path:
+            _check_import("agent.path", cfg.agent.path)
+        for field, value in (("agent.tasks", cfg.agent.tasks), ("agent.eval_tasks", cfg.agent.eval_tasks)):
+            if value not in (None, "env") and not Path(value).is_file():
+                raise ValueError(f"{field}: {value!r} is not 'env' or an existing JSONL file")
     if cfg.model.path not in ("smollm2", "tiny") and not Path(cfg.model.path).expanduser().is_dir():
         raise ValueError(f"model.path: {cfg.model.path!r} is not 'smollm2', 'tiny' or an existing folder")
     if cfg.controller.resume_from and not Path(cfg.controller.resume_from).exists():
         raise ValueError(f"controller.resume_from: {cfg.controller.resume_from!r} does not exist")
+
+
+def _check_import(field: str, path: str) -> None:
+    """Raise ValueError naming ``field`` when ``package.module:Name`` does not import or is not callable."""
+    import importlib
+
+    module, _, attr = path.partition(":")
+    try:
+        target = getattr(importlib.import_module(module), attr) if attr else None
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{field}: {path!r} does not import ({type(e).__name__}: {e})") from None
+    if not callable(target):
+        raise ValueError(f"{field}: {path!r} is not a class or callable (expected 'package.module:Name')")
 
 
 def one_line(e: Exception) -> str:
@@ -365,7 +376,12 @@ def one_line(e: Exception) -> str:
 
     if isinstance(e, ValidationError):
         first = e.errors()[0]
-        loc = ".".join(str(x) for x in first["loc"]) or "config"
         more = f" (+{e.error_count() - 1} more)" if e.error_count() > 1 else ""
-        return f"{loc}: {first['msg']} (got {first.get('input')!r}){more}"
+        msg = first["msg"].removeprefix("Value error, ")
+        if not first["loc"]:  # a check across fields: its message names them; the input is the whole config
+            return msg + more
+        loc = ".".join(str(x) for x in first["loc"])
+        secret = any("token" in str(x) for x in first["loc"])
+        got = "" if secret or isinstance(first.get("input"), dict | list) else f" (got {first.get('input')!r})"
+        return f"{loc}: {msg}{got}{more}"
     return str(e).splitlines()[0] if str(e) else type(e).__name__

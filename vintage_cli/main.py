@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -24,6 +25,33 @@ app.add_typer(eval_app, name="eval")
 console = Console(soft_wrap=True)  # one line per step at any width, terminal or not
 
 DEFAULT_URL = os.environ.get("VINTAGE_URL", "http://127.0.0.1:8477")
+
+
+@app.callback()
+def _main() -> None:
+    """Modules in the working directory import (``env.path``, ``agent.path``), as with ``python -m``."""
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+
+
+def _http(method: str, url: str, token: str | None = None, **kw):
+    """One HTTP call to a job; any failure is one line on the console and exit 1.
+
+    Returns the decoded JSON body of a 2xx answer.
+    """
+    import httpx
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        r = httpx.request(method, url, headers=headers, timeout=10, **kw)
+    except httpx.HTTPError as e:
+        console.print(f"[red]cannot reach {url}:[/red] {e}")
+        raise typer.Exit(1) from None
+    if r.status_code >= 400:
+        detail = r.json().get("detail", r.text) if "json" in r.headers.get("content-type", "") else r.text
+        console.print(f"[red]{url}: HTTP {r.status_code}[/red] {str(detail)[:300]}")
+        raise typer.Exit(1)
+    return r.json()
 
 
 @model_app.command("prepare")
@@ -192,13 +220,23 @@ def exit_code(summary: dict) -> int:
 
 
 @app.command()
-def status(url: Annotated[str, typer.Option(help="Base URL of the job's HTTP API.")] = DEFAULT_URL) -> None:
+def status(
+    url: Annotated[str, typer.Option(help="Base URL of the job's HTTP API (<run_dir>/server.json).")] = DEFAULT_URL,
+    token: Annotated[
+        str | None, typer.Option(envvar="VINTAGE_TOKEN", help="Bearer token, needed when the job is not on loopback.")
+    ] = None,
+) -> None:
     """Show the running job's versions, staleness and old-logit accounting."""
-    import httpx
+    import pydantic
 
     from protocol import JobStatus
 
-    s = JobStatus.model_validate(httpx.get(f"{url}/v1/status", timeout=10).raise_for_status().json())
+    body = _http("GET", f"{url}/v1/status", token)
+    try:
+        s = JobStatus.model_validate(body)
+    except pydantic.ValidationError as e:
+        console.print(f"[red]{url}/v1/status is not a vintage status of this version:[/red] {e.errors()[0]['loc']}")
+        raise typer.Exit(1) from None
     console.print(
         f"learner version [bold]{s.learner_version}[/bold]  state {s.state}  buffer {s.buffer_size}  in flight {s.in_flight}"
     )
@@ -226,19 +264,12 @@ def scale(
     ] = None,
 ) -> None:
     """Scale rollout workers of a running job up or down."""
-    import httpx
-
     if token is None:
         raise typer.BadParameter(
             "--token (or VINTAGE_TOKEN) is required; the job writes it to <run_dir>/token", param_hint="--token"
         )
-    r = httpx.post(
-        f"{url}/v1/workers", json={"num_workers": num_workers}, headers={"Authorization": f"Bearer {token}"}, timeout=10
-    )
-    if r.status_code >= 400:
-        console.print(f"[red]{r.status_code}[/red] {r.text}")
-        raise typer.Exit(1)
-    console.print(f"requested {num_workers} rollout workers")
+    _http("POST", f"{url}/v1/workers", token, json={"num_workers": num_workers})
+    console.print(f"requested {num_workers} rollout workers (applied between two steps; see vintage status)")
 
 
 if __name__ == "__main__":  # pragma: no cover

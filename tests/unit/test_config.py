@@ -115,7 +115,12 @@ def test_configs_that_cannot_work_are_refused(override, message):
     [
         ('env.path="rollout.envs.nope:Env"', "env.path: 'rollout.envs.nope:Env' does not import (ModuleNotFoundError"),
         ('env.path="rollout.envs:NOPE"', "env.path: 'rollout.envs:NOPE' does not import (AttributeError"),
-        ('env.path="rollout.envs:__doc__"', "env.path: 'rollout.envs:__doc__' is not a class or factory"),
+        ('env.path="rollout.envs:__doc__"', "env.path: 'rollout.envs:__doc__' is not a class or callable"),
+        ('agent.path="nope.x:run"', "agent.path: 'nope.x:run' does not import (ModuleNotFoundError"),
+        (
+            'agent.tasks="/nonexistent.jsonl"',
+            "agent.tasks: '/nonexistent.jsonl' is not 'env' or an existing JSONL file",
+        ),
         ('model.path="/nonexistent/model"', "model.path: '/nonexistent/model' is not 'smollm2', 'tiny'"),
         ('controller.resume_from="/nonexistent/ckpt"', "controller.resume_from: '/nonexistent/ckpt' does not exist"),
     ],
@@ -142,3 +147,31 @@ def test_cli_config_error_is_one_line_exit_2():
     assert r.exit_code == 2 and r.output.strip() == (
         "config error: model.path: '/nonexistent/model' is not 'smollm2', 'tiny' or an existing folder"
     )
+
+
+def test_cli_imports_modules_of_the_working_directory(tmp_path, monkeypatch):
+    import sys
+
+    from typer.testing import CliRunner
+
+    from vintage_cli.main import app
+
+    (tmp_path / "my_envs").mkdir()
+    (tmp_path / "my_envs" / "__init__.py").write_text("")
+    (tmp_path / "my_envs" / "toy.py").write_text("class Env:\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    r = CliRunner().invoke(app, ["run", "--set", 'env.path="my_envs.toy:Env"', "--set", 'model.path="/nonexistent/m"'])
+    # env.path imported from the working directory; the next check (model.path) is the one refused
+    assert r.exit_code == 2 and r.output.strip().startswith("config error: model.path: '/nonexistent/m'")
+
+
+def test_cli_status_unreachable_is_one_line():
+    from typer.testing import CliRunner
+
+    from vintage_cli.main import app
+
+    r = CliRunner().invoke(app, ["status", "--url", "http://127.0.0.1:1"])
+    assert r.exit_code == 1 and r.output.strip().splitlines() == [
+        "cannot reach http://127.0.0.1:1/v1/status: [Errno 111] Connection refused"
+    ]
