@@ -1,6 +1,6 @@
 """tau2-bench through the real gateway: the tiny model in vLLM behind it, tau2's agent in front.
 
-Skipped where the build has no gateway or no tau2. The tiny random model never writes a valid tool
+The tiny random model never writes a valid tool
 call, so rewards are 0 here; what is checked is the wiring: which calls reach the gateway, and that
 a training session played by tau2 becomes trajectories whose loss mask covers exactly the sampled
 tokens (user turns and the system prompt masked out) with a version on every sampled token.
@@ -14,13 +14,10 @@ import numpy as np
 import openai
 import pytest
 
-pytest.importorskip("tau2")
-pytest.importorskip("rollout.gateway")
-
-from protocol import NO_VERSION  # noqa: E402
-from rollout.envs import tau2_bench as tb  # noqa: E402
-from tests.scripted_openai import ScriptedServer  # noqa: E402
-from trainer.tau2_eval import evaluate, serve_model  # noqa: E402
+from protocol import NO_VERSION
+from rollout.envs import tau2_bench as tb
+from tests.scripted_openai import ScriptedServer
+from trainer.tau2_eval import evaluate, serve_model
 
 pytestmark = pytest.mark.integration
 

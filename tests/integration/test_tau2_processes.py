@@ -10,10 +10,8 @@ import asyncio
 import openai
 import pytest
 
-pytest.importorskip("tau2")
-
-from rollout.envs import tau2_bench as tb  # noqa: E402
-from tests.scripted_openai import ScriptedServer  # noqa: E402
+from rollout.envs import tau2_bench as tb
+from tests.scripted_openai import ScriptedServer
 
 pytestmark = pytest.mark.integration
 

@@ -13,10 +13,8 @@ import asyncio
 import openai
 import pytest
 
-pytest.importorskip("tau2")
-
-from rollout.envs import tau2_bench as tb  # noqa: E402
-from tests.scripted_openai import ScriptedServer  # noqa: E402
+from rollout.envs import tau2_bench as tb
+from tests.scripted_openai import ScriptedServer
 
 GOLD_CREATE = ("create_task", {"user_id": "user_1", "title": "Important Meeting"})
 USER = [{"content": "Please create a task called 'Important Meeting' for user_1."}, {"content": "Thanks! ###STOP###"}]

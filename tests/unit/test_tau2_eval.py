@@ -55,7 +55,6 @@ def test_cli_eval_tau2_on_scripted_server(tmp_path):
     update_task_1 gets the gold call both times (c = 2). So avg@2 = (1/2 + 1)/2 = 0.75,
     pass@2 = (1 + 1)/2 = 1.0, pass^2 = (0 + 1)/2 = 0.5.
     """
-    pytest.importorskip("tau2")
     from typer.testing import CliRunner
 
     from tests.scripted_openai import ScriptedServer
