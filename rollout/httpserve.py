@@ -16,13 +16,17 @@ import uvicorn
 
 
 def is_loopback_host(host: str) -> bool:
-    """True for ``localhost``, 127.0.0.0/8 and ``::1``."""
+    """True for ``localhost``, 127.0.0.0/8, ``::1`` and IPv4-mapped loopback (``::ffff:127.x.y.z``);
+    False for any other address or name."""
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        ip = ipaddress.ip_address(host.split("%")[0])
     except ValueError:
         return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
 
 
 class ThreadedServer:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.netguard import is_loopback, library_path, listening_sockets, loopback_env
+from rollout.httpserve import is_loopback_host
+from trainer.netguard import library_path, listening_sockets, loopback_env
 
 pytestmark = pytest.mark.integration
 
@@ -46,8 +47,9 @@ def test_interposer_turns_wildcard_binds_into_loopback():
 
 
 def test_loopback_classification():
-    assert [is_loopback(h) for h in ("127.0.0.1", "127.5.0.1", "::1", "::ffff:127.0.0.1")] == [True] * 4
-    assert [is_loopback(h) for h in ("0.0.0.0", "::", "192.0.2.2", "::ffff:10.0.0.1")] == [False] * 4
+    assert [is_loopback_host(h) for h in ("127.0.0.1", "127.5.0.1", "::1", "::ffff:127.0.0.1")] == [True] * 4
+    assert [is_loopback_host(h) for h in ("0.0.0.0", "::", "192.0.2.2", "::ffff:10.0.0.1")] == [False] * 4
+    assert is_loopback_host("localhost") and not is_loopback_host("example.org")
 
 
 def test_running_job_listens_on_loopback_only_and_stops_cleanly_on_sigterm(tmp_path, tiny_model_path):
@@ -86,5 +88,5 @@ def test_running_job_listens_on_loopback_only_and_stops_cleanly_on_sigterm(tmp_p
     names = set(seen.values())
     # the cluster's own servers and the learner were inspected while the job trained
     assert {"gcs_server", "raylet"} <= names and any("LearnerCore" in n for n in names), seen
-    exposed = {f"{h}:{p}": n for (h, p), n in seen.items() if not is_loopback(h)}
+    exposed = {f"{h}:{p}": n for (h, p), n in seen.items() if not is_loopback_host(h)}
     assert exposed == {}

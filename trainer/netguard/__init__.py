@@ -15,7 +15,6 @@ Only processes *started* with that environment are covered: the CLI re-executes 
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import os
 import secrets
 import shutil
@@ -121,14 +120,6 @@ def reexec_with_loopback() -> None:
         return
     env = private_cluster_env()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
-
-
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ``::1`` and IPv4-mapped loopback (``::ffff:127.x.y.z``)."""
-    ip = ipaddress.ip_address(host.split("%")[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
 
 
 def listening_sockets(root_pid: int) -> list[tuple[int, str, str, int]]:
