@@ -23,23 +23,24 @@ from trainer.metrics_log import read_metrics
 pytestmark = pytest.mark.integration
 
 
-def _rollout_worker_pids() -> list[int]:
-    """PIDs of rollout-worker actor processes started under this test process (newest last)."""
-    procs = [p for p in psutil.Process(os.getpid()).children(recursive=True) if p.name().startswith("ray::RolloutWork")]
-    return [p.pid for p in sorted(procs, key=lambda p: p.create_time())]
+BASE = [
+    'model.path="tiny"', "env.eval_prompts=0", 'rollout.engine="transformers"', "rollout.max_batch=16",
+    "rollout.sampling.max_tokens=12", "rollout.sampling.n=4", "controller.batch_groups=2",
+    "controller.max_staleness=1", "learner.micro_batch_size=8", "server.enabled=false",
+    "logging.tensorboard=false", "logging.plots=false",
+]  # fmt: skip
 
 
-def test_killed_rollout_worker_is_replaced_and_accounted(tmp_path, tiny_model_path, ray_cluster):
-    cfg = load_config(
-        None,
-        [
-            'model.path="tiny"', "env.eval_prompts=0", "rollout.num_workers=2", 'rollout.engine="transformers"',
-            "rollout.max_batch=16", "rollout.sampling.max_tokens=12", "rollout.sampling.n=4",
-            "controller.batch_groups=2", "controller.max_staleness=1", "controller.total_steps=6",
-            "learner.micro_batch_size=8", "server.enabled=false", "logging.tensorboard=false",
-            "logging.plots=false", f'logging.run_dir="{tmp_path}"', 'loss.method="ppo_ewma"',
-        ],
-    )  # fmt: skip
+def _processes(name_part: str) -> list[psutil.Process]:
+    """Processes started under this test process whose name holds ``name_part`` (oldest first)."""
+    procs = [p for p in psutil.Process(os.getpid()).children(recursive=True) if name_part in p.name()]
+    return sorted(procs, key=lambda p: p.create_time())
+
+
+def _run_and_kill(tmp_path, overrides: list[str], name_part: str, expect: int) -> tuple[dict, int]:
+    """Run a job in a thread; after its second step SIGKILL the oldest of the ``expect`` processes
+    whose name holds ``name_part``. Returns the job's summary and the killed PID."""
+    cfg = load_config(None, [*BASE, f'logging.run_dir="{tmp_path}"', *overrides])
     result: dict = {}
     th = threading.Thread(target=lambda: result.update(run_job(cfg)), daemon=True)
     th.start()
@@ -47,47 +48,32 @@ def test_killed_rollout_worker_is_replaced_and_accounted(tmp_path, tiny_model_pa
     deadline = time.monotonic() + 900
     while th.is_alive() and time.monotonic() < deadline:
         if killed is None and metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            pids = _rollout_worker_pids()
-            assert len(pids) == 2, pids
-            killed = pids[0]
-            os.kill(killed, signal.SIGKILL)
-        time.sleep(0.2)
-    th.join(timeout=60)
-    assert killed is not None and not psutil.pid_exists(killed)
-    assert result["state"] == "finished" and result["end_reason"] == "completed" and result["steps"] == 6
-    assert result["accounting_ok"]
-    assert "worker_died" in result["dropped"] and result["worker_restarts"] == 1
-    assert [int(r["version"]) for r in read_metrics(metrics)] == [1, 2, 3, 4, 5, 6]
-
-
-def test_killed_oldlogit_service_restarts_and_missing_tokens_use_the_proxy(tmp_path, tiny_model_path, ray_cluster):
-    """Snapshot route, max_staleness 1: after the service dies it holds no version; the next batch's
-    tokens of the version before the restart are missing (proxy), later batches are exact again."""
-    cfg = load_config(
-        None,
-        [
-            'model.path="tiny"', "env.eval_prompts=0", "rollout.num_workers=1", 'rollout.engine="transformers"',
-            "rollout.max_batch=16", "rollout.sampling.max_tokens=12", "rollout.sampling.n=4",
-            "controller.batch_groups=2", "controller.max_staleness=1", "controller.total_steps=7",
-            "learner.micro_batch_size=8", "server.enabled=false", "logging.tensorboard=false",
-            "logging.plots=false", f'logging.run_dir="{tmp_path}"', 'loss.method="snapshot"',
-        ],
-    )  # fmt: skip
-    result: dict = {}
-    th = threading.Thread(target=lambda: result.update(run_job(cfg)), daemon=True)
-    th.start()
-    metrics, killed = tmp_path / "metrics.jsonl", None
-    deadline = time.monotonic() + 900
-    while th.is_alive() and time.monotonic() < deadline:
-        if killed is None and metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            procs = [p for p in psutil.Process(os.getpid()).children(recursive=True) if "OldLogit" in p.name()]
-            assert len(procs) == 1, procs
+            procs = _processes(name_part)
+            assert len(procs) == expect, procs
             killed = procs[0].pid
             os.kill(killed, signal.SIGKILL)
         time.sleep(0.2)
     th.join(timeout=60)
     assert killed is not None
+    return result, killed
+
+
+def test_killed_rollout_worker_is_replaced_and_accounted(tmp_path, tiny_model_path, ray_cluster):
+    overrides = ["rollout.num_workers=2", "controller.total_steps=6", 'loss.method="ppo_ewma"']
+    result, killed = _run_and_kill(tmp_path, overrides, "ray::RolloutWork", expect=2)
+    assert not psutil.pid_exists(killed)
+    assert result["state"] == "finished" and result["end_reason"] == "completed" and result["steps"] == 6
+    assert result["accounting_ok"]
+    assert "worker_died" in result["dropped"] and result["worker_restarts"] == 1
+    assert [int(r["version"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_killed_oldlogit_service_restarts_and_missing_tokens_use_the_proxy(tmp_path, tiny_model_path, ray_cluster):
+    """Snapshot route, max_staleness 1: after the service dies it holds no version; the next batch's
+    tokens of the version before the restart are missing (proxy), later batches are exact again."""
+    overrides = ["rollout.num_workers=1", "controller.total_steps=7", 'loss.method="snapshot"']
+    result, _ = _run_and_kill(tmp_path, overrides, "OldLogit", expect=1)
     assert result["state"] == "finished" and result["end_reason"] == "completed" and result["accounting_ok"]
-    exact = [r["exact_token_fraction"] for r in read_metrics(metrics)]
+    exact = [r["exact_token_fraction"] for r in read_metrics(tmp_path / "metrics.jsonl")]
     assert len(exact) == 7 and exact[:2] == [1.0, 1.0]
     assert min(exact) < 1.0 and exact[-1] == 1.0  # missing right after the restart, exact again after
