@@ -6,7 +6,8 @@ loader guards a build with a ``lock`` file in the op's folder and waits, without
 file exists; a build killed midway leaves it behind and every later learner start hangs.
 
 * :func:`prebuild_cpu_comm_op` builds the op ahead of time (``make install`` calls it);
-* :func:`clear_stale_build_locks` removes a lock that no live build holds: one older than
+* :func:`clear_stale_build_locks` (called before every learner start, and before the prebuild)
+  removes a lock that no live build holds: one older than
   ``min_age_s`` while no process has its working directory in the op's folder (ninja and the
   compiler run there for the whole build).
 """

@@ -45,6 +45,7 @@ from rich.console import Console
 from protocol import EnvRef, EwmaStatus, RolloutRequest, Trajectory
 from trainer.buffer import TrajectoryBuffer, admission_capacity, token_staleness_histogram
 from trainer.config import JobConfig, one_line, write_private, write_resolved
+from trainer.ds_ops import clear_stale_build_locks
 from trainer.environment import ENV_VARS, defaults_env
 from trainer.metrics_log import MetricsLog, StepMetrics, plot_run
 from trainer.routes import make_route
@@ -271,6 +272,8 @@ class Job:
         self.group_size, self.batch_size = s.n, c.batch_groups * s.n
         self.buffer = TrajectoryBuffer(capacity=c.buffer_capacity, max_staleness=c.max_staleness)
         settings = learner_settings(cfg, self.model_path)
+        for lock in clear_stale_build_locks():  # a killed build's lock would hang the learner's start
+            console.print(f"removed a stale DeepSpeed build lock: {lock}")
         with console.status("starting learner ..."):
             self.learner = LearnerGroup(
                 settings,
