@@ -486,7 +486,7 @@ class OldLogitService:
             if not isinstance(t, Trajectory):
                 raise TypeError(f"trajectories[{i}]: expected Trajectory, got {type(t).__name__}")
         new = self._score_current(trajectories, temperature, "segments", [t.old_logprobs for t in trajectories])
-        return [t.model_copy(update={"old_logprobs": lp}) for t, lp in zip(trajectories, new, strict=True)]
+        return [t.with_old_logprobs(lp) for t, lp in zip(trajectories, new, strict=True)]
 
     # ------------------------------------------------------------------------------------------
     # accounting

@@ -167,6 +167,16 @@ class Trajectory(Message):
     """The request's ``purpose`` (``train`` or ``eval``)."""
     info: dict[str, Any] = Field(default_factory=dict)
 
+    def with_old_logprobs(self, old_logprobs: np.ndarray) -> Trajectory:
+        """A copy carrying ``old_logprobs`` (``[seq]`` float32 nats, NaN where not exact), checked like
+        a received message (``model_copy(update=...)`` would skip every check).
+
+        Raises:
+            pydantic.ValidationError: a length other than ``len(token_ids)``, or a value that is neither
+                a log-probability (finite, <= 0) nor NaN.
+        """
+        return type(self).model_validate({**dict(self), "old_logprobs": np.asarray(old_logprobs, np.float32)})
+
     @model_validator(mode="after")
     def _consistent(self) -> Trajectory:
         n = len(self.token_ids)

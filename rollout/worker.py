@@ -449,9 +449,7 @@ class RolloutWorkerCore:
                 if isinstance(target, Episode):
                     target.old_logprobs = np.asarray(lp, np.float32)
                 else:
-                    self._done[target] = self._done[target].model_copy(
-                        update={"old_logprobs": np.asarray(lp, np.float32)}
-                    )
+                    self._done[target] = self._done[target].with_old_logprobs(lp)
 
 
 class RolloutWorkerActor:

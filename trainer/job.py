@@ -169,6 +169,19 @@ def failed_part(e: BaseException) -> str:
     return next((part for part in _PARTS.values() if str(e).startswith(part + ":")), type(e).__name__)
 
 
+def intake_refusal(t: Trajectory, vocab_size: int) -> str | None:
+    """Why a finished trajectory cannot enter the buffer (the buffer's drop reason), or None.
+
+    ``aborted``: its generation was aborted; ``token_id_out_of_vocab``: a token id is ``>= vocab_size``
+    (the model config's ``vocab_size``, rows of the learner's embedding), which no forward can score.
+    """
+    if t.finish_reason == "abort":
+        return "aborted"
+    if int(t.token_ids.max()) >= vocab_size:
+        return "token_id_out_of_vocab"
+    return None
+
+
 def _finite_or_none(x: float | None) -> float | None:
     """``x`` when it is a finite number, else None (the status never shows NaN)."""
     return float(x) if x is not None and np.isfinite(x) else None
@@ -268,6 +281,7 @@ class Job:
         self.cfg, self.console = cfg, console
         self.run_dir = Path(cfg.logging.run_dir)
         self.model_path = resolve_model(cfg)
+        self.vocab_size = int(json.loads((self.model_path / "config.json").read_text())["vocab_size"])
         c, s = cfg.controller, cfg.rollout.sampling
         self.group_size, self.batch_size = s.n, c.batch_groups * s.n
         self.buffer = TrajectoryBuffer(capacity=c.buffer_capacity, max_staleness=c.max_staleness)
@@ -385,8 +399,9 @@ class Job:
         got = self.route.attach(got, self.cfg.rollout.sampling.temperature)
         self.times["old_logits"] += time.perf_counter() - t0
         for t in got:
-            if t.finish_reason == "abort":
-                self.buffer.reject("aborted")
+            refused = intake_refusal(t, self.vocab_size)
+            if refused:
+                self.buffer.reject(refused)
             else:
                 self.buffer.offer(t)
 
@@ -640,6 +655,8 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
                 board.update(state=summary["state"])
                 job.shutdown()
     except Exception as e:
+        if summary["end_reason"] == "failed: start-up":  # the part that could not start
+            summary["end_reason"] = f"failed: start-up: {failed_part(e)}"
         summary.setdefault("error", one_line(e))
         raise
     finally:

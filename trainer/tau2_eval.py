@@ -159,6 +159,7 @@ def evaluate(
     split: str | None = None,
     task_ids: list[str] | None = None,
     num_tasks: int | None = None,
+    tasks: list[dict[str, Any]] | None = None,
     **settings: Any,
 ) -> dict[str, Any]:
     """Evaluate the model behind ``base_url`` on a tau2 domain: per-task results and totals.
@@ -170,6 +171,8 @@ def evaluate(
         progress: show a rich progress bar.
         split, task_ids, num_tasks, **settings: task selection and :class:`Tau2Task` fields
             (``solo``, ``user``, ``agent_model``, ``temperature``, ``max_tokens``, ``max_steps``, ...).
+        tasks: the task dicts, already selected by ``rollout.envs.tau2_bench.load_tasks`` with these
+            arguments (a caller checks its arguments before starting a server); None selects them here.
 
     Returns:
         ``{"domain", "base_url", "trials", "settings", "totals": summarize(...), "tasks": [{"task_id",
@@ -183,7 +186,8 @@ def evaluate(
 
     from rollout.envs.tau2_bench import load_tasks
 
-    tasks = load_tasks(domain, split=split, task_ids=task_ids, num_tasks=num_tasks, trials=trials, **settings)
+    if tasks is None:
+        tasks = load_tasks(domain, split=split, task_ids=task_ids, num_tasks=num_tasks, trials=trials, **settings)
     client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key or "EMPTY", max_retries=0)
     start = time.perf_counter()
     episodes = asyncio.run(play_all(tasks, client, concurrency, progress))

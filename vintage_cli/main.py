@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated
 
@@ -103,7 +104,7 @@ def eval_tau2(
     ] = None,
     model: Annotated[str, typer.Option(help="Model name sent to the agent's server.")] = "policy",
     api_key: Annotated[str, typer.Option(envvar="OPENAI_API_KEY", help="API key for --base-url.")] = "EMPTY",
-    trials: Annotated[int, typer.Option(help="k: episodes per task.")] = 4,
+    trials: Annotated[int, typer.Option(min=1, help="k: episodes per task.")] = 4,
     solo: Annotated[bool, typer.Option(help="tau2 solo mode (no user; tasks with a ticket).")] = False,
     user_base_url: Annotated[str | None, typer.Option(help="User simulator's OpenAI-compatible URL.")] = None,
     user_model: Annotated[str | None, typer.Option(help="User simulator's model name.")] = None,
@@ -111,49 +112,59 @@ def eval_tau2(
     split: Annotated[str | None, typer.Option(help="tau2 task split (train, test, base, ...).")] = None,
     task_id: Annotated[list[str] | None, typer.Option(help="Only these task ids (repeatable).")] = None,
     num_tasks: Annotated[int | None, typer.Option(help="Only the first N tasks.")] = None,
-    concurrency: Annotated[int, typer.Option(help="Episodes in flight at once.")] = 4,
+    concurrency: Annotated[int, typer.Option(min=1, help="Episodes in flight at once.")] = 4,
     temperature: Annotated[float, typer.Option(help="Agent sampling temperature (> 0).")] = 1.0,
-    max_tokens: Annotated[int | None, typer.Option(help="Agent completion cap per turn.")] = None,
-    max_steps: Annotated[int, typer.Option(help="tau2 orchestrator step limit.")] = 100,
+    max_tokens: Annotated[int | None, typer.Option(min=1, help="Agent completion cap per turn.")] = None,
+    max_steps: Annotated[int, typer.Option(min=1, help="tau2 orchestrator step limit.")] = 100,
     engine: Annotated[str, typer.Option(help="With --model-path: vllm or transformers.")] = "vllm",
-    max_model_len: Annotated[int, typer.Option(help="With --model-path: context length, tokens.")] = 4096,
+    max_model_len: Annotated[int, typer.Option(min=16, help="With --model-path: context length, tokens.")] = 4096,
     out: Annotated[Path, typer.Option(help="JSON report: per-task results and totals.")] = Path("tau2-eval.json"),
 ) -> None:
     """tau2-bench avg@k, pass@k and pass^k of a model (definitions: trainer/tau2_eval.py)."""
     import contextlib
 
+    from rollout.envs.tau2_bench import load_tasks
     from trainer.tau2_eval import evaluate, serve_model
 
     if (base_url is None) == (model_path is None):
         raise typer.BadParameter("give exactly one of --base-url and --model-path", param_hint="--base-url")
+    if engine not in ("vllm", "transformers"):
+        raise typer.BadParameter(f"{engine!r} is not vllm or transformers", param_hint="--engine")
     user = None
     if not solo:
         if not (user_base_url and user_model):
             raise typer.BadParameter("give --user-base-url and --user-model, or --solo", param_hint="--user-model")
         user = {"model": user_model, "base_url": user_base_url, "api_key": user_api_key}
+    settings = dict(
+        solo=solo, user=user, agent_model=model, temperature=temperature, max_tokens=max_tokens, max_steps=max_steps
+    )
+    selection = dict(split=split, task_ids=task_id or None, num_tasks=num_tasks, trials=trials)
+    try:  # every argument is checked before a model server starts
+        tasks = load_tasks(domain, **selection, **settings)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     server = (
         serve_model(model_path, engine=engine, max_model_len=max_model_len, max_tokens=max_tokens or 256)
         if model_path
         else contextlib.nullcontext((base_url, api_key, None))
     )
-    try:
-        with server as (url, key, _):
-            report = evaluate(
-                domain, url, key, trials=trials, concurrency=concurrency, out=out, split=split,
-                task_ids=task_id or None, num_tasks=num_tasks, solo=solo, user=user, agent_model=model,
-                temperature=temperature, max_tokens=max_tokens, max_steps=max_steps,
-            )  # fmt: skip
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+    with server as (url, key, _):
+        report = evaluate(domain, url, key, concurrency=concurrency, out=out, tasks=tasks, **selection, **settings)
     t = report["totals"]
-    table = Table(title=f"tau2 {domain}: {t['num_tasks']} tasks x {trials} trials, {report['wall_s']:.0f} s")
+    scored = f"{t['num_tasks']} of {len(tasks) // trials} tasks scored"
+    table = Table(title=f"tau2 {domain}: {scored} x {trials} trials, {report['wall_s']:.0f} s")
     for name in ("avg@k", "pass@k", "pass^k"):
         table.add_column(name.replace("k", str(trials)))
     table.add_row(*("-" if t[n] is None else f"{t[n]:.3f}" for n in ("avg@k", "pass@k", "pass^k")))
     console.print(table)
     console.print(f"report: {out}")
     if report["episodes_failed"]:
-        console.print(f"[red]{report['episodes_failed']} episodes failed over HTTP (not scored)[/red]")
+        first = next(e["error"] for e in report["episodes"] if e["reward"] is None)
+        console.print(
+            f"[red]{report['episodes_failed']} of {len(tasks)} episodes failed over HTTP and are not scored; "
+            f"a task with a failed episode is left out of the metrics. First error: {first}[/red]",
+            soft_wrap=True,
+        )
         raise typer.Exit(1)
 
 
@@ -189,11 +200,34 @@ def run(
     from trainer.job import run_job
 
     if not cfg.ray.address and cfg.ray.loopback_only:
-        from trainer.netguard import reexec_with_loopback
+        from trainer.netguard import LoopbackUnavailable, reexec_with_loopback
 
-        reexec_with_loopback()  # once: the driver's own Ray port must be loopback-bound too
-    summary = run_job(cfg, console=console)
+        try:
+            reexec_with_loopback()  # once: the driver's own Ray port must be loopback-bound too
+        except LoopbackUnavailable as e:
+            console.print(
+                f"[red]config error:[/red] {e} (install a C compiler, or accept a cluster on every "
+                "interface with --set ray.loopback_only=false)",
+                soft_wrap=True,
+            )
+            raise typer.Exit(2) from None
+    try:
+        summary = run_job(cfg, console=console)
+    except Exception as e:  # the summary (with end_reason and error) is already in <run_dir>/summary.json
+        log = Path(cfg.logging.run_dir) / "error.log"
+        log.write_text(traceback.format_exc())
+        reason = failure_reason(Path(cfg.logging.run_dir) / "summary.json")
+        console.print(f"[red]run {reason}:[/red] {one_line(e)}  (traceback: {log})", soft_wrap=True)
+        raise typer.Exit(1) from None
     raise typer.Exit(exit_code(summary))
+
+
+def failure_reason(summary_path: Path) -> str:
+    """The ``end_reason`` a failed run wrote (``failed: learner``, ``failed: start-up: ...``), or ``failed``."""
+    try:
+        return str(json.loads(summary_path.read_text()).get("end_reason") or "failed")
+    except (OSError, ValueError):
+        return "failed"
 
 
 def resume_path(run_dir: str, resume: str) -> str | None:

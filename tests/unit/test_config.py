@@ -175,3 +175,46 @@ def test_cli_status_unreachable_is_one_line():
     assert r.exit_code == 1 and r.output.strip().splitlines() == [
         "cannot reach http://127.0.0.1:1/v1/status: [Errno 111] Connection refused"
     ]
+
+
+def test_cli_run_failure_is_one_line_with_the_part_and_a_traceback_file(tmp_path, monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    import trainer.job
+    from vintage_cli.main import app
+
+    def failing_run_job(cfg, console=None):  # stands in for a learner that never starts
+        (tmp_path / "summary.json").write_text(
+            json.dumps({"state": "failed", "end_reason": "failed: start-up: learner"})
+        )
+        raise TimeoutError("learner: 1 rank(s) not started within controller.start_timeout_s = 5.0 s\nmore detail")
+
+    monkeypatch.setattr(trainer.job, "run_job", failing_run_job)
+    args = ["run", "--set", 'model.path="tiny"', "--set", "ray.loopback_only=false"]
+    r = CliRunner().invoke(app, [*args, "--set", f'logging.run_dir="{tmp_path}"'])
+    assert r.exit_code == 1 and r.output.strip().splitlines() == [
+        "run failed: start-up: learner: learner: 1 rank(s) not started within controller.start_timeout_s = 5.0 s"
+        f"  (traceback: {tmp_path / 'error.log'})"
+    ]
+    assert "TimeoutError: learner: 1 rank(s) not started" in (tmp_path / "error.log").read_text()
+
+
+def test_cli_run_without_a_c_compiler_for_the_loopback_cluster_is_a_config_error(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import trainer.netguard
+    from vintage_cli.main import app
+
+    def no_compiler():
+        raise trainer.netguard.LoopbackUnavailable(
+            "ray.loopback_only: no C compiler (cc/gcc) on PATH to build the bind interposer"
+        )
+
+    monkeypatch.setattr(trainer.netguard, "reexec_with_loopback", no_compiler)
+    r = CliRunner().invoke(app, ["run", "--set", 'model.path="tiny"', "--set", f'logging.run_dir="{tmp_path}"'])
+    assert r.exit_code == 2 and r.output.strip() == (
+        "config error: ray.loopback_only: no C compiler (cc/gcc) on PATH to build the bind interposer (install a "
+        "C compiler, or accept a cluster on every interface with --set ray.loopback_only=false)"
+    )

@@ -113,3 +113,13 @@ def test_resume_auto_finds_the_run_dirs_latest_checkpoint(tmp_path):
     (tmp_path / "checkpoints" / "vintage_latest").write_text("v6")
     assert resume_path(str(tmp_path), "auto") == str(tmp_path / "checkpoints")
     assert resume_path(str(tmp_path), "/some/ckpt") == "/some/ckpt"
+
+
+def test_intake_refuses_aborted_and_out_of_vocabulary_trajectories():
+    from trainer.job import intake_refusal
+
+    ok = traj("a", 1.0, "train")  # token ids 0, 1, 2
+    assert intake_refusal(ok, vocab_size=3) is None
+    assert intake_refusal(ok, vocab_size=2) == "token_id_out_of_vocab"  # id 2 has no row in a 2-row embedding
+    aborted = ok.model_copy(update={"finish_reason": "abort"})
+    assert intake_refusal(aborted, vocab_size=3) == "aborted"

@@ -926,3 +926,15 @@ def test_public_surface():
         assert name in protocol.__all__
     assert issubclass(ProtocolError, ValueError)
     assert NO_VERSION == -1 and isinstance(SCHEMA_VERSION, int)
+
+
+def test_with_old_logprobs_checks_what_it_attaches():
+    t = make_traj(old_logprobs=None)
+    n = len(t.token_ids)
+    got = t.with_old_logprobs(np.array([np.nan] * (n - 1) + [-0.5]))
+    assert got.old_logprobs.dtype == np.float32 and float(got.old_logprobs[-1]) == -0.5
+    assert np.isnan(got.old_logprobs[:-1]).all() and t.old_logprobs is None  # the original is untouched
+    with pytest.raises(pydantic.ValidationError, match=f"old_logprobs: length {n - 1} != token_ids length {n}"):
+        t.with_old_logprobs(np.full(n - 1, -0.5))
+    with pytest.raises(pydantic.ValidationError, match=r"old_logprobs: 0.5 is not a log-probability"):
+        t.with_old_logprobs(np.full(n, 0.5))

@@ -88,3 +88,42 @@ def test_cli_eval_tau2_needs_a_user_or_solo():
 
     res = CliRunner().invoke(app, ["eval", "tau2", "--domain", "mock", "--base-url", "http://127.0.0.1:9/v1"])
     assert res.exit_code == 2 and "--solo" in res.output
+
+
+def test_cli_eval_tau2_checks_tasks_before_serving_a_model(monkeypatch):
+    from typer.testing import CliRunner
+
+    import trainer.tau2_eval
+    from vintage_cli.main import app
+
+    def must_not_serve(*a, **k):
+        raise AssertionError("a model server was started before the arguments were checked")
+
+    monkeypatch.setattr(trainer.tau2_eval, "serve_model", must_not_serve)
+    args = ["eval", "tau2", "--domain", "mock", "--model-path", "tiny", "--solo", "--task-id", "nope"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and "task_ids: ['nope'] not in domain 'mock'" in res.output
+    res = CliRunner().invoke(
+        app, ["eval", "tau2", "--domain", "mock", "--model-path", "tiny", "--solo", "--trials", "0"]
+    )
+    assert (
+        res.exit_code == 2 and "--trials" in res.output and "greater than or equal to 1" in " ".join(res.output.split())
+    )
+
+
+def test_cli_eval_tau2_all_episodes_failing_says_so_with_the_first_error(tmp_path):
+    """Nothing listens on the agent's URL: the one episode fails over HTTP, no task is scored, the
+    metrics are blank (not 0.0) and the exit code is 1."""
+    from typer.testing import CliRunner
+
+    from vintage_cli.main import app
+
+    out = tmp_path / "r.json"
+    args = ["eval", "tau2", "--domain", "mock", "--base-url", "http://127.0.0.1:9/v1", "--solo", "--trials", "1"]
+    res = CliRunner().invoke(app, [*args, "--task-id", "create_task_1", "--out", str(out)])
+    assert res.exit_code == 1, res.output
+    assert "0 of 1 tasks scored" in res.output
+    assert "1 of 1 episodes failed over HTTP and are not scored" in res.output
+    assert "First error: http: ModelCallError:" in res.output and "Connection error." in res.output
+    report = json.loads(out.read_text())
+    assert report["totals"]["avg@k"] is None and report["episodes_failed"] == 1
