@@ -16,6 +16,7 @@ import time
 import psutil
 import pytest
 
+from trainer.checkpoint import latest_tag
 from trainer.config import load_config
 from trainer.job import run_job
 from trainer.metrics_log import read_metrics
@@ -42,7 +43,14 @@ def _run_and_kill(tmp_path, overrides: list[str], name_part: str, expect: int) -
     whose name holds ``name_part``. Returns the job's summary and the killed PID."""
     cfg = load_config(None, [*BASE, f'logging.run_dir="{tmp_path}"', *overrides])
     result: dict = {}
-    th = threading.Thread(target=lambda: result.update(run_job(cfg)), daemon=True)
+
+    def job() -> None:
+        try:
+            result.update(run_job(cfg))
+        except Exception as e:  # a failed run: its summary.json says why
+            result["raised"] = e
+
+    th = threading.Thread(target=job, daemon=True)
     th.start()
     metrics, killed = tmp_path / "metrics.jsonl", None
     deadline = time.monotonic() + 900
@@ -77,3 +85,27 @@ def test_killed_oldlogit_service_restarts_and_missing_tokens_use_the_proxy(tmp_p
     exact = [r["exact_token_fraction"] for r in read_metrics(tmp_path / "metrics.jsonl")]
     assert len(exact) == 7 and exact[:2] == [1.0, 1.0]
     assert min(exact) < 1.0 and exact[-1] == 1.0  # missing right after the restart, exact again after
+
+
+def test_killed_learner_fails_the_run_naming_it_and_resume_continues_from_the_last_checkpoint(
+    tmp_path, tiny_model_path, ray_cluster
+):
+    """A checkpoint after every step; the learner's process is killed after the second step. The run
+    ends ``failed: learner`` (no replacement: its weights and optimizer state died with it); the same
+    command with the checkpoint folder as ``controller.resume_from`` (what ``--resume auto`` picks)
+    continues at the checkpoint's version (the last complete one: the kill may land mid-save), as run
+    segment 1, and completes."""
+    import json
+
+    overrides = ["rollout.num_workers=1", "controller.total_steps=5", "controller.checkpoint_every=1"]
+    result, killed = _run_and_kill(tmp_path, overrides, "ray::LearnerCore", expect=1)
+    assert not psutil.pid_exists(killed)
+    failed = json.loads((tmp_path / "summary.json").read_text())
+    assert failed["state"] == "failed" and failed["end_reason"] == "failed: learner"
+    assert type(result["raised"]).__name__ == "ActorDiedError"
+    saved = int(latest_tag(tmp_path / "checkpoints").removeprefix("v"))
+    ckpt = f'controller.resume_from="{tmp_path / "checkpoints"}"'
+    cfg = load_config(None, [*BASE, f'logging.run_dir="{tmp_path}"', *overrides, ckpt])
+    resumed = run_job(cfg)
+    assert resumed["state"] == "finished" and resumed["end_reason"] == "completed" and resumed["steps"] == 5
+    assert resumed["run_segment"] == 1 and resumed["accounting_ok"] and 1 <= saved < 5  # the last complete one
