@@ -541,7 +541,13 @@ class JobStatus(Message):
 
 
 class ScaleRequest(Message):
-    """``POST /v1/workers``: the wanted number of rollout workers."""
+    """``POST /v1/workers``: the wanted number of rollout workers.
+
+    Decoded strictly (it arrives from outside as JSON): ``"3"``, ``true`` and ``4.0`` are refused,
+    not coerced to integers.
+    """
+
+    model_config = ConfigDict(strict=True)
 
     num_workers: int = Field(ge=0, le=256)
 

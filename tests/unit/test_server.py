@@ -59,6 +59,9 @@ def test_scale_request_validation_names_field(server):
     _, srv = server
     r = httpx.post(f"{srv.url}/v1/workers", json={"num_workers": -1}, headers={"Authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 422 and "num_workers" in r.text
+    for lax in ("3", True, 4.0):  # strict on the wire: no coercion to an integer
+        r = httpx.post(f"{srv.url}/v1/workers", json={"num_workers": lax}, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 422 and "num_workers" in r.text and "valid integer" in r.text, lax
 
 
 def test_docs_are_off_by_default(server):
