@@ -3,11 +3,16 @@
 Invariants (checked by :meth:`TrajectoryBuffer.accounting_ok` and the tests):
 
 * every trajectory that is submitted ends in exactly one of: consumed, dropped (with a reason),
-  buffered, or still in flight, so ``submitted == consumed + sum(dropped) + buffered + in_flight``;
+  buffered, held (taken for a step that has not started) or still in flight, so
+  ``submitted == consumed + sum(dropped) + buffered + held + in_flight``;
 * a consumed trajectory's staleness ``consuming version - oldest token version`` is never above
   ``max_staleness`` (queue time counts: staleness is checked when the batch is taken, not on arrival);
 * an offer to a full buffer is refused (backpressure) and counted as ``dropped["buffer_full"]``; a
-  caller that wants to retry keeps its trajectory, nothing vanishes silently.
+  caller that wants to retry keeps its trajectory, nothing vanishes silently;
+* a batch taken ahead (:meth:`TrajectoryBuffer.take_ahead`, for the version after the learner's) is
+  held until its step starts (:meth:`TrajectoryBuffer.consume`) or it is returned
+  (:meth:`TrajectoryBuffer.put_back`); staleness only grows with the consuming version, so a batch
+  within the bound at ``V + 1`` is within it at ``V`` too (a skipped step leaves it valid).
 """
 
 from __future__ import annotations
@@ -51,6 +56,12 @@ class TrajectoryBuffer:
     dropped: Counter = field(default_factory=Counter)
     in_flight: int = 0
     _items: OrderedDict = field(default_factory=OrderedDict)
+    _held: dict = field(default_factory=dict)
+
+    @property
+    def held(self) -> int:
+        """Trajectories taken with ``hold=True`` or :meth:`take_ahead` whose step has not started."""
+        return len(self._held)
 
     def __post_init__(self) -> None:
         if self.capacity < 1:
@@ -96,38 +107,96 @@ class TrajectoryBuffer:
         self.dropped["stale"] += len(stale)
         return len(stale)
 
-    def take(self, n: int, consuming_version: int, group_size: int = 1) -> list[Trajectory] | None:
+    def _choose(self, n: int, consuming_version: int, group_size: int) -> list[str] | None:
+        """Keys of the first whole groups (FIFO) of trajectories within the bound at ``consuming_version``."""
+        groups: OrderedDict[str, list[str]] = OrderedDict()
+        for k, t in self._items.items():
+            if sequence_staleness(t, consuming_version) <= self.max_staleness:
+                groups.setdefault(t.group_id, []).append(k)
+        chosen: list[str] = []
+        for keys in groups.values():
+            if len(keys) >= group_size and len(chosen) + group_size <= n:
+                chosen += keys
+        return chosen if len(chosen) >= n else None
+
+    def take(
+        self, n: int, consuming_version: int, group_size: int = 1, *, hold: bool = False
+    ) -> list[Trajectory] | None:
         """Take ``n`` trajectories (whole groups of ``group_size``) for the step at ``consuming_version``.
 
         Stale trajectories are dropped first. Returns None (taking nothing) if fewer than ``n``
         trajectories in complete groups are available. A group holding more than ``group_size``
         trajectories (an agent session split into segments that share its reward) is taken whole,
-        so the batch may then hold more than ``n``.
+        so the batch may then hold more than ``n``. The batch counts as consumed, or with ``hold``
+        as held until :meth:`consume` (its step starts) or :meth:`put_back`.
         """
         self.drop_stale(consuming_version)
-        groups: OrderedDict[str, list[str]] = OrderedDict()
-        for k, t in self._items.items():
-            groups.setdefault(t.group_id, []).append(k)
-        chosen: list[str] = []
-        for keys in groups.values():
-            if len(keys) >= group_size and len(chosen) + group_size <= n:
-                chosen += keys
-        if len(chosen) < n:
-            return None
-        batch = [self._items.pop(k) for k in chosen]
-        self.consumed += len(batch)
+        chosen = self._choose(n, consuming_version, group_size)
+        return None if chosen is None else self._pop(chosen, hold)
+
+    def take_ahead(self, n: int, consuming_version: int, group_size: int = 1) -> list[Trajectory] | None:
+        """Like :meth:`take` with ``hold``, for a step that starts later, once the learner has moved to
+        ``consuming_version``: trajectories stale at that version are passed over but not dropped
+        (if the step before is skipped they are still consumable at the current version).
+
+        Example: bound 1, buffered groups with oldest versions 3 and 4; ahead for version 5 the
+        first group (staleness 2) is passed over and stays buffered, the second (staleness 1) is
+        taken; a later ``take`` at 5 drops the first as ``stale``.
+        """
+        chosen = self._choose(n, consuming_version, group_size)
+        return None if chosen is None else self._pop(chosen, hold=True)
+
+    def _pop(self, keys: list[str], hold: bool) -> list[Trajectory]:
+        batch = [self._items.pop(k) for k in keys]
+        if hold:
+            self._held.update((t.trajectory_id, t) for t in batch)
+        else:
+            self.consumed += len(batch)
         return batch
+
+    def _release(self, batch: list[Trajectory]) -> None:
+        missing = [t.trajectory_id for t in batch if t.trajectory_id not in self._held]
+        if missing:
+            raise ValueError(f"trajectory_id: {missing[0]!r} is not held (taken with hold=True or take_ahead)")
+        for t in batch:
+            del self._held[t.trajectory_id]
+
+    def consume(self, batch: list[Trajectory]) -> None:
+        """A held batch's step starts: its trajectories count as consumed.
+
+        Raises:
+            ValueError: a trajectory of ``batch`` is not held (the message names its id).
+        """
+        self._release(batch)
+        self.consumed += len(batch)
+
+    def put_back(self, batch: list[Trajectory]) -> None:
+        """Return a held batch, unconsumed, to the front of the buffer in its order (e.g. a batch taken
+        ahead when the run stops). The batch was admitted under ``capacity`` when it arrived; until
+        the next take the buffer may hold up to one batch more than ``capacity``.
+
+        Raises:
+            ValueError: a trajectory of ``batch`` is not held (the message names its id).
+        """
+        self._release(batch)
+        for t in reversed(batch):
+            self._items[t.trajectory_id] = t
+            self._items.move_to_end(t.trajectory_id, last=False)
 
     def staleness_histogram(self, consuming_version: int) -> dict[int, int]:
         """``{staleness: count}`` of what is buffered, were it consumed at ``consuming_version``."""
         return dict(sorted(Counter(sequence_staleness(t, consuming_version) for t in self._items.values()).items()))
 
     def accounting_ok(self) -> bool:
-        """``submitted == consumed + dropped + buffered + in_flight``."""
-        return self.submitted == self.consumed + sum(self.dropped.values()) + len(self._items) + self.in_flight
+        """``submitted == consumed + dropped + buffered + held + in_flight``."""
+        return (
+            self.submitted
+            == self.consumed + sum(self.dropped.values()) + len(self._items) + len(self._held) + self.in_flight
+        )
 
     def state_dict(self) -> dict:
-        """Counters for checkpoints (buffered trajectories are not saved; they count as dropped on resume)."""
+        """Counters for checkpoints (buffered and held trajectories are not saved; they count as
+        ``lost_at_restart`` on resume)."""
         return {"submitted": self.submitted, "consumed": self.consumed, "dropped": dict(self.dropped)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -138,6 +207,7 @@ class TrajectoryBuffer:
             self.dropped["lost_at_restart"] += lost
         self.in_flight = 0
         self._items.clear()
+        self._held.clear()
 
 
 def token_staleness_histogram(batch: list[Trajectory], consuming_version: int) -> dict[int, int]:

@@ -7,12 +7,19 @@
         admit         ``Job.top_up``: submit groups under the staleness admission rule
         collect       ``Job.collect``: finished trajectories into the buffer (scorer routes attach
                       exact pi_old here, before their version is superseded)
-        take          ``TrajectoryBuffer.take``: a batch at the learner's version (stale ones dropped,
-                      with a reason)
-        old logits    ``Job.async_old_logits``: a reference to the snapshot route's per-token answer
-        train         ``Job.train``: one learner step (exact where known, the configured proxy
-                      elsewhere); the version moves up by one when the step is applied
-        publish       ``route.before_publish`` (scorer routes collect first), then ``Job.publish``
+        take          ``Job.take``: a batch at the learner's version (stale ones dropped, with a
+                      reason) and a reference to the snapshot route's per-token answer for it -
+                      unless the batch was already taken ahead during the previous step
+        train         ``Job.start_train``: waits for the batch's old logits, then launches one
+                      learner step (exact where known, the configured proxy elsewhere)
+        take ahead    ``Job.take_ahead``: while the learner trains on batch k at version V, batch
+                      k+1 is taken for version V+1 and the snapshot route scores it (its tokens
+                      are all at versions <= V, which the service holds)
+        wait          ``Job.finish_train``: the step's metrics; the version moves up by one when
+                      the step is applied
+        publish       ``Job.await_old_logits`` (the service answers the next batch before it takes
+                      the new version: one call at a time), ``route.before_publish`` (scorer routes
+                      collect first), then ``Job.publish``
         log           ``Job.step_metrics`` -> ``metrics.jsonl``, TensorBoard, ``/v1/status``
         checkpoint    every ``controller.checkpoint_every`` versions
     score held-out episodes (reward after), write summary, plots, checkpoint
@@ -20,8 +27,15 @@
 What differs per old-logit route lives in one object per route kind (:mod:`trainer.routes`).
 
 Invariants: the learner's version rises by exactly one per applied step and is published whole to
-every consumer before the next batch is taken; every submitted sample is consumed, dropped with a
-reason, buffered or in flight (``TrajectoryBuffer.accounting_ok``).
+every consumer before the next step starts; a batch holding a token of version V+1 is scored only
+after the service took V+1 (a batch taken ahead is taken before V+1 exists); every submitted sample
+is consumed, dropped with a reason, buffered, held in a batch taken ahead (returned to the buffer
+when the loop stops) or in flight (``TrajectoryBuffer.accounting_ok``).
+
+Time split (``summary["time_split_s"]``, wall seconds of the driver): ``train`` from launching a
+step to its metrics; ``old_logits`` only the waits for an answer (and scorer-route attaching
+between steps); ``old_logits_overlapped`` the service's scoring seconds hidden behind a learner
+step, plus scorer-route attaching while the learner trained; ``publish``; ``eval``.
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +281,37 @@ def learner_settings(cfg: JobConfig, model_path: Path):
     )
 
 
+@dataclass
+class TakenBatch:
+    """A batch out of the buffer (held there until its step starts) and the route's pending answer."""
+
+    trajectories: list[Trajectory]
+    old_logits: ray.ObjectRef | None
+    """The snapshot route's per-token answer (:class:`protocol.OldLogitAnswer`), None on other routes."""
+    ahead: bool
+    """Taken for the next version while the learner trained on the batch before."""
+    waited_s: float | None = None
+    """Seconds the driver waited for the answer; None until it has waited (:meth:`Job.await_old_logits`)."""
+
+
+@dataclass
+class TrainStep:
+    """One launched learner step."""
+
+    batch: TakenBatch
+    refs: list[ray.ObjectRef]
+    """One reference per rank to its metrics (rank 0's first)."""
+    started: float
+    """``time.perf_counter()`` at the launch."""
+    old_logits_s: float
+    """Seconds the driver waited for the batch's answer before the launch."""
+
+    def done(self, timeout_s: float) -> bool:
+        """Whether rank 0 has finished, waiting at most ``timeout_s`` seconds."""
+        ready, _ = ray.wait(self.refs[:1], timeout=timeout_s)
+        return bool(ready)
+
+
 class Job:
     """The parts of one running job and the bookkeeping the loop needs (see the module docstring)."""
 
@@ -347,6 +393,7 @@ class Job:
             console.print(f"resumed from {c.resume_from} at version {self.version} (run segment {self.run_segment})")
         self.seeds = iter(range(self.buffer.submitted, 10**9))
         self.times = Counter()
+        self.train_steps = self.taken_ahead = 0
         self.tokens_exact = self.tokens_total = 0
         self.last_publish: dict[str, float] = {}
         self._held_back: list[Trajectory] = []  # training trajectories polled during an evaluation
@@ -388,16 +435,17 @@ class Job:
             ]
             self.buffer.note_submitted(self.pool.submit(reqs))
 
-    def collect(self) -> None:
+    def collect(self, timer: str = "old_logits") -> None:
         """Move finished training trajectories into the buffer (the route attaches exact pi_old first).
 
-        Training trajectories polled while an evaluation waited are collected here too.
+        Training trajectories polled while an evaluation waited are collected here too. The seconds
+        the route spends attaching go to ``times[timer]``.
         """
         polled = self.agents.poll() if self.agents is not None else self.pool.poll()
         got, self._held_back = self._held_back + polled, []
         t0 = time.perf_counter()
         got = self.route.attach(got, self.cfg.rollout.sampling.temperature)
-        self.times["old_logits"] += time.perf_counter() - t0
+        self.times[timer] += time.perf_counter() - t0
         for t in got:
             refused = intake_refusal(t, self.vocab_size)
             if refused:
@@ -405,27 +453,89 @@ class Job:
             else:
                 self.buffer.offer(t)
 
-    def async_old_logits(self, batch: list[Trajectory]) -> ray.ObjectRef | None:
-        """A reference to the old-logit service's per-token answer for ``batch`` (snapshot route), or None."""
-        return self.route.async_old_logits(batch, self.version, self.cfg.rollout.sampling.temperature)
+    def take(self, ahead: bool = False) -> TakenBatch | None:
+        """A batch for the learner's version (``ahead``: for the next one) and the route's pending answer.
 
-    def train(self, batch: list[Trajectory], old_logits: ray.ObjectRef | None = None) -> dict[str, Any]:
-        """One learner step on ``batch`` with the route's answer (``old_logits``); the learner's metrics.
+        The batch stays held in the buffer until :meth:`start_train`; ahead, trajectories too stale
+        for the next version are passed over, not dropped (:meth:`TrajectoryBuffer.take_ahead`).
+        None when the buffer has no full batch.
+        """
+        v = self.version + int(ahead)
+        if ahead:
+            batch = self.buffer.take_ahead(self.batch_size, v, self.group_size)
+        else:
+            batch = self.buffer.take(self.batch_size, v, self.group_size, hold=True)
+        if batch is None:
+            return None
+        self.taken_ahead += int(ahead)
+        return TakenBatch(batch, self.route.async_old_logits(batch, v, self.cfg.rollout.sampling.temperature), ahead)
+
+    def await_old_logits(self, taken: TakenBatch | None) -> None:
+        """Wait until the route's answer for ``taken`` is ready (once; nothing when there is none).
+
+        The wait is ``taken.waited_s`` and counts as ``times["old_logits"]``; the service's own
+        scoring seconds beyond it (``OldLogitAnswer.seconds``: scoring hidden behind the learner)
+        count as ``times["old_logits_overlapped"]``.
+        """
+        if taken is None or taken.waited_s is not None:
+            return
+        t0 = time.perf_counter()
+        answer = None if taken.old_logits is None else ray.get(taken.old_logits)
+        taken.waited_s = time.perf_counter() - t0
+        self.times["old_logits"] += taken.waited_s
+        if answer is not None:
+            self.times["old_logits_overlapped"] += max(0.0, float(answer.seconds) - taken.waited_s)
+
+    def start_train(self, taken: TakenBatch) -> TrainStep:
+        """Launch one learner step on ``taken`` with its answer, after waiting for the answer.
+
+        The batch counts as consumed from here. The learner gets the answer's reference (Ray
+        resolves it in the learner process). Nothing is published.
+        """
+        self.await_old_logits(taken)
+        self.buffer.consume(taken.trajectories)
+        t0 = time.perf_counter()
+        refs = self.learner.async_train_step(taken.trajectories, taken.old_logits)
+        return TrainStep(taken, refs, t0, taken.waited_s or 0.0)
+
+    def take_ahead(self, step: TrainStep) -> TakenBatch | None:
+        """While ``step`` trains: collect finished trajectories and take the next batch ahead (for the
+        learner's version + 1), until one is taken or the step has finished (then None: the next
+        batch is taken at the new version). None at once when ``controller.max_staleness`` is 0 (no
+        batch is consumable at V+1 before V+1 is published) or when V+1 is the last version
+        (``controller.total_steps``)."""
+        c = self.cfg.controller
+        if c.max_staleness == 0 or self.version + 1 >= c.total_steps:
+            return None
+        while True:
+            nxt = self.take(ahead=True)
+            if nxt is not None or step.done(timeout_s=0.2):
+                return nxt
+            self.collect(timer="old_logits_overlapped")
+
+    def finish_train(self, step: TrainStep) -> dict[str, Any]:
+        """Wait for ``step``; the learner's metrics (rank 0).
 
         On an applied step ``self.version`` moves to the learner's new version; nothing is published.
-        The metrics gain ``old_logits_s`` (wait for the answer) and ``train_s`` (the step), wall seconds.
+        The metrics gain ``old_logits_s`` (wait for the answer before the launch), ``train_s`` (launch
+        to metrics), wall seconds, and ``taken_ahead`` (the batch was taken ahead).
+
+        Raises:
+            ray.exceptions.RayActorError: a learner rank died.
         """
-        t0 = time.perf_counter()
-        answer = None if old_logits is None else ray.get(old_logits)
-        t1 = time.perf_counter()
-        m = self.learner.train_step(batch, answer)
-        t2 = time.perf_counter()
-        self.times["old_logits"] += t1 - t0
-        self.times["train"] += t2 - t1
+        m = ray.get(step.refs)[0]
+        train_s = time.perf_counter() - step.started
+        self.times["train"] += train_s
+        self.train_steps += 1
         if m["applied"]:
             self.version = int(m["version"])
-        m.update(old_logits_s=t1 - t0, train_s=t2 - t1)
+        m.update(old_logits_s=step.old_logits_s, train_s=train_s, taken_ahead=step.batch.ahead)
         return m
+
+    def return_taken(self, taken: TakenBatch | None) -> None:
+        """A batch taken ahead whose step never started (the loop stopped): back to the buffer, unconsumed."""
+        if taken is not None:
+            self.buffer.put_back(taken.trajectories)
 
     def publish(self) -> None:
         """Publish the learner's current version to every rollout worker and the old-logit service.
@@ -681,6 +791,7 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
     deadline = t_start + cfg.controller.time_budget_s if cfg.controller.time_budget_s else None
     t_loop = time.perf_counter()
     m = None
+    nxt: TakenBatch | None = None  # the next batch, taken ahead and scored while the learner trained
     while job.version < cfg.controller.total_steps and not stop.requested:
         if deadline is not None and time.perf_counter() >= deadline:
             break
@@ -691,16 +802,18 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
             continue
         job.top_up()  # admit new groups under the staleness rule
         job.collect()  # finished trajectories into the buffer
-        batch = job.buffer.take(job.batch_size, job.version, job.group_size)  # a batch at the learner's version
-        if batch is None:
+        taken, nxt = nxt or job.take(), None  # a batch at the learner's version, its exact pi_old asked for
+        if taken is None:
             time.sleep(0.05)
             continue
-        old_logits = job.async_old_logits(batch)  # exact pi_old where the route answers per batch
-        learned = job.train(batch, old_logits)  # learner step: version + 1 when applied
+        step = job.start_train(taken)  # waits for its old logits, launches the learner step
+        nxt = job.take_ahead(step)  # the next batch, for version + 1, scored while the learner trains
+        learned = job.finish_train(step)  # the step's metrics: version + 1 when applied
         if learned["applied"]:
+            job.await_old_logits(nxt)  # the service answers the next batch before it takes the new version
             job.route.before_publish(job.collect)  # scorer routes: score finished work at the outgoing version
             job.publish()  # the new version to every consumer
-        m = job.step_metrics(batch, learned)  # typed: one name per concept
+        m = job.step_metrics(taken.trajectories, learned)  # typed: one name per concept
         log.log(job.version, m)
         if cfg.controller.checkpoint_every and job.version % cfg.controller.checkpoint_every == 0:
             job.checkpoint()
@@ -711,6 +824,7 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
             f"loss {m.loss:+.4f}  {m.tokens_per_s:.0f} tok/s  train {m.train_s:.1f}s"
         )
     loop_s = time.perf_counter() - t_loop
+    job.return_taken(nxt)  # taken ahead, never trained on: back to the buffer, unconsumed
     reason = end_reason(job.version, cfg.controller.total_steps, stop.requested)
     after = {} if stop.requested else job.evaluate("after")  # an interrupted run stops promptly
     if not stop.requested:
@@ -736,6 +850,9 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
         "worker_restarts": job.restarts,
         "run_segment": job.run_segment,
         "loop_s": loop_s,
+        "train_steps": job.train_steps,
+        "batches_taken_ahead": job.taken_ahead,
+        "loop_over_learner": loop_s / job.times["train"] if job.times["train"] > 0 else None,
         "time_split_s": dict(job.times),
         "wall_s": time.perf_counter() - t_start,
         "oldlogit_route": job.route.name,

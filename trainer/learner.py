@@ -636,8 +636,19 @@ class LearnerGroup:
 
     def train_step(self, trajectories: Sequence[Trajectory], old_logits: Any = None) -> dict[str, float]:
         """Every rank gets the same batch (put once in the object store); returns rank 0's metrics."""
-        traj_ref, old_ref = ray.put(list(trajectories)), ray.put(old_logits)
-        return ray.get([a.train_step.remote(traj_ref, old_ref) for a in self.actors])[0]
+        return ray.get(self.async_train_step(trajectories, old_logits))[0]
+
+    def async_train_step(self, trajectories: Sequence[Trajectory], old_logits: Any = None) -> list[ray.ObjectRef]:
+        """Launch one step on every rank without waiting: one reference per rank to its metrics
+        (rank 0's first; every rank's result must be waited for, a failure shows on any of them).
+
+        ``old_logits``: as for :meth:`LearnerCore.train_step`, or an ``ObjectRef`` to it (e.g. the
+        old-logit service's pending answer), handed to the ranks as is: Ray starts the step once it
+        is ready, and the driver never copies it.
+        """
+        traj_ref = ray.put(list(trajectories))
+        old_ref = old_logits if isinstance(old_logits, ray.ObjectRef) else ray.put(old_logits)
+        return [a.train_step.remote(traj_ref, old_ref) for a in self.actors]
 
     def publish(self, dtype: str = "float32") -> tuple[WeightManifest, dict[str, torch.Tensor]]:
         """Rank 0's publication (under ZeRO-3 every rank takes part in the gather)."""

@@ -49,9 +49,12 @@ class StepMetrics(BaseModel):
     staleness_hist: dict[int, int]
     """``{staleness: sampled-token count}`` of the batch."""
     old_logits_s: float = Field(ge=0)
-    """Wait for the old-logit service's answer (snapshot route)."""
+    """The driver's wait for the batch's answer from the old-logit service (snapshot route); scoring
+    done while the learner trained on the batch before is not counted."""
     train_s: float = Field(ge=0)
-    """The learner step, all ranks."""
+    """The learner step, all ranks: from its launch to its metrics."""
+    taken_ahead: bool = False
+    """The batch was taken (and scored) for this version while the learner trained on the one before."""
     publish_s: float = Field(ge=0)
     """The last weight publication to every consumer."""
 

@@ -18,6 +18,11 @@ hook                ``none``                      ``snapshot``                  
                                                                                   version), then the scorer
 ==================  ============================  ==============================  ===========================
 
+The snapshot route's answer is asked for as soon as a batch is taken; the driver takes the next
+batch while the learner trains on the current one (version V), so the service scores it then. Its
+tokens are at versions <= V, all held; the service runs one call at a time, in order, so the
+publication of V+1 reaches it after that request.
+
 A route holds the old-logit service's Ray handle (None on ``none``); it never owns the buffer or the
 workers - the loop passes what a hook needs.
 """

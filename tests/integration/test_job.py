@@ -1,6 +1,7 @@
 """A short async job on the tiny model, for real: Ray local cluster, DeepSpeed on CPU, vLLM, HTTP.
 
-Checks: versions advance one per step; no consumed token exceeds ``max_staleness``; the
+Checks: versions advance one per step; no consumed token exceeds ``max_staleness``; the snapshot
+route's answers stay exact for every token with the next batch scored while the learner trains; the
 status endpoint answers during the run; rollout workers scale up and down mid-run; the accounting
 identity holds; a mutating call without the token is refused; a resumed run continues the version
 sequence from its checkpoint.
@@ -108,7 +109,12 @@ def test_versions_advance_one_per_step_and_staleness_bounded(first_run):
     assert [int(r["consumed_version"]) for r in rows] == [0, 1, 2, 3, 4, 5]
     for r in rows:
         assert max(int(k) for k in r["staleness_hist"]) <= 1  # max_staleness = 1, per token, queue time included
-        assert r["exact_token_fraction"] == 1.0  # snapshot route holds [V-1, V]
+        assert r["exact_token_fraction"] == 1.0  # snapshot route holds [V-1, V], also for batches taken ahead
+    # a batch taken ahead (during the step before) is scored while the learner trains: its answer is
+    # still exact for every token, and the summary counts every such batch
+    assert summary["exact_token_fraction"] == 1.0 and summary["tokens_exact"] == summary["tokens_total"]
+    assert summary["batches_taken_ahead"] == sum(r["taken_ahead"] for r in rows)
+    assert summary["train_steps"] == 6
 
 
 def test_accounting_identity_and_summary(first_run):

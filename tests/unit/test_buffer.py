@@ -120,3 +120,71 @@ def test_a_group_with_split_sessions_is_taken_whole():
     got = b.take(2, consuming_version=0, group_size=2)
     assert [t.trajectory_id for t in got] == ["a0", "a1/0", "a1/1"]
     assert (b.consumed, len(b)) == (3, 1) and b.accounting_ok()
+
+
+def test_take_ahead_passes_over_stale_without_dropping_and_holds():
+    # bound 1, learner at 4, batch for version 5: group "old" (oldest 3) has staleness 2 at 5,
+    # group "new" (oldest 4) has staleness 1 -> "new" is taken, "old" stays buffered (not dropped)
+    b = TrajectoryBuffer(capacity=10, max_staleness=1)
+    b.note_submitted(4)
+    for tid, versions, g in (("o0", [3, 4], "old"), ("o1", [4], "old"), ("n0", [4], "new"), ("n1", [4, 4], "new")):
+        b.offer(traj(tid, versions, group=g))
+    got = b.take_ahead(2, consuming_version=5, group_size=2)
+    assert [t.trajectory_id for t in got] == ["n0", "n1"]
+    assert (len(b), b.held, b.consumed, b.dropped["stale"]) == (2, 2, 0, 0) and b.accounting_ok()
+    assert b.take_ahead(2, consuming_version=5, group_size=2) is None  # "old" is too stale at 5, still kept
+    assert len(b) == 2
+    b.consume(got)  # its step starts
+    assert (b.held, b.consumed) == (0, 2) and b.accounting_ok()
+    assert b.take(2, consuming_version=5, group_size=2) is None  # at 5 o0 is dropped now; o1 alone stays
+    assert ([*b._items], b.dropped["stale"]) == (["o1"], 1) and b.accounting_ok()
+
+
+def test_skipped_step_keeps_a_batch_taken_ahead_valid():
+    # taken ahead for 3 with bound 1: oldest version >= 2, so staleness at 2 (the step was skipped) is <= 0
+    b = TrajectoryBuffer(capacity=4, max_staleness=1)
+    b.note_submitted(2)
+    b.offer(traj("a", [1, 2], group="x"))
+    b.offer(traj("b", [2], group="x"))
+    assert b.take_ahead(2, consuming_version=3, group_size=2) is None  # "a" (oldest 1) is stale at 3
+    got = b.take(2, consuming_version=2, group_size=2)  # at the learner's own version both are fine
+    assert [sequence_staleness(t, 2) for t in got] == [1, 0]
+
+
+def test_put_back_returns_a_held_batch_to_the_front_unconsumed():
+    b = TrajectoryBuffer(capacity=2, max_staleness=1)
+    b.note_submitted(4)
+    for tid in "ab":
+        b.offer(traj(tid, [0], group=tid))
+    got = b.take(2, consuming_version=0, hold=True)
+    for tid in "cd":
+        b.offer(traj(tid, [0], group=tid))  # full again (capacity 2)
+    b.put_back(got)  # admitted earlier: back in front, one batch over capacity until the next take
+    assert list(b._items) == ["a", "b", "c", "d"]
+    assert (b.consumed, b.held, len(b)) == (0, 0, 4) and b.accounting_ok()
+    assert [t.trajectory_id for t in b.take(2, consuming_version=0)] == ["a", "b"]
+
+
+def test_consume_or_put_back_refuses_a_batch_not_held():
+    b = TrajectoryBuffer(capacity=4, max_staleness=1)
+    b.note_submitted(1)
+    b.offer(traj("a", [0]))
+    got = b.take(1, consuming_version=0)  # not held: already consumed
+    with pytest.raises(ValueError, match="trajectory_id: 'a' is not held"):
+        b.consume(got)
+    with pytest.raises(ValueError, match="trajectory_id: 'a' is not held"):
+        b.put_back(got)
+
+
+def test_held_trajectories_count_as_lost_after_a_resume():
+    # submitted 3: one consumed, one held (taken ahead), one in flight -> 2 lost at restart
+    b = TrajectoryBuffer(capacity=4, max_staleness=1)
+    b.note_submitted(3)
+    b.offer(traj("a", [0], group="a"))
+    b.offer(traj("b", [0], group="b"))
+    b.take(1, 0)
+    b.take_ahead(1, 1)
+    assert (b.consumed, b.held, b.in_flight) == (1, 1, 1) and b.accounting_ok()
+    b2 = TrajectoryBuffer(capacity=4, max_staleness=1)
+    b2.load_state_dict(b.state_dict())
+    assert b2.consumed == 1 and b2.dropped["lost_at_restart"] == 2 and b2.accounting_ok()

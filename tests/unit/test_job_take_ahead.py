@@ -1,0 +1,110 @@
+"""Taking the next batch while the learner trains (``Job.take_ahead``): the driver collects until a
+whole batch for version V+1 is in the buffer or the step ends; the batch is held, not consumed, and
+returned to the buffer unconsumed when the loop stops. A scripted pool and step stand in for the
+Ray workers and the learner."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from protocol import Trajectory
+from trainer.buffer import TrajectoryBuffer
+from trainer.config import load_config
+from trainer.job import Job
+from trainer.routes import NoRoute
+
+
+def traj(tid, group, versions):
+    return Trajectory(
+        trajectory_id=tid,
+        group_id=group,
+        token_ids=np.arange(1 + len(versions)),
+        loss_mask=[0] + [1] * len(versions),
+        behav_logprobs=[0.0] + [-0.5] * len(versions),
+        versions=[-1, *versions],
+        policy_version=max(versions),
+        prompt_len=1,
+        finish_reason="stop",
+        reward=1.0,
+    )
+
+
+class Pool:
+    """Answers each poll with the next scripted list (then nothing)."""
+
+    def __init__(self, polls):
+        self.polls = list(polls)
+
+    def poll(self):
+        return self.polls.pop(0) if self.polls else []
+
+
+class Step:
+    """A learner step that reports done on its ``finish_after``-th check."""
+
+    def __init__(self, finish_after):
+        self.checks, self.finish_after = 0, finish_after
+
+    def done(self, timeout_s):
+        self.checks += 1
+        return self.checks >= self.finish_after
+
+
+class Route(NoRoute):
+    """Records the consuming version each batch's answer is asked for."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked = []
+
+    def async_old_logits(self, batch, version, temperature):
+        self.asked.append((len(batch), version))
+        return None
+
+
+def job(polls, *overrides, version=3):
+    j = Job.__new__(Job)  # only the buffer, pool and route parts are needed
+    j.cfg = load_config(None, ["controller.max_staleness=1", "controller.total_steps=10", *overrides])
+    j.pool, j.route, j.version, j.times, j._held_back = Pool(polls), Route(), version, Counter(), []
+    j.buffer = TrajectoryBuffer(capacity=16, max_staleness=j.cfg.controller.max_staleness)
+    j.batch_size, j.group_size, j.vocab_size, j.taken_ahead = 4, 2, 1000, 0
+    j.buffer.note_submitted(6)
+    return j
+
+
+def test_collects_until_a_whole_batch_for_the_next_version_is_buffered():
+    # learner at 3, bound 1: for version 4 a group is consumable when its oldest token is >= 3
+    polls = [
+        [traj("a0", "a", [2, 3]), traj("a1", "a", [3])],  # group a: a0 is stale at 4 -> a incomplete
+        [traj("b0", "b", [3]), traj("b1", "b", [3])],
+        [traj("c0", "c", [3]), traj("c1", "c", [3])],
+    ]
+    j = job(polls)
+    step = Step(finish_after=10)
+    taken = j.take_ahead(step)
+    assert [t.trajectory_id for t in taken.trajectories] == ["b0", "b1", "c0", "c1"] and taken.ahead
+    assert j.route.asked == [(4, 4)]  # asked for at consuming version 4 = learner's 3 + 1
+    assert step.checks == 3  # one check of the step before each of the three collects
+    # held until its step starts, nothing consumed or dropped; a0, a1 stay buffered
+    b = j.buffer
+    assert (b.held, b.consumed, sum(b.dropped.values()), len(b)) == (4, 0, 0, 2) and b.accounting_ok()
+    j.return_taken(taken)  # the loop stopped before training on it
+    assert (b.held, b.consumed, len(b)) == (0, 0, 6) and b.accounting_ok()
+    assert [*b._items][:4] == ["b0", "b1", "c0", "c1"]
+
+
+def test_the_step_finishing_first_leaves_the_batch_to_the_new_version():
+    j = job([[traj("b0", "b", [3]), traj("b1", "b", [3])]])
+    assert j.take_ahead(Step(finish_after=1)) is None  # one group of two < batch of 4 when the step ended
+    assert j.route.asked == [] and j.taken_ahead == 0
+    assert (len(j.buffer), j.buffer.held) == (0, 0)  # nothing was collected: the step ended at the first check
+
+
+def test_no_batch_ahead_when_synchronous_or_at_the_last_version():
+    full = [[traj(f"{g}{i}", g, [3]) for g in "bc" for i in range(2)]]
+    for overrides, version in ((["controller.max_staleness=0"], 3), ([], 9)):
+        j = job(list(full), *overrides, version=version)
+        assert j.take_ahead(Step(finish_after=99)) is None
+        assert j.pool.polls == full  # returned at once: nothing polled
