@@ -10,7 +10,7 @@
         take          ``Job.take``: a batch at the learner's version (stale ones dropped, with a
                       reason) and a reference to the snapshot route's per-token answer for it -
                       unless the batch was already taken ahead during the previous step
-        train         ``Job.start_train``: waits for the batch's old logits, then launches one
+        train         ``Job.async_train``: waits for the batch's old logits, then launches one
                       learner step (exact where known, the configured proxy elsewhere)
         take ahead    ``Job.take_ahead``: while the learner trains on batch k at version V, batch
                       k+1 is taken for version V+1 and the snapshot route scores it (its tokens
@@ -132,6 +132,24 @@ def _loopback_private_cluster() -> None:
             "its own Ray port listens on every interface (start jobs with `vintage run`)",
             file=sys.stderr,
         )
+
+
+def loop_per_step(loop_s: float, train_s: float, steps: int) -> dict[str, float | None]:
+    """Loop and learner wall seconds per step and their ratio (None without a step).
+
+    ``loop_s``: from the first step's launch to the loop's end (the wait for the first batch is the
+    rollout's ramp-up, not a per-step cost); ``train_s``: the learner steps' seconds, launch to
+    metrics (:meth:`Job.finish_train`). ``loop_over_learner = loop_s / train_s`` is 1 when the loop
+    does nothing but wait for the learner. Example: 3 steps, 90 s of loop, 75 s of learner:
+    30 s, 25 s, 1.2.
+    """
+    if steps < 1 or train_s <= 0:
+        return {"loop_s_per_step": None, "train_s_per_step": None, "loop_over_learner": None}
+    return {
+        "loop_s_per_step": loop_s / steps,
+        "train_s_per_step": train_s / steps,
+        "loop_over_learner": loop_s / train_s,
+    }
 
 
 class StopSignal:
@@ -394,6 +412,7 @@ class Job:
         self.seeds = iter(range(self.buffer.submitted, 10**9))
         self.times = Counter()
         self.train_steps = self.taken_ahead = 0
+        self.first_launch: float | None = None  # perf_counter at the first learner step's launch
         self.tokens_exact = self.tokens_total = 0
         self.last_publish: dict[str, float] = {}
         self._held_back: list[Trajectory] = []  # training trajectories polled during an evaluation
@@ -456,7 +475,7 @@ class Job:
     def take(self, ahead: bool = False) -> TakenBatch | None:
         """A batch for the learner's version (``ahead``: for the next one) and the route's pending answer.
 
-        The batch stays held in the buffer until :meth:`start_train`; ahead, trajectories too stale
+        The batch stays held in the buffer until :meth:`async_train`; ahead, trajectories too stale
         for the next version are passed over, not dropped (:meth:`TrajectoryBuffer.take_ahead`).
         None when the buffer has no full batch.
         """
@@ -486,7 +505,7 @@ class Job:
         if answer is not None:
             self.times["old_logits_overlapped"] += max(0.0, float(answer.seconds) - taken.waited_s)
 
-    def start_train(self, taken: TakenBatch) -> TrainStep:
+    def async_train(self, taken: TakenBatch) -> TrainStep:
         """Launch one learner step on ``taken`` with its answer, after waiting for the answer.
 
         The batch counts as consumed from here. The learner gets the answer's reference (Ray
@@ -495,6 +514,8 @@ class Job:
         self.await_old_logits(taken)
         self.buffer.consume(taken.trajectories)
         t0 = time.perf_counter()
+        if self.first_launch is None:
+            self.first_launch = t0
         refs = self.learner.async_train_step(taken.trajectories, taken.old_logits)
         return TrainStep(taken, refs, t0, taken.waited_s or 0.0)
 
@@ -806,7 +827,7 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
         if taken is None:
             time.sleep(0.05)
             continue
-        step = job.start_train(taken)  # waits for its old logits, launches the learner step
+        step = job.async_train(taken)  # waits for its old logits, launches the learner step
         nxt = job.take_ahead(step)  # the next batch, for version + 1, scored while the learner trains
         learned = job.finish_train(step)  # the step's metrics: version + 1 when applied
         if learned["applied"]:
@@ -823,7 +844,8 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
             f"max {m.staleness_max}  exact {m.exact_token_fraction:.2f}  kept {m.mask_kept_fraction if m.mask_kept_fraction is not None else float('nan'):.2f}  "
             f"loss {m.loss:+.4f}  {m.tokens_per_s:.0f} tok/s  train {m.train_s:.1f}s"
         )
-    loop_s = time.perf_counter() - t_loop
+    t_end = time.perf_counter()
+    loop_s = t_end - t_loop
     job.return_taken(nxt)  # taken ahead, never trained on: back to the buffer, unconsumed
     reason = end_reason(job.version, cfg.controller.total_steps, stop.requested)
     after = {} if stop.requested else job.evaluate("after")  # an interrupted run stops promptly
@@ -852,7 +874,9 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
         "loop_s": loop_s,
         "train_steps": job.train_steps,
         "batches_taken_ahead": job.taken_ahead,
-        "loop_over_learner": loop_s / job.times["train"] if job.times["train"] > 0 else None,
+        **loop_per_step(
+            t_end - job.first_launch if job.first_launch is not None else 0.0, job.times["train"], job.train_steps
+        ),
         "time_split_s": dict(job.times),
         "wall_s": time.perf_counter() - t_start,
         "oldlogit_route": job.route.name,

@@ -108,3 +108,10 @@ def test_no_batch_ahead_when_synchronous_or_at_the_last_version():
         j = job(list(full), *overrides, version=version)
         assert j.take_ahead(Step(finish_after=99)) is None
         assert j.pool.polls == full  # returned at once: nothing polled
+
+
+def test_loop_per_step_and_ratio_to_the_learner():
+    from trainer.job import loop_per_step
+
+    assert loop_per_step(90.0, 75.0, 3) == {"loop_s_per_step": 30.0, "train_s_per_step": 25.0, "loop_over_learner": 1.2}
+    assert loop_per_step(0.0, 0.0, 0) == {"loop_s_per_step": None, "train_s_per_step": None, "loop_over_learner": None}
