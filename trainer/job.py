@@ -395,6 +395,7 @@ class Job:
             max_in_flight=cfg.rollout.max_batch,
             oldlogit=self.route.worker_scorer,
             start_timeout_s=cfg.rollout.start_timeout_s,
+            hang_timeout_s=cfg.rollout.hang_timeout_s,
         )
         with console.status(f"starting {cfg.rollout.num_workers} rollout worker(s) ..."):
             self.pool.scale_to(cfg.rollout.num_workers)
@@ -653,21 +654,29 @@ class Job:
         return self.learner.save_checkpoint(str(self.run_dir / "checkpoints"), extra)
 
     def replace_dead_workers(self, board: StatusBoard) -> None:
-        """Rollout workers whose process died: their in-flight samples are dropped (``worker_died``)
-        and replacements start, at most ``rollout.max_restarts`` over the run; past that the job
-        goes on with fewer and ``scale_note`` says so."""
+        """Rollout workers whose process died, or that hung (no finished trajectory for longer than
+        ``rollout.hang_timeout_s`` with samples in flight: killed here): their in-flight samples are
+        dropped (``worker_died`` / ``worker_hung``) and replacements start, at most
+        ``rollout.max_restarts`` over the run; past that the job goes on with fewer and
+        ``scale_note`` says so."""
+        self.pool.kill_hung()
         deaths = self.pool.take_deaths()
         if not deaths:
             return
         if self.agents is None:  # agent sessions account for their own calls
-            for lost in deaths.values():
-                self.buffer.note_lost(lost, "worker_died")
+            for lost, reason in deaths.values():
+                self.buffer.note_lost(lost, reason)
         add = min(self.workers_wanted - len(self.pool), self.cfg.rollout.max_restarts - self.restarts)
         if add > 0:
             added, _ = self.pool.scale_to(len(self.pool) + add)
             self.restarts += len(added)
+        what = {
+            "worker_died": "died",
+            "worker_hung": f"hung (no finished trajectory in {self.pool.hang_timeout_s or 0:g} s)",
+        }
         note = (
-            f"rollout worker(s) {', '.join(sorted(deaths))} died ({sum(deaths.values())} samples lost); "
+            f"rollout worker(s) {', '.join(f'{w} {what[r]}' for w, (_, r) in sorted(deaths.items()))} "
+            f"({sum(lost for lost, _ in deaths.values())} samples lost); "
             f"{len(self.pool)} of {self.workers_wanted} running, {self.restarts} of {self.cfg.rollout.max_restarts} restarts used"
         )
         self.console.print(note)

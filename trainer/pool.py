@@ -2,15 +2,29 @@
 
 Workers are independent Ray actors (:data:`rollout.worker.RolloutWorker`); adding or removing one
 never stops the others. A removed worker's unfinished samples are counted as lost by the caller; so
-are those of a worker whose process died, which every call notices and leaves out (:meth:`take_deaths`).
+are those of a worker whose process died, which every call notices and leaves out, and those of a
+worker that hung (:meth:`WorkerPool.kill_hung`), which is killed: both are reported by
+:meth:`WorkerPool.take_deaths` with the reason.
+
+Hangs (with ``hang_timeout_s`` set): a worker answers its calls between two engine steps; one stuck
+inside a step (an environment that never returns, a wedged engine) answers nothing. The pool never
+blocks on it: a poll, status or submission waits at most :data:`CALL_WAIT_S`, a weight update at
+most ``hang_timeout_s``; a call not answered by then is *late*: it is kept, its answer (finished
+trajectories, an accepted submission's count) is taken in by a later :meth:`WorkerPool.poll`, and
+until it arrives the worker gets no new poll, status or submission - weight updates are still sent,
+so they apply in order if it recovers. A worker with samples in flight and no finished trajectory
+for longer than ``hang_timeout_s`` is hung (:func:`hung_workers`).
+
 The pool may be fed from several threads (the driver and the gateway): one lock guards the worker
-table and the in-flight counts; remote calls are made outside it, except while scaling.
+table, the in-flight counts and the late calls; remote calls are made outside it, except while scaling.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import ray
@@ -19,9 +33,38 @@ from protocol import RolloutRequest, Trajectory, WeightManifest, WorkerStatus
 from rollout.engine import EngineConfig
 from rollout.worker import RolloutWorker
 
+CALL_WAIT_S = 5.0
+"""Longest wait, seconds, for a worker's answer to a poll, status or submission when hang detection
+is on; a healthy worker answers within one engine step. An answer that comes later is not lost."""
+
+WORKER_DIED, WORKER_HUNG = "worker_died", "worker_hung"
+"""Reasons a worker's in-flight samples are lost: its process died; it hung and was killed."""
+
+
+def hung_workers(
+    in_flight: Mapping[str, int], last_progress: Mapping[str, float], now: float, timeout_s: float | None
+) -> list[str]:
+    """Workers with samples in flight whose last progress is more than ``timeout_s`` seconds before ``now``.
+
+    A worker's last progress is the last time one of its trajectories arrived, or the time work
+    reached it while it had none in flight (an idle worker is never hung). ``timeout_s`` None or 0
+    disables the rule. Same clock for every time (seconds).
+
+    Example: timeout 10 s at now = 100: a worker with 3 in flight and last progress at 85 is hung
+    (15 s); one at 95 is not (5 s); one with 0 in flight and last progress at 0 is not (idle).
+    """
+    if not timeout_s:
+        return []
+    return sorted(w for w, n in in_flight.items() if n > 0 and now - last_progress.get(w, now) > timeout_s)
+
 
 class WorkerPool:
-    """``num_workers`` rollout actors built from one :class:`EngineConfig`, addressed by id."""
+    """``num_workers`` rollout actors built from one :class:`EngineConfig`, addressed by id.
+
+    ``hang_timeout_s``: seconds without a finished trajectory (while samples are in flight) after
+    which a worker is hung (see the module docstring); None or 0: no hang detection, and every call
+    waits for its answer. ``clock``: monotonic seconds (a test may pass its own).
+    """
 
     def __init__(
         self,
@@ -30,17 +73,24 @@ class WorkerPool:
         max_in_flight: int = 64,
         oldlogit: Any = None,
         start_timeout_s: float = 300.0,
+        hang_timeout_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.engine_config, self.max_in_flight = engine_config, max_in_flight
         self.start_timeout_s = start_timeout_s
+        self.hang_timeout_s = hang_timeout_s or None
+        self.clock = clock
         self.actor_options = actor_options or {"num_cpus": 1.0}
         self.oldlogit = oldlogit  # interrupt_sync: workers score their prefixes there at each update
         self.workers: dict[str, Any] = {}
         self.in_flight: dict[str, int] = {}
+        self.last_progress: dict[str, float] = {}
         self._ids = itertools.count()
         self._latest: tuple[WeightManifest, Any] | None = None
         self._lock = threading.RLock()
-        self._died: dict[str, int] = {}
+        self._harvesting = threading.Lock()
+        self._died: dict[str, tuple[int, str]] = {}
+        self._late: dict[str, list[tuple[str, Any, int]]] = {}  # wid -> [(method, ref, samples)], call order
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -72,62 +122,149 @@ class WorkerPool:
             if self._latest is not None:  # a late joiner starts at the current version
                 ray.get(actor.update_weights.remote(*self._latest))
             self.workers[wid], self.in_flight[wid] = actor, 0
+            self.last_progress[wid] = self.clock()
             added.append(wid)
         while len(self.workers) > n:
             wid = max(self.workers, key=lambda w: int(w.split("-")[1]))
             actor = self.workers.pop(wid)
             removed[wid] = self.in_flight.pop(wid)
+            self.last_progress.pop(wid, None)
+            self._late.pop(wid, None)
             try:
                 ray.get(actor.close.remote(), timeout=30)
-            except ray.exceptions.RayActorError:
-                pass  # already dead: nothing to close
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass  # already dead, or hung: nothing to close
             finally:
                 ray.kill(actor)
         return added, removed
 
-    def _bury(self, wid: str) -> None:
-        """Forget a worker whose process died; its in-flight samples are recorded as lost."""
+    def _bury(self, wid: str, reason: str = WORKER_DIED) -> None:
+        """Forget a worker whose process died (or that hung); its in-flight samples are recorded as lost."""
         with self._lock:
             if wid in self.workers:
                 del self.workers[wid]
-                self._died[wid] = self.in_flight.pop(wid, 0)
+                self._died[wid] = (self.in_flight.pop(wid, 0), reason)
+                self.last_progress.pop(wid, None)
+                self._late.pop(wid, None)
 
-    def take_deaths(self) -> dict[str, int]:
-        """``{worker id: in-flight samples lost}`` of workers found dead since the last call."""
+    def take_deaths(self) -> dict[str, tuple[int, str]]:
+        """``{worker id: (in-flight samples lost, reason)}`` of workers found dead (:data:`WORKER_DIED`)
+        or killed as hung (:data:`WORKER_HUNG`) since the last call."""
         with self._lock:
             died, self._died = self._died, {}
         return died
 
-    def _call_all(self, method: str, *args: Any) -> dict[str, Any]:
-        """``method`` on every worker at once; a worker found dead is buried and left out."""
+    def kill_hung(self) -> list[str]:
+        """Kill every worker that is hung now (:func:`hung_workers`); they are reported by
+        :meth:`take_deaths` with reason :data:`WORKER_HUNG`. Returns their ids."""
         with self._lock:
-            refs = {wid: getattr(a, method).remote(*args) for wid, a in self.workers.items()}
+            hung = hung_workers(self.in_flight, self.last_progress, self.clock(), self.hang_timeout_s)
+            actors = [self.workers[w] for w in hung]
+            for wid in hung:
+                self._bury(wid, WORKER_HUNG)
+        for actor in actors:
+            ray.kill(actor)
+        return hung
+
+    def _call_all(self, method: str, *args: Any, wait_s: float | None = None) -> dict[str, Any]:
+        """``method`` on every worker that has no late call, at once; answers within ``wait_s``
+        seconds (None: however long they take). A worker found dead is buried and left out; an
+        unanswered call becomes late. ``update_weights`` also goes to workers with late calls
+        (queued after them, it keeps the order of publications) and is not waited for there."""
+        with self._lock:
+            refs = {}
+            for wid, a in self.workers.items():
+                if wid not in self._late:
+                    refs[wid] = getattr(a, method).remote(*args)
+                elif method == "update_weights":
+                    self._late[wid].append((method, a.update_weights.remote(*args), 0))
+        return self._answers(method, refs, wait_s)
+
+    def _answers(self, method: str, refs: dict[str, Any], wait_s: float | None) -> dict[str, Any]:
+        if refs:
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=wait_s)
         out = {}
         for wid, ref in refs.items():
+            if not ray.wait([ref], timeout=0)[0]:
+                with self._lock:
+                    if wid in self.workers:
+                        self._late.setdefault(wid, []).append((method, ref, 0))
+                continue
             try:
                 out[wid] = ray.get(ref)
             except ray.exceptions.RayActorError:
                 self._bury(wid)
         return out
 
+    def _harvest(self) -> dict[str, list[Trajectory]]:
+        """Take in the late calls answered since (in call order per worker): ``{worker id: trajectories}``
+        of late polls; a late submission's accepted count corrects the in-flight count.
+
+        Raises:
+            Exception: what a late call raised (other than its worker's death), e.g. a refused update.
+        """
+        got: dict[str, list[Trajectory]] = {}
+        with self._harvesting:
+            with self._lock:
+                late = {wid: list(calls) for wid, calls in self._late.items()}
+            for wid, calls in late.items():
+                done = 0
+                try:
+                    for method, ref, n in calls:
+                        if not ray.wait([ref], timeout=0)[0]:
+                            break
+                        done += 1
+                        result = ray.get(ref)
+                        if method == "poll":
+                            got.setdefault(wid, []).extend(result)
+                        elif method == "submit":
+                            with self._lock:
+                                if wid in self.in_flight:
+                                    self.in_flight[wid] += result - n
+                except ray.exceptions.RayActorError:
+                    self._bury(wid)
+                finally:
+                    with self._lock:
+                        if wid in self._late:
+                            del self._late[wid][:done]
+                            if not self._late[wid]:
+                                del self._late[wid]
+        return got
+
+    @property
+    def _wait_s(self) -> float | None:
+        return CALL_WAIT_S if self.hang_timeout_s else None
+
     def submit(self, requests: list[RolloutRequest]) -> int:
         """Spread requests over workers, fewest in-flight first; returns samples submitted.
 
         The lock covers only the bookkeeping: the remote calls run outside it, so a poll that waits
         for a worker's current step never delays a submission from another thread.
+        Workers with a late call get nothing; a submission not answered within :data:`CALL_WAIT_S`
+        counts as accepted (the worker queues it; a later :meth:`poll` corrects the count) and the
+        worker becomes late. Requests left when every worker is late are not submitted.
         """
         total = 0
         pending = list(requests)
         while pending:
             r = pending[0]
             with self._lock:
-                if not self.workers:
+                ready = {w: n for w, n in self.in_flight.items() if w not in self._late}
+                if not ready:
                     return total
-                wid = min(self.in_flight, key=self.in_flight.get)
+                wid = min(ready, key=ready.get)
                 actor = self.workers[wid]
+                if self.in_flight[wid] == 0:  # the hang clock starts when work reaches an idle worker
+                    self.last_progress[wid] = self.clock()
                 self.in_flight[wid] += r.sampling.n
+            ref = actor.submit.remote([r])
             try:
-                n = ray.get(actor.submit.remote([r]))
+                n = ray.get(ref, timeout=self._wait_s)
+            except ray.exceptions.GetTimeoutError:
+                with self._lock:
+                    if wid in self.workers:
+                        self._late.setdefault(wid, []).append(("submit", ref, r.sampling.n))
+                n = r.sampling.n
             except BaseException as e:
                 with self._lock:
                     if wid in self.in_flight:
@@ -136,34 +273,46 @@ class WorkerPool:
                     raise
                 self._bury(wid)  # the worker died: the request goes to another one
                 continue
-            with self._lock:
-                if wid in self.in_flight:
-                    self.in_flight[wid] += n - r.sampling.n
+            else:
+                with self._lock:
+                    if wid in self.in_flight:
+                        self.in_flight[wid] += n - r.sampling.n
             total += n
             pending.pop(0)
         return total
 
     def poll(self) -> list[Trajectory]:
         """Finished trajectories from every live worker (remote calls outside the lock, as in
-        :meth:`submit`); a worker found dead is buried (see :meth:`take_deaths`)."""
-        got = self._call_all("poll")
+        :meth:`submit`), those of late polls answered since included; a worker found dead is buried
+        (see :meth:`take_deaths`). A worker's trajectories arriving are its progress (:func:`hung_workers`).
+
+        Raises:
+            Exception: what a late call raised, other than its worker's death (:meth:`_harvest`).
+        """
+        got = self._harvest()
+        for wid, g in self._call_all("poll", wait_s=self._wait_s).items():
+            got.setdefault(wid, []).extend(g)
         out: list[Trajectory] = []
+        now = self.clock()
         with self._lock:
             for wid, g in got.items():
                 if wid in self.in_flight:
                     self.in_flight[wid] -= len(g)
+                    if g:
+                        self.last_progress[wid] = now
                 out += g
         return out
 
     def update_weights(self, manifest: WeightManifest, payload_ref: Any) -> list[int]:
-        """Apply a publication on every worker (interrupt, update, resume); returns their versions."""
+        """Apply a publication on every worker (interrupt, update, resume); returns the versions of
+        those that answered (within ``hang_timeout_s``; a worker with a late call is not waited for)."""
         with self._lock:
             self._latest = (manifest, payload_ref)
-        return list(self._call_all("update_weights", manifest, payload_ref).values())
+        return list(self._call_all("update_weights", manifest, payload_ref, wait_s=self.hang_timeout_s).values())
 
     def statuses(self) -> list[WorkerStatus]:
-        """Each live worker's status."""
-        return list(self._call_all("status").values())
+        """Each live worker's status (workers with a late call are left out)."""
+        return list(self._call_all("status", wait_s=self._wait_s).values())
 
     def shutdown(self) -> None:
         self.scale_to(0)

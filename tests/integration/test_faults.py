@@ -3,16 +3,21 @@
 A tiny job (Ray local cluster, DeepSpeed on CPU, two rollout workers on the transformers engine)
 trains while the test kills one rollout worker's process with SIGKILL. The pool notices, the dead
 worker's in-flight samples are dropped with reason ``worker_died``, a replacement starts, and the
-job completes with ``generated = consumed + dropped + buffered + in flight``.
+job completes with ``generated = consumed + dropped + buffered + in flight``. A worker that hangs
+(alive, answering nothing) is killed after ``rollout.hang_timeout_s`` and replaced the same way,
+its samples dropped as ``worker_hung``.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import threading
 import time
 
+import httpx
 import psutil
 import pytest
 
@@ -76,6 +81,38 @@ def test_killed_rollout_worker_is_replaced_and_accounted(tmp_path, tiny_model_pa
     assert [int(r["version"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
 
 
+def test_hung_rollout_worker_is_killed_replaced_and_accounted(tmp_path, tiny_model_path, ray_cluster):
+    """The first environment step anywhere never returns (``tests/hang_env.py``): the worker running
+    it hangs before any of its samples finishes, holding both its groups (the pool spreads the first
+    four requests of 4 samples alternately: 8 each), and answers no call. After 15 s without a
+    finished trajectory it is killed, its 8 samples are dropped as ``worker_hung``, one replacement
+    starts, ``/v1/status`` says so, and the job completes on the other worker and the replacement."""
+    overrides = [
+        f'logging.run_dir="{tmp_path}"', "rollout.num_workers=2", "controller.total_steps=3", 'loss.method="ppo_ewma"',
+        'env.path="tests.hang_env:HangOnceEnv"', f'env.kwargs={{marker="{tmp_path / "hang-marker"}"}}',
+        "rollout.hang_timeout_s=15", "server.enabled=true", "server.port=0",
+    ]  # fmt: skip
+    cfg = load_config(None, [*BASE, *overrides])
+    result: dict = {}
+    th = threading.Thread(target=lambda: result.update(run_job(cfg)), daemon=True)
+    th.start()
+    notes: set[str] = set()
+    while th.is_alive():
+        if (tmp_path / "server.json").exists():
+            url = json.loads((tmp_path / "server.json").read_text())["url"]
+            try:
+                notes.add(httpx.get(f"{url}/v1/status", timeout=10).json()["scale_note"])
+            except httpx.HTTPError:  # not serving yet, or stopped after the run
+                pass
+        time.sleep(0.5)
+    th.join()
+    assert result["state"] == "finished" and result["end_reason"] == "completed" and result["steps"] == 3
+    assert result["dropped"].get("worker_hung") == 8 and "worker_died" not in result["dropped"]
+    assert result["worker_restarts"] == 1 and result["accounting_ok"]
+    hung = r"rollout worker\(s\) rollout-[01] hung \(no finished trajectory in 15 s\) \(8 samples lost\); "
+    assert any(re.fullmatch(hung + "2 of 2 running, 1 of 3 restarts used", n) for n in notes), notes
+
+
 def test_killed_oldlogit_service_restarts_and_missing_tokens_use_the_proxy(tmp_path, tiny_model_path, ray_cluster):
     """Snapshot route, max_staleness 1: after the service dies it holds no version; the next batch's
     tokens of the version before the restart are missing (proxy), later batches are exact again."""
@@ -95,8 +132,6 @@ def test_killed_learner_fails_the_run_naming_it_and_resume_continues_from_the_la
     command with the checkpoint folder as ``controller.resume_from`` (what ``--resume auto`` picks)
     continues at the checkpoint's version (the last complete one: the kill may land mid-save), as run
     segment 1, and completes."""
-    import json
-
     overrides = ["rollout.num_workers=1", "controller.total_steps=5", "controller.checkpoint_every=1"]
     result, killed = _run_and_kill(tmp_path, overrides, "ray::LearnerCore", expect=1)
     assert not psutil.pid_exists(killed)

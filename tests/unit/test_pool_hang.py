@@ -1,0 +1,71 @@
+"""A hung rollout worker (samples in flight, no finished trajectory for longer than
+``rollout.hang_timeout_s``): the detection rule on hand-set clocks, and the driver's accounting and
+status note when the pool reports hung and dead workers (a scripted pool stands in for Ray)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from trainer.buffer import TrajectoryBuffer
+from trainer.config import load_config
+from trainer.job import Job
+from trainer.pool import WORKER_DIED, WORKER_HUNG, hung_workers
+from trainer.server import StatusBoard
+
+
+def test_hung_rule_on_a_fake_clock():
+    in_flight = {"a": 3, "b": 3, "c": 0, "d": 1}
+    last = {"a": 85.0, "b": 95.0, "c": 0.0, "d": 90.0}
+    # at 100 with 10 s: a waited 15 s (hung), b 5 s, c is idle, d exactly 10 s (not more than the limit)
+    assert hung_workers(in_flight, last, now=100.0, timeout_s=10.0) == ["a"]
+    assert hung_workers(in_flight, last, now=100.5, timeout_s=10.0) == ["a", "d"]
+    assert hung_workers(in_flight, last, now=1e6, timeout_s=None) == []  # disabled
+    assert hung_workers(in_flight, last, now=1e6, timeout_s=0) == []  # disabled
+    assert hung_workers({"e": 2}, {}, now=50.0, timeout_s=1.0) == []  # no progress time yet: not hung
+
+
+class Pool:
+    """Reports one hung and one dead worker once; scaling up always succeeds."""
+
+    hang_timeout_s = 30.0
+
+    def __init__(self):
+        self.n, self.killed = 1, 0
+        self.deaths = {"rollout-0": (8, WORKER_HUNG), "rollout-2": (3, WORKER_DIED)}
+
+    def __len__(self):
+        return self.n
+
+    def kill_hung(self):
+        self.killed += 1
+        return ["rollout-0"]
+
+    def take_deaths(self):
+        d, self.deaths = self.deaths, {}
+        return d
+
+    def scale_to(self, n):
+        added = [f"rollout-{3 + i}" for i in range(n - self.n)]
+        self.n = n
+        return added, {}
+
+    def statuses(self):
+        return []
+
+
+def test_hung_and_dead_workers_are_dropped_with_their_reason_and_replaced():
+    j = Job.__new__(Job)  # the parts a real Job starts are not needed here
+    j.cfg = load_config(None, ["rollout.max_restarts=3", "rollout.hang_timeout_s=30"])
+    j.pool, j.console, j.workers_wanted, j.restarts = Pool(), Console(quiet=True), 3, 0
+    j.buffer = TrajectoryBuffer(capacity=64, max_staleness=1)
+    j.buffer.note_submitted(16)
+    board = StatusBoard()
+    j.replace_dead_workers(board)
+    assert j.pool.killed == 1
+    assert dict(j.buffer.dropped) == {"worker_hung": 8, "worker_died": 3}
+    assert j.buffer.in_flight == 5 and j.buffer.accounting_ok()
+    assert (j.restarts, len(j.pool)) == (2, 3)
+    assert board.status().scale_note == (
+        "rollout worker(s) rollout-0 hung (no finished trajectory in 30 s), rollout-2 died (11 samples lost); "
+        "3 of 3 running, 2 of 3 restarts used"
+    )
