@@ -11,9 +11,10 @@ inside a step (an environment that never returns, a wedged engine) answers nothi
 blocks on it: a poll, status or submission waits at most :data:`CALL_WAIT_S`, a weight update at
 most ``hang_timeout_s``; a call not answered by then is *late*: it is kept, its answer (finished
 trajectories, an accepted submission's count) is taken in by a later :meth:`WorkerPool.poll`, and
-until it arrives the worker gets no new poll, status or submission - weight updates are still sent,
-so they apply in order if it recovers. A worker with samples in flight and no finished trajectory
-for longer than ``hang_timeout_s`` is hung (:func:`hung_workers`).
+until it arrives the worker gets no new call. A publication it missed meanwhile is not queued behind
+(payloads would pile up in the object store): once its late answers are in, it is sent the newest
+publication before anything else. A worker with samples in flight and no finished trajectory for
+longer than ``hang_timeout_s`` is hung (:func:`hung_workers`).
 
 The pool may be fed from several threads (the driver and the gateway): one lock guards the worker
 table, the in-flight counts and the late calls; remote calls are made outside it, except while scaling.
@@ -91,6 +92,7 @@ class WorkerPool:
         self._harvesting = threading.Lock()
         self._died: dict[str, tuple[int, str]] = {}
         self._late: dict[str, list[tuple[str, Any, int]]] = {}  # wid -> [(method, ref, samples)], call order
+        self._behind: set[str] = set()  # late workers that missed a publication
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -130,6 +132,7 @@ class WorkerPool:
             removed[wid] = self.in_flight.pop(wid)
             self.last_progress.pop(wid, None)
             self._late.pop(wid, None)
+            self._behind.discard(wid)
             try:
                 ray.get(actor.close.remote(), timeout=30)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
@@ -146,6 +149,7 @@ class WorkerPool:
                 self._died[wid] = (self.in_flight.pop(wid, 0), reason)
                 self.last_progress.pop(wid, None)
                 self._late.pop(wid, None)
+                self._behind.discard(wid)
 
     def take_deaths(self) -> dict[str, tuple[int, str]]:
         """``{worker id: (in-flight samples lost, reason)}`` of workers found dead (:data:`WORKER_DIED`)
@@ -169,15 +173,15 @@ class WorkerPool:
     def _call_all(self, method: str, *args: Any, wait_s: float | None = None) -> dict[str, Any]:
         """``method`` on every worker that has no late call, at once; answers within ``wait_s``
         seconds (None: however long they take). A worker found dead is buried and left out; an
-        unanswered call becomes late. ``update_weights`` also goes to workers with late calls
-        (queued after them, it keeps the order of publications) and is not waited for there."""
+        unanswered call becomes late. A worker with late calls that misses ``update_weights`` is
+        marked behind (:meth:`_harvest` catches it up)."""
         with self._lock:
             refs = {}
             for wid, a in self.workers.items():
                 if wid not in self._late:
                     refs[wid] = getattr(a, method).remote(*args)
                 elif method == "update_weights":
-                    self._late[wid].append((method, a.update_weights.remote(*args), 0))
+                    self._behind.add(wid)
         return self._answers(method, refs, wait_s)
 
     def _answers(self, method: str, refs: dict[str, Any], wait_s: float | None) -> dict[str, Any]:
@@ -198,7 +202,8 @@ class WorkerPool:
 
     def _harvest(self) -> dict[str, list[Trajectory]]:
         """Take in the late calls answered since (in call order per worker): ``{worker id: trajectories}``
-        of late polls; a late submission's accepted count corrects the in-flight count.
+        of late polls; a late submission's accepted count corrects the in-flight count. A worker whose
+        late calls are all in and that missed a publication is sent the newest one (a late call).
 
         Raises:
             Exception: what a late call raised (other than its worker's death), e.g. a refused update.
@@ -229,6 +234,10 @@ class WorkerPool:
                             del self._late[wid][:done]
                             if not self._late[wid]:
                                 del self._late[wid]
+                        if wid not in self._late and wid in self._behind and self._latest is not None:
+                            self._behind.discard(wid)
+                            ref = self.workers[wid].update_weights.remote(*self._latest)
+                            self._late[wid] = [("update_weights", ref, 0)]
         return got
 
     @property
