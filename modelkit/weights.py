@@ -185,6 +185,19 @@ def pack_weights(
         from modelkit.cuda_ipc import pack_cuda_ipc
 
         return pack_cuda_ipc(items, tied, version, target)
+    payload = PackedWeights(private_copy(items, target, copy))
+    return _manifest(payload, version, tied), payload
+
+
+def private_copy(
+    items: list[tuple[str, torch.Tensor]], target: torch.dtype, copy: bool = True
+) -> dict[str, torch.Tensor]:
+    """``{name: contiguous cpu tensor in target}``: each tensor cast and copied once, into one new buffer.
+
+    With ``copy=False`` a tensor already on the CPU, contiguous and in ``target`` is returned as it
+    is (see :func:`pack_weights` for when that is safe). Tensors lie end to end in the buffer, in
+    order, so their offsets are multiples of the element size.
+    """
     sizes = [t.numel() * target.itemsize for _, t in items]
     send = [(not copy) and t.device.type == "cpu" and t.dtype == target and t.is_contiguous() for _, t in items]
     buf = torch.empty(sum(s for s, keep in zip(sizes, send, strict=True) if not keep), dtype=torch.uint8)
@@ -198,8 +211,7 @@ def pack_weights(
         dst.copy_(t)  # the one copy, cast on the way
         tensors[name] = dst
         off += size
-    payload = PackedWeights(tensors)
-    return _manifest(payload, version, tied), payload
+    return tensors
 
 
 def _manifest(payload: Mapping[str, torch.Tensor], version: int, tied: dict[str, str]) -> WeightManifest:
