@@ -25,7 +25,7 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CHECKS = ("env", "vllm", "deepspeed0", "deepspeed3", "run")
+CHECKS = ("env", "vllm", "deepspeed0", "deepspeed3", "publish", "run")
 
 
 def _model_path() -> Path:
@@ -165,6 +165,34 @@ def check_deepspeed(a: argparse.Namespace, stage: int) -> dict:
     }
 
 
+def check_publish(a: argparse.Namespace) -> dict:
+    """Weight publication on the GPU: SmolLM2 packed in bf16 for CUDA IPC and for the host (seconds,
+    GB/s), then the GPU tests of ``tests/integration/test_publish.py`` (IPC into another process,
+    vLLM's in-place load on CUDA)."""
+    import torch
+
+    from modelkit.modelhub import load_causal_lm
+    from modelkit.weights import pack_weights
+
+    named = load_causal_lm(_model_path()).cuda().state_dict()
+    out: dict = {}
+    for transport in ("cuda_ipc", "host"):
+        pack_weights(named.items(), 0, "bfloat16", transport=transport)  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        manifest, _ = pack_weights(named.items(), 1, "bfloat16", transport=transport)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        out[f"pack_{transport}_s"] = round(dt, 4)
+        out[f"pack_{transport}_gbps"] = round(manifest.total_bytes / dt / 1e9, 2)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "tests/integration/test_publish.py", "-k", "cuda"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=a.run_timeout_s)
+    out["tests"] = (proc.stdout.strip().splitlines() or [""])[-1]
+    if proc.returncode != 0 or "skipped" in out["tests"]:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}; tail:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return out
+
+
 def check_run(a: argparse.Namespace) -> dict:
     """``vintage run <config>`` end to end; numbers from its metrics.jsonl."""
     run_dir = Path(a.run_dir).resolve()
@@ -214,6 +242,7 @@ def run_one(a: argparse.Namespace) -> int:
         "vllm": check_vllm,
         "deepspeed0": lambda x: check_deepspeed(x, 0),
         "deepspeed3": lambda x: check_deepspeed(x, 3),
+        "publish": check_publish,
         "run": check_run,
     }[a.check]
     t0 = time.perf_counter()
@@ -269,6 +298,8 @@ def _headline(r: dict) -> dict:
         "deepspeed_zero0_step_s": g("deepspeed0", "mean_step_s_after_first"),
         "deepspeed_zero0_train_tokens_per_s": g("deepspeed0", "train_tokens_per_s"),
         "deepspeed_zero3_step_s": g("deepspeed3", "mean_step_s_after_first"),
+        "publish_pack_cuda_ipc_gbps": g("publish", "pack_cuda_ipc_gbps"),
+        "publish_tests": g("publish", "tests"),
         "vintage_run_wall_s": g("run", "wall_s"),
         "vintage_step_wall_s": g("run", "step_wall_s"),
         "vintage_steps_logged": g("run", "steps_logged"),

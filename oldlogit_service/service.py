@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from modelkit.scoring import sequence_logprobs
-from modelkit.weights import torch_dtype, unpack_weights
+from modelkit.weights import PackedWeights, torch_dtype, unpack_weights
 from protocol import (
     OldLogitAnswer,
     OldLogitItem,
@@ -215,9 +215,11 @@ class OldLogitService:
     ) -> int:
         """Take the weight publication of version ``manifest.version`` (call it on every publication).
 
-        The payload is verified whole (:func:`modelkit.weights.unpack_weights`) and its tensors are
-        copied (cast to the service dtype) before any held version is touched, so a bad payload
-        leaves the service as it was. Snapshot route: versions older than ``V - max_staleness``
+        The payload is verified whole (:func:`modelkit.weights.unpack_weights`, once per host for a
+        payload from the object store) before any held version is touched, so a bad payload leaves
+        the service as it was. Its tensors are copied (cast to the service dtype), except read-only
+        object-store views that already have the store's device and dtype: those are immutable and
+        are held as they are (Ray keeps the object alive while they are held). Snapshot route: versions older than ``V - max_staleness``
         are evicted (reason ``staleness``), then the oldest until the copies fit the memory budget
         (reason ``memory_budget``; a version that alone exceeds the budget is recorded as evicted
         at once). Single-replica routes: the new version replaces the loaded one (``superseded``).
@@ -285,9 +287,14 @@ class OldLogitService:
         else:
             for old in list(self._held):
                 self._evict(old, EVICT_SUPERSEDED)
+        # the object store's read-only shared memory is immutable: hold it as it is when it already
+        # has the store's device and dtype; anything else is copied (the publisher may reuse it)
+        shared = isinstance(payload, PackedWeights) and payload.readonly
         own: dict[str, Tensor] = {}
-        for spec in manifest.tensors:  # copy: the publisher may keep training on these tensors
-            own[spec.name] = full[spec.name].detach().to(self._store_device, self.dtype, copy=True)
+        for spec in manifest.tensors:
+            t = full[spec.name].detach()
+            keep = shared and t.device == self._store_device and t.dtype == self.dtype
+            own[spec.name] = t if keep else t.to(self._store_device, self.dtype, copy=True)
         for alias, src in manifest.tied.items():
             own[alias] = own[src]
         self._store(v, own)

@@ -26,6 +26,7 @@ from protocol.messages import (
     WorkerStatus,
     payload_checksum,
     verify_weight_payload,
+    weights_digest,
 )
 
 __all__ = [
@@ -56,4 +57,5 @@ __all__ = [
     "WorkerStatus",
     "payload_checksum",
     "verify_weight_payload",
+    "weights_digest",
 ]

@@ -170,7 +170,8 @@ class GenerationEngine(abc.ABC):
 
         Every checkpoint tensor must be present with its checkpoint shape; extra names are allowed
         only if they are tied aliases of the embedding (``lm_head.weight``). Tensors are cast to the
-        engine dtype. Returns the new version.
+        engine dtype (no copy when they already have it) and stay on their device: read-only views of
+        the object store or a CUDA IPC payload are copied straight into the model. Returns the new version.
 
         Raises:
             ValueError: ``version`` is not newer than the serving one, a tensor is missing, unknown
@@ -193,7 +194,7 @@ class GenerationEngine(abc.ABC):
             if got != shape:
                 raise ValueError(f"weights[{name!r}].shape: {got} != engine's {shape}")
         target = getattr(torch, self.config.dtype)
-        cast = {n: named[n].detach().to("cpu", target) for n in want}
+        cast = {n: named[n].detach().to(dtype=target) for n in want}  # no copy when already in the engine dtype
         try:
             self._apply(cast)
         except Exception as e:  # weights may be half applied: never serve them under any version
@@ -249,10 +250,13 @@ def _map_finish(reason: str | None) -> str | None:
 
 
 class VintageWorkerExtension:
-    """Mixed into vLLM's worker (``worker_extension_cls``): in-place reload with HF-named tensors.
+    """Mixed into vLLM's worker (``worker_extension_cls``): in-place weight updates with HF-named tensors.
 
-    ``model.load_weights`` alone fails on CPU once vLLM has repacked weights for its kernels;
-    the worker's ``reload_weights`` re-runs the layer-wise loading and post-processing.
+    ``vintage_reload``: on CPU vLLM repacks linear weights for its GEMM kernels after loading and
+    drops the plain weight, so ``model.load_weights`` alone fails; the worker's ``reload_weights``
+    re-runs the layer-wise loading and post-processing (the repack included).
+    ``vintage_load_inplace``: on CUDA with unquantized weights vLLM computes with the parameters as
+    loaded, so ``model.load_weights`` copies each tensor into its parameter in place.
     """
 
     def vintage_reload(self, named: list[tuple[str, torch.Tensor]]) -> int:
@@ -278,6 +282,12 @@ class VintageWorkerExtension:
                 qm = getattr(mod, "quant_method", None)
                 if qm is not None and hasattr(qm, "process_weights_after_loading"):
                     qm.process_weights_after_loading(mod)
+
+    def vintage_load_inplace(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        # unquantized CUDA weights are used as loaded: copy into them (graphs keep their pointers)
+        self.model_runner.get_model().load_weights(weights=iter(named))  # type: ignore[attr-defined]
+        torch.cuda.synchronize()  # the sources (e.g. CUDA IPC views) may be released on return
+        return len(named)
 
     def vintage_param(self, name: str) -> torch.Tensor:
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
@@ -328,6 +338,11 @@ class VllmEngine(GenerationEngine):
         except Exception as e:
             raise EngineError(f"vLLM failed to start for model_path={config.model_path!r}: {e!r}") from e
         self.start_seconds = time.perf_counter() - t0
+        from vllm.platforms import current_platform
+
+        self.inplace_updates = current_platform.is_cuda() and self._llm.model_config.quantization is None
+        """True: weight updates are copied into vLLM's parameters in place (CUDA, unquantized);
+        False: they go through vLLM's layer-wise reload (CPU repacks its GEMM weights)."""
         gen = self._llm.model_config.try_get_generation_config() or {}
         eos = gen.get("eos_token_id", self._llm.model_config.hf_config.eos_token_id)
         self._eos = sorted({eos} if isinstance(eos, int) else set(eos or []))
@@ -383,7 +398,8 @@ class VllmEngine(GenerationEngine):
     def _apply(self, named: dict[str, torch.Tensor]) -> None:
         if self._live:
             raise EngineError(f"weight update with {len(self._live)} requests running; abort them first")
-        self._llm.collective_rpc("vintage_reload", args=(list(named.items()),))
+        method = "vintage_load_inplace" if self.inplace_updates else "vintage_reload"
+        self._llm.collective_rpc(method, args=(list(named.items()),))
         # KV blocks computed under the old weights must never be reused as a prefix hit
         if not self._llm.reset_prefix_cache():
             raise EngineError("reset_prefix_cache refused after a weight update")

@@ -27,10 +27,12 @@
 What differs per old-logit route lives in one object per route kind (:mod:`trainer.routes`).
 
 Invariants: the learner's version rises by exactly one per applied step and is published whole to
-every consumer before the next step starts; a batch holding a token of version V+1 is scored only
-after the service took V+1 (a batch taken ahead is taken before V+1 exists); every submitted sample
-is consumed, dropped with a reason, buffered, held in a batch taken ahead (returned to the buffer
-when the loop stops) or in flight (``TrajectoryBuffer.accounting_ok``).
+every consumer before the next version is published (consumers apply it in the background; the
+old-logit service runs its calls in order, so it takes V+1 before it scores anything sent after);
+a batch holding a token of version V+1 is scored only after the service took V+1 (a batch taken
+ahead is taken before V+1 exists); every submitted sample is consumed, dropped with a reason,
+buffered, held in a batch taken ahead (returned to the buffer when the loop stops) or in flight
+(``TrajectoryBuffer.accounting_ok``).
 
 Time split (``summary["time_split_s"]``, wall seconds of the driver): ``train`` from launching a
 step to its metrics; ``old_logits`` only the waits for an answer (and scorer-route attaching
@@ -335,6 +337,9 @@ class Job:
 
     agents = None
     """The :class:`trainer.agent_runner.AgentRunner` when ``[agent]`` is set: it admits, collects and evaluates."""
+    _applying: threading.Thread | None = None
+    """The publication being applied in the background (:meth:`publish`)."""
+    _apply_error: BaseException | None = None
 
     def __init__(self, cfg: JobConfig, console: Console):
         from oldlogit_service.actor import OldLogitServer
@@ -562,9 +567,15 @@ class Job:
     def publish(self) -> None:
         """Publish the learner's current version to every rollout worker and the old-logit service.
 
-        The route decides the order (see :mod:`trainer.routes`); payloads stay in the object store,
-        the driver handles manifests and references only.
+        The learner packs the version into the object store and is free again (the driver handles
+        manifests and references only). The consumers then take it in the order the route decides
+        (:mod:`trainer.routes`): on the ``none`` and ``snapshot`` routes in the background, so the
+        loop and the learner go on while each worker switches between two tokens; scorer routes
+        keep the scorer in lockstep with the workers, so this call waits for them. One publication
+        is applied at a time: this call, :meth:`evaluate` and :meth:`shutdown` first wait for the
+        previous one (:meth:`wait_published`, which raises its error, if any).
         """
+        self.wait_published()
         t0 = time.perf_counter()
         noise = self.cfg.rollout.inject_mismatch_std
         manifest, ref = self.learner.async_publish(self.cfg.rollout.dtype)
@@ -578,9 +589,32 @@ class Job:
             seed = self.cfg.controller.seed * 100_003 + manifest.version
             manifest, payload = perturbed(manifest, ray.get(ref), noise, seed=seed)
             ref = ray.put(payload)
-        self.route.publish(lambda: self.pool.update_weights(manifest, ref), scorer_weights)
         self.last_publish = {"seconds": time.perf_counter() - t0, "bytes": manifest.total_bytes, "unix": time.time()}
         self.times["publish"] += self.last_publish["seconds"]
+
+        def apply() -> None:
+            t1 = time.perf_counter()
+            try:
+                self.route.publish(lambda: self.pool.update_weights(manifest, ref), scorer_weights)
+            except BaseException as e:  # raised by the next wait_published
+                self._apply_error = e
+            self.last_publish["applied_s"] = time.perf_counter() - t1
+
+        if self.route.name in ("none", "snapshot"):
+            self._applying = threading.Thread(target=apply, name=f"publish-v{manifest.version}", daemon=True)
+            self._applying.start()
+        else:
+            apply()
+            self.wait_published()
+
+    def wait_published(self) -> None:
+        """Wait until every consumer has applied the last publication; re-raise its failure, if any."""
+        th, self._applying = self._applying, None
+        if th is not None:
+            th.join()
+        err, self._apply_error = self._apply_error, None
+        if err is not None:
+            raise err
 
     def step_metrics(self, batch: list[Trajectory], m: dict[str, Any]) -> StepMetrics:
         """The learner's metrics ``m`` plus the batch's rewards and staleness, the last publication and
@@ -621,6 +655,7 @@ class Job:
             TimeoutError: not every evaluation episode finished within ``env.eval_timeout_s`` (a rollout
                 worker failed or hung); the message names the field and the count received.
         """
+        self.wait_published()  # every worker serves the version being evaluated
         if self.agents is not None:
             return self.agents.evaluate(tag)
         k = self.cfg.env.eval_prompts
@@ -737,6 +772,8 @@ class Job:
         return f
 
     def shutdown(self) -> None:
+        with contextlib.suppress(Exception):
+            self.wait_published()
         if self.agents is not None:
             with contextlib.suppress(Exception):
                 self.agents.close()

@@ -45,7 +45,8 @@ import math
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -54,7 +55,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from modelkit.scoring import sequence_logprobs
-from modelkit.weights import all_finite, pack_weights
+from modelkit.weights import PackedWeights, Transport, all_finite, pack_weights
 from protocol import OldLogitAnswer, Trajectory, WeightManifest
 from trainer.batch import Batch, collate
 from trainer.ewma import EwmaProximal
@@ -281,6 +282,7 @@ class LearnerCore:
         self.skipped_steps = 0
         self.nonfinite_weight_steps = 0
         self.last_publish: dict[str, float] = {}
+        self._device_payloads: deque = deque(maxlen=2)  # CUDA IPC publications consumers may still read
         self.ewma: EwmaProximal | None = None
         self._scorer = scorer
         if use_ewma:
@@ -532,18 +534,38 @@ class LearnerCore:
                 k: v.detach().to("cpu", torch.float32, copy=True) for k, v in self.engine.module.state_dict().items()
             }
 
-    def publish(self, dtype: str = "float32") -> tuple[WeightManifest, dict[str, torch.Tensor]]:
+    def publish(
+        self, dtype: str = "float32", copy: bool = True, transport: Transport = "host"
+    ) -> tuple[WeightManifest, Mapping[str, torch.Tensor]]:
         """Pack the current weights as version :attr:`version` for the rollout workers and the
         old-logit service (:func:`modelkit.weights.pack_weights`: cast to ``dtype``, tied tensors sent
-        once, checksummed). Records ``last_publish`` = {seconds, bytes, version}.
+        once, digest computed once here). Records ``last_publish`` = {seconds, gather_s, pack_s,
+        bytes, version}: ``gather_s`` is the time to get whole tensors (the ZeRO-3 all-gather),
+        ``pack_s`` the copy/cast and digest.
+
+        ``copy=False`` is for the Ray wrappers (:class:`LearnerGroup`): the actor's return value is
+        serialised into the object store before the actor runs its next call, so that copy is the
+        private one and the weights are not copied first. Under ZeRO-3 the gathered tensors are
+        released on leaving the gather, so a copy is always made there. ``transport="cuda_ipc"``
+        (or ``auto`` on a GPU) keeps the payload on the device (:mod:`modelkit.cuda_ipc`); the last
+        two such payloads are kept alive here, as their consumers read this process's memory.
 
         Under ZeRO-3 with several ranks every rank must call it (parameters are gathered).
         """
         t0 = time.perf_counter()
         with self._full_params():
-            manifest, payload = pack_weights(self.engine.module.state_dict().items(), self.version, dtype)
+            named = self.engine.module.state_dict()
+            t1 = time.perf_counter()
+            copy = copy or self.settings.zero_stage == 3
+            manifest, payload = pack_weights(named.items(), self.version, dtype, copy=copy, transport=transport)
+        if not isinstance(payload, PackedWeights):  # a device payload: consumers map this memory
+            self._device_payloads.append(payload)
+            torch.cuda.ipc_collect()
+        t2 = time.perf_counter()
         self.last_publish = {
-            "seconds": time.perf_counter() - t0,
+            "seconds": t2 - t0,
+            "gather_s": t1 - t0,
+            "pack_s": t2 - t1,
             "bytes": float(manifest.total_bytes),
             "version": float(self.version),
         }
@@ -650,17 +672,20 @@ class LearnerGroup:
         old_ref = old_logits if isinstance(old_logits, ray.ObjectRef) else ray.put(old_logits)
         return [a.train_step.remote(traj_ref, old_ref) for a in self.actors]
 
-    def publish(self, dtype: str = "float32") -> tuple[WeightManifest, dict[str, torch.Tensor]]:
+    def publish(self, dtype: str = "float32") -> tuple[WeightManifest, Mapping[str, torch.Tensor]]:
         """Rank 0's publication (under ZeRO-3 every rank takes part in the gather)."""
         if self.zero_stage == 3:
             return self._all("publish", dtype)[0]
-        return ray.get(self.actors[0].publish.remote(dtype))
+        return ray.get(self.actors[0].publish.remote(dtype, False))
 
-    def async_publish(self, dtype: str = "float32") -> tuple[WeightManifest, ray.ObjectRef]:
+    def async_publish(
+        self, dtype: str = "float32", transport: Transport = "host"
+    ) -> tuple[WeightManifest, ray.ObjectRef]:
         """Like :meth:`publish`, but the payload stays in Ray's object store: returns the manifest and
-        an ``ObjectRef`` to hand to every consumer, so the driver never copies the weights."""
+        an ``ObjectRef`` to hand to every consumer, so the driver never copies the weights. The
+        learner returns as soon as the payload is stored (``copy=False``: storing it is the one copy)."""
         ranks = self.actors if self.zero_stage == 3 else self.actors[:1]
-        refs = [a.publish.options(num_returns=2).remote(dtype) for a in ranks]
+        refs = [a.publish.options(num_returns=2).remote(dtype, False, transport) for a in ranks]
         manifest = ray.get(refs[0][0])
         ray.get([r[0] for r in refs[1:]])  # ZeRO-3: every rank finished its part of the gather
         return manifest, refs[0][1]

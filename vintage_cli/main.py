@@ -95,6 +95,21 @@ def bench_methods(
     methods_main(out_dir=out, quick=quick, console=console, kind=grid)
 
 
+@bench_app.command("publish")
+def bench_publish(
+    fast: Annotated[bool, typer.Option(help="The tiny model only (skip SmolLM2).")] = False,
+    repeats: Annotated[int, typer.Option(min=1, help="Best of this many runs per phase.")] = 3,
+    versions: Annotated[int, typer.Option(min=1, help="End-to-end publications per path.")] = 3,
+    out: Annotated[Path, typer.Option(help="JSON results file.")] = Path("runs/bench/publish.json"),
+) -> None:
+    """Weight publication per phase and end to end, previous path vs current, with a memory-copy reference."""
+    from benchmarks.bench_publish import main as publish_main
+
+    publish_main(
+        [*(["--fast"] if fast else []), "--repeats", str(repeats), "--versions", str(versions), "--out", str(out)]
+    )
+
+
 @eval_app.command("tau2")
 def eval_tau2(
     domain: Annotated[str, typer.Option(help="tau2 domain: mock, retail, airline or telecom.")],

@@ -372,6 +372,29 @@ def test_publisher_may_reuse_published_tensors(tiny_model_path):
     assert svc.bytes_held == sum(p.numel() for p in model.parameters()) * 4
 
 
+def test_object_store_payload_is_held_without_a_copy(tiny_model_path):
+    """A payload read from the object store is immutable shared memory: the snapshot holds those
+    views as they are and scores exactly as with a private copy of the same weights."""
+    import pickle
+
+    model = load_causal_lm(tiny_model_path)
+    man, pay = pack_weights(model.state_dict().items(), 1)
+    bufs = []
+    data = pickle.dumps(pay, protocol=5, buffer_callback=bufs.append)
+    shared = pickle.loads(data, buffers=[b.raw().toreadonly() for b in bufs])  # what a Ray reader gets
+    copied = OldLogitService(tiny_model_path, route="snapshot", initial_version=None)
+    held = OldLogitService(tiny_model_path, route="snapshot", initial_version=None)
+    copied.update_weights(man, pay)
+    held.update_weights(man, shared)
+    assert all(held._held[1][n].data_ptr() == shared[n].data_ptr() for n in shared)
+    assert all(copied._held[1][n].data_ptr() != pay[n].data_ptr() for n in pay)
+    item = make_item("z", [1, 1, 1], seed=23)
+    assert np.array_equal(
+        held.score(request(item)).old_logprobs[0], copied.score(request(item)).old_logprobs[0], equal_nan=True
+    )
+    assert held.bytes_held == copied.bytes_held == sum(p.numel() for p in model.parameters()) * 4
+
+
 @pytest.fixture(scope="module")
 def held_456(tiny_model_path, learner):
     # published 1, 2, 3, 5, 6 with W = 3: held [3, 5, 6]; 4 never published; 0, 1, 2 evicted

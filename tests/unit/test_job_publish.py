@@ -1,0 +1,100 @@
+"""Job.publish: the learner's part returns before the consumers apply (none/snapshot routes), one
+publication is applied at a time, a consumer's failure surfaces at the next wait, and scorer routes
+keep the scorer in lockstep (a recording learner and a gated pool stand in for the Ray actors)."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import pytest
+
+from trainer.config import load_config
+from trainer.job import Job
+from trainer.routes import NoRoute, ScorerRoute
+
+
+class Learner:
+    def __init__(self):
+        self.published = []
+
+    def async_publish(self, dtype="float32", transport="host"):
+        self.published.append(dtype)
+        return Manifest(len(self.published)), f"ref-{len(self.published)}"
+
+
+class Manifest:
+    def __init__(self, version):
+        self.version, self.total_bytes = version, 100
+
+
+class GatedPool:
+    """``update_weights`` blocks until the test opens the gate; records what was applied."""
+
+    def __init__(self, fail_at=None):
+        self.gate, self.started, self.applied, self.fail_at = threading.Event(), threading.Event(), [], fail_at
+
+    def update_weights(self, manifest, ref):
+        self.started.set()
+        assert self.gate.wait(30)
+        if manifest.version == self.fail_at:
+            raise RuntimeError(f"worker refused version {manifest.version}")
+        self.applied.append((manifest.version, ref))
+
+
+class Scorer:
+    """A stand-in old-logit service handle: ``update_weights.remote`` records the call order."""
+
+    def __init__(self, log):
+        self.update_weights = self
+        self.log = log
+
+    def remote(self, manifest, ref):
+        self.log.append(("scorer", manifest.version))
+        return "done"
+
+
+def job(pool, route):
+    j = Job.__new__(Job)  # only the parts publish uses
+    j.cfg = load_config(None, [])
+    j.learner, j.pool, j.route, j.times, j.last_publish = Learner(), pool, route, Counter(), {}
+    return j
+
+
+def test_publish_returns_before_the_workers_apply_and_the_next_waits():
+    pool = GatedPool()
+    j = job(pool, NoRoute())
+    j.publish()  # returns although no worker has applied version 1
+    assert pool.started.wait(30) and pool.applied == [] and j.learner.published == ["float32"]
+    nxt = threading.Thread(target=j.publish)
+    nxt.start()
+    nxt.join(0.2)
+    assert nxt.is_alive() and j.learner.published == ["float32"]  # version 2 waits for version 1
+    pool.gate.set()
+    nxt.join(30)
+    j.wait_published()
+    assert pool.applied == [(1, "ref-1"), (2, "ref-2")]
+
+
+def test_a_failed_apply_is_raised_by_the_next_wait():
+    pool = GatedPool(fail_at=1)
+    j = job(pool, NoRoute())
+    j.publish()
+    pool.gate.set()
+    with pytest.raises(RuntimeError, match="worker refused version 1"):
+        j.wait_published()
+    j.wait_published()  # raised once
+
+
+def test_scorer_routes_wait_for_workers_then_scorer(monkeypatch):
+    import ray
+
+    log = []
+    monkeypatch.setattr(ray, "get", lambda x: x)
+    pool = GatedPool()
+    pool.gate.set()
+    orig = pool.update_weights
+    pool.update_weights = lambda m, r: (log.append(("workers", m.version)), orig(m, r))
+    j = job(pool, ScorerRoute("interrupt_sync", Scorer(log)))
+    j.publish()
+    assert log == [("workers", 1), ("scorer", 1)] and j._applying is None  # applied before returning
