@@ -110,6 +110,40 @@ def bench_publish(
     )
 
 
+@bench_app.command("trl")
+def bench_trl(
+    budget_s: Annotated[
+        float | None, typer.Option(help="Wall seconds per system, start-up included (default 600; --quick 90).")
+    ] = None,
+    quick: Annotated[
+        bool, typer.Option(help="Smoke check: the tiny model, a short budget, 16 held-out prompts.")
+    ] = False,
+    eval_prompts: Annotated[
+        int | None, typer.Option(help="Held-out prompts scored greedily for both (default 200; --quick 16).")
+    ] = None,
+    config: Annotated[Path, typer.Option(help="vintage config both systems are set up from.")] = Path(
+        "deploy/configs/demo.toml"
+    ),
+    out: Annotated[Path | None, typer.Option(help="Result JSON (default runs/bench/vs_trl.json).")] = None,
+    keep: Annotated[bool, typer.Option(help="Keep vintage's checkpoint and TRL's final model.")] = False,
+) -> None:
+    """vintage vs TRL's GRPOTrainer: same model, task, prompts and settings, same wall-clock budget.
+
+    Needs the optional ``trl`` group (``make bench-trl`` installs it). Prints the side-by-side table
+    and writes the JSON with the ratios (see benchmarks/bench_vs_trl.py).
+    """
+    from benchmarks.bench_vs_trl import main as trl_main
+
+    try:
+        trl_main(budget_s, quick, eval_prompts, config, out, keep, log=console.print)
+    except (ModuleNotFoundError, ValueError) as e:
+        console.print(f"[red]bench trl:[/red] {e}", soft_wrap=True)
+        raise typer.Exit(2) from None
+    except RuntimeError as e:
+        console.print(f"[red]bench trl failed:[/red] {e}", soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
 @eval_app.command("tau2")
 def eval_tau2(
     domain: Annotated[str, typer.Option(help="tau2 domain: mock, retail, airline or telecom.")],
