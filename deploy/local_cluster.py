@@ -67,8 +67,12 @@ class LocalRayHead:
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
 
     @classmethod
-    def start(cls, num_cpus: int = 4, timeout_s: float = 120.0) -> LocalRayHead:
+    def start(
+        cls, num_cpus: int = 4, timeout_s: float = 120.0, resources: dict[str, float] | None = None
+    ) -> LocalRayHead:
         """Start ``ray start --head --block`` on 127.0.0.1 and wait until the job API answers.
+
+        ``resources``: Ray custom resources of the head node (e.g. ``{"learner_node": 1}``).
 
         Raises:
             RuntimeError: the head exited or the dashboard did not answer within ``timeout_s``.
@@ -101,6 +105,7 @@ class LocalRayHead:
             f"--ray-client-server-port={client}",
             f"--temp-dir={temp_dir}",
             f"--num-cpus={num_cpus}",
+            f"--resources={json.dumps(resources or {})}",
             "--disable-usage-stats",
         ]
         log = open(Path(temp_dir) / "ray-start.log", "w")
@@ -122,24 +127,88 @@ class LocalRayHead:
         head.stop()
         raise RuntimeError(f"Ray dashboard did not answer on {head.dashboard_url} within {timeout_s} s")
 
+    def add_node(
+        self, num_cpus: int = 2, resources: dict[str, float] | None = None, timeout_s: float = 120.0
+    ) -> LocalRayNode:
+        """Start a second node of this cluster on this machine (``ray start --address ... --block``
+        on 127.0.0.1, every port picked free) and wait until the head lists it alive.
+
+        Raises:
+            RuntimeError: the node exited or did not join within ``timeout_s``.
+        """
+        node_manager, object_manager, agent_http, agent_grpc, metrics, runtime_env = free_ports(6)
+        resources = {**(resources or {}), f"vintage_node_{node_manager}": 1.0}  # tells this node apart
+        env = {**os.environ, **self.client_env(), "RAY_memory_monitor_refresh_ms": "0"}
+        cmd = [
+            str(Path(sys.executable).parent / "ray"), "start", "--block", f"--address={self.gcs_address}",
+            "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", f"--resources={json.dumps(resources)}",
+            f"--node-manager-port={node_manager}", f"--object-manager-port={object_manager}",
+            f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={runtime_env}", "--disable-usage-stats",
+        ]  # fmt: skip
+        log = open(Path(self.temp_dir) / f"ray-node-{node_manager}.log", "w")
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        node = LocalRayNode(pid=proc.pid, node_manager_port=node_manager)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"ray start (node) exited with {proc.returncode}; see {log.name}")
+            if node.resource in self.alive_resources():
+                return node
+            time.sleep(1.0)
+        node.stop()
+        raise RuntimeError(f"Ray node on port {node_manager} did not join within {timeout_s} s")
+
+    def alive_resources(self) -> set[str]:
+        """Names of the resources of every node the head lists alive (its state API, with the token);
+        a node started by :meth:`add_node` has its own ``vintage_node_<port>``."""
+        try:
+            r = httpx.get(
+                f"{self.dashboard_url}/api/v0/nodes", params={"limit": 100},
+                headers={"Authorization": f"Bearer {self.token}"}, timeout=5,
+            )  # fmt: skip
+            rows = r.json()["data"]["result"]["result"] if r.status_code == 200 else []
+        except (httpx.HTTPError, KeyError, TypeError, ValueError):
+            return set()
+        return {k for n in rows if n.get("state") == "ALIVE" for k in n.get("resources_total", {})}
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop exactly this head: SIGTERM then SIGKILL to its process group; remove its temp dir."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
-                try:
-                    os.killpg(self.pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.2)
-            else:
-                continue
-            break
+        stop_group(self.pid, timeout_s)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@dataclass
+class LocalRayNode:
+    """A non-head node started by :meth:`LocalRayHead.add_node` (its ``ray start --block`` PID)."""
+
+    pid: int
+    node_manager_port: int
+
+    @property
+    def resource(self) -> str:
+        """The custom resource only this node has (see :meth:`LocalRayHead.alive_resources`)."""
+        return f"vintage_node_{self.node_manager_port}"
+
+    def stop(self, timeout_s: float = 30.0, sig: int = signal.SIGTERM) -> None:
+        """Stop exactly this node's processes (its process group): ``sig`` first, then SIGKILL."""
+        stop_group(self.pid, timeout_s, first=sig)
+
+
+def stop_group(pid: int, timeout_s: float = 30.0, first: int = signal.SIGTERM) -> None:
+    """Signal the process group led by ``pid``: ``first``, then SIGKILL if it outlives ``timeout_s``."""
+    for sig in (first, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
 
 
 def main() -> None:
