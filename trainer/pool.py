@@ -102,13 +102,17 @@ class WorkerPool:
 
         A worker that is not placed and started within ``start_timeout_s`` (e.g. the cluster has no
         room for it) is killed and no more are added this call: the pool then holds fewer than ``n``.
+        One that dies while starting (its node was lost before Ray marked it dead) is placed again,
+        within the same ``start_timeout_s``.
         """
         with self._lock:
             return self._scale_to(n)
 
     def _scale_to(self, n: int) -> tuple[list[str], dict[str, int]]:
         added, removed = [], {}
+        slot_deadline = None  # each new worker gets start_timeout_s, retries included
         while len(self.workers) < n:
+            slot_deadline = slot_deadline or time.monotonic() + self.start_timeout_s
             wid = f"rollout-{next(self._ids)}"
             actor = RolloutWorker.options(**self.actor_options).remote(
                 self.engine_config,
@@ -117,10 +121,15 @@ class WorkerPool:
                 oldlogit=self.oldlogit,
             )
             try:
-                ray.get(actor.ready.remote(), timeout=self.start_timeout_s)
+                ray.get(actor.ready.remote(), timeout=max(0.0, slot_deadline - time.monotonic()))
             except ray.exceptions.GetTimeoutError:
                 ray.kill(actor)
                 break
+            except ray.exceptions.RayActorError:  # died while starting (its node was lost): place it again
+                ray.kill(actor)
+                time.sleep(1.0)
+                continue
+            slot_deadline = None
             if self._latest is not None:  # a late joiner starts at the current version
                 ray.get(actor.update_weights.remote(*self._latest))
             self.workers[wid], self.in_flight[wid] = actor, 0
