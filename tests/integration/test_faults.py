@@ -84,13 +84,15 @@ def test_killed_rollout_worker_is_replaced_and_accounted(tmp_path, tiny_model_pa
 def test_hung_rollout_worker_is_killed_replaced_and_accounted(tmp_path, tiny_model_path, ray_cluster):
     """The first environment step anywhere never returns (``tests/hang_env.py``): the worker running
     it hangs before any of its samples finishes, holding both its groups (the pool spreads the first
-    four requests of 4 samples alternately: 8 each), and answers no call. After 15 s without a
+    four requests of 4 samples alternately: 8 each), and answers no call. After 6 s without a
     finished trajectory it is killed, its 8 samples are dropped as ``worker_hung``, one replacement
-    starts, ``/v1/status`` says so, and the job completes on the other worker and the replacement."""
+    starts, ``/v1/status`` says so, and the job completes on the other worker and the replacement.
+    The other worker alone keeps the job going (8 samples per version); 6 steps (about 2.5 s each
+    on the tiny model) give the 6 s rule time to fire before the run ends."""
     overrides = [
-        f'logging.run_dir="{tmp_path}"', "rollout.num_workers=2", "controller.total_steps=3", 'loss.method="ppo_ewma"',
+        f'logging.run_dir="{tmp_path}"', "rollout.num_workers=2", "controller.total_steps=6", 'loss.method="ppo_ewma"',
         'env.path="tests.hang_env:HangOnceEnv"', f'env.kwargs={{marker="{tmp_path / "hang-marker"}"}}',
-        "rollout.hang_timeout_s=15", "server.enabled=true", "server.port=0",
+        "rollout.hang_timeout_s=6", "server.enabled=true", "server.port=0",
     ]  # fmt: skip
     cfg = load_config(None, [*BASE, *overrides])
     result: dict = {}
@@ -106,10 +108,10 @@ def test_hung_rollout_worker_is_killed_replaced_and_accounted(tmp_path, tiny_mod
                 pass
         time.sleep(0.5)
     th.join()
-    assert result["state"] == "finished" and result["end_reason"] == "completed" and result["steps"] == 3
+    assert result["state"] == "finished" and result["end_reason"] == "completed" and result["steps"] == 6
     assert result["dropped"].get("worker_hung") == 8 and "worker_died" not in result["dropped"]
     assert result["worker_restarts"] == 1 and result["accounting_ok"]
-    hung = r"rollout worker\(s\) rollout-[01] hung \(no finished trajectory in 15 s\) \(8 samples lost\); "
+    hung = r"rollout worker\(s\) rollout-[01] hung \(no finished trajectory in 6 s\) \(8 samples lost\); "
     assert any(re.fullmatch(hung + "2 of 2 running, 1 of 3 restarts used", n) for n in notes), notes
 
 
