@@ -263,9 +263,10 @@ def verify_payload(manifest: WeightManifest, payload: Mapping[str, torch.Tensor]
     """:func:`check_payload`, once per host for a payload read from Ray's object store.
 
     Rule: a :class:`PackedWeights` whose tensors are read-only views (``readonly``: the object
-    store's shared memory, which every consumer on the host reads and nobody writes) is checked by
-    the first consumer on the host that receives it; the others wait for that check (a file lock)
-    and find its record (a file named by version, checksum and packing token under the temp dir).
+    store's shared memory, which every consumer on the host reads and nobody writes; payloads
+    under Ray's inline limit, 100 KiB, arrive inside the call instead) is checked by the first
+    consumer on the host that receives it; the others wait for that check (a file lock) and find
+    its record (a file named by version, checksum and packing token under the temp dir).
     Any other payload (writable, or not a :class:`PackedWeights`) is checked every time. A failed
     check leaves no record, so every consumer checks, and refuses, on its own.
 
