@@ -17,7 +17,7 @@ Phases (producer: the driver process; consumer: a Ray actor on the same host):
 ==========  ==================================================================================
 reference   ``torch`` copy of the same bytes into a preallocated buffer (the ceiling)
 gather      ``model.state_dict()`` (one rank; under ZeRO-3 this is where the all-gather runs)
-copy/cast   before: a fresh tensor per weight; after: one buffer (``copy=True``, e.g. under ZeRO-3
+copy/cast   before and after: a new tensor per weight (``copy=True``: e.g. under ZeRO-3
             or for another dtype); after, learner path: none (``copy=False``: ``ray.put`` copies)
 checksum    before: blake2b-128; after: XXH3-128 (:func:`protocol.weights_digest`)
 put         ``ray.put`` of the payload (serialise + copy into the object store)

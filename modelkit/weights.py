@@ -153,8 +153,8 @@ def pack_weights(
     """Pack ``(hf_name, tensor)`` pairs (e.g. ``model.state_dict().items()``) for publication.
 
     Storage-sharing duplicates become ``tied`` aliases; every other tensor is cast to ``dtype``
-    exactly once. Host transport: the tensors are copied (and cast) into one new CPU byte buffer,
-    then the digest is computed over it. With ``copy=False`` a tensor already on the CPU, contiguous
+    exactly once. Host transport: each tensor is copied (and cast) into new CPU memory, then the
+    digest is computed over those copies. With ``copy=False`` a tensor already on the CPU, contiguous
     and in ``dtype`` is sent as it is (a view of the caller's tensor): only for a caller that puts
     the payload into Ray's object store before the source can change (an actor method returning
     it), so ``ray.put``'s copy is the one private copy. CUDA IPC transport: see
@@ -192,26 +192,20 @@ def pack_weights(
 def private_copy(
     items: list[tuple[str, torch.Tensor]], target: torch.dtype, copy: bool = True
 ) -> dict[str, torch.Tensor]:
-    """``{name: contiguous cpu tensor in target}``: each tensor cast and copied once, into one new buffer.
+    """``{name: contiguous cpu tensor in target}``: each tensor cast and copied once, into new memory.
 
     With ``copy=False`` a tensor already on the CPU, contiguous and in ``target`` is returned as it
-    is (see :func:`pack_weights` for when that is safe). Tensors lie end to end in the buffer, in
-    order, so their offsets are multiples of the element size.
+    is (see :func:`pack_weights` for when that is safe). One allocation per tensor: the allocator
+    reuses the memory of an earlier publication, where one large buffer would be mapped (and
+    page-faulted) afresh every time.
     """
-    sizes = [t.numel() * target.itemsize for _, t in items]
-    send = [(not copy) and t.device.type == "cpu" and t.dtype == target and t.is_contiguous() for _, t in items]
-    buf = torch.empty(sum(s for s, keep in zip(sizes, send, strict=True) if not keep), dtype=torch.uint8)
-    tensors: dict[str, torch.Tensor] = {}
-    off = 0
-    for (name, t), size, keep in zip(items, sizes, send, strict=True):
-        if keep:
-            tensors[name] = t
-            continue
-        dst = buf[off : off + size].view(target).view(t.shape)
-        dst.copy_(t)  # the one copy, cast on the way
-        tensors[name] = dst
-        off += size
-    return tensors
+    out: dict[str, torch.Tensor] = {}
+    for name, t in items:
+        if not copy and t.device.type == "cpu" and t.dtype == target and t.is_contiguous():
+            out[name] = t
+        else:
+            out[name] = torch.empty(t.shape, dtype=target).copy_(t)  # the one copy, cast on the way
+    return out
 
 
 def _manifest(payload: Mapping[str, torch.Tensor], version: int, tied: dict[str, str]) -> WeightManifest:
@@ -269,9 +263,10 @@ def verify_payload(manifest: WeightManifest, payload: Mapping[str, torch.Tensor]
     """:func:`check_payload`, once per host for a payload read from Ray's object store.
 
     Rule: a :class:`PackedWeights` whose tensors are read-only views (``readonly``: the object
-    store's shared memory, which every consumer on the host reads and nobody writes) is checked by
-    the first consumer on the host that receives it; the others wait for that check (a file lock)
-    and find its record (a file named by version, checksum and packing token under the temp dir).
+    store's shared memory, which every consumer on the host reads and nobody writes; payloads
+    under Ray's inline limit, 100 KiB, arrive inside the call instead) is checked by the first
+    consumer on the host that receives it; the others wait for that check (a file lock) and find
+    its record (a file named by version, checksum and packing token under the temp dir).
     Any other payload (writable, or not a :class:`PackedWeights`) is checked every time. A failed
     check leaves no record, so every consumer checks, and refuses, on its own.
 
