@@ -21,6 +21,15 @@ Routes (``route=``):
   :meth:`OldLogitService.update_weights` installs the new one; generation then resumes.
 * ``"none"``: holds nothing, loads no model; every sampled token is ``MISSING_NEVER_STORED``.
 
+Adapter snapshots (``adapter=`` a :class:`protocol.AdapterSpec`, LoRA training): a version is a
+LoRA adapter. The service keeps ONE copy of the base weights (the model folder, frozen in every
+version) plus one adapter per held version, and scores the tokens of version v with the model
+wrapped by peft (:func:`modelkit.lora.wrap_lora`, the learner's own wrapper) running the base and
+v's adapter (a functional call: nothing is merged or copied per forward). The folder's version
+is the base with a zero adapter (the learner's ``B`` starts at 0, so its version 0 is the base).
+Memory: base bytes once + adapter bytes per version (``rank * (in + out)`` elements per adapted
+module), against one full copy per version for full-weight snapshots. Every route works this way.
+
 On every route :meth:`OldLogitService.score` answers exact for tokens whose version is held, so the
 single-replica routes answer exact only for the loaded version.
 
@@ -32,7 +41,8 @@ round-off (observed <= 2e-6 nats on the tiny model), never by a version.
 
 Conventions: versions as in ``docs/architecture.md``; log-probs in nats; ``old_logprobs`` is NaN on
 every token that is not ``EXACT`` (context tokens included); bytes are host bytes of the held weight
-tensors (tied tensors counted once); seconds are wall seconds (``time.perf_counter``).
+tensors (tied tensors counted once; with adapters: the base once plus every held adapter); seconds
+are wall seconds (``time.perf_counter``).
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ from torch import Tensor
 from modelkit.scoring import sequence_logprobs
 from modelkit.weights import PackedWeights, torch_dtype, unpack_weights
 from protocol import (
+    AdapterSpec,
     OldLogitAnswer,
     OldLogitItem,
     OldLogitRequest,
@@ -70,6 +81,12 @@ EVICT_BUDGET = "memory_budget"
 """Eviction reason: the held copies exceeded ``memory_budget_bytes`` (oldest first)."""
 EVICT_SUPERSEDED = "superseded"
 """Eviction reason (single-replica routes): a newer broadcast replaced the loaded version."""
+
+
+def _dedup(weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Tensors that are views of the same memory become one object (tied weights stay tied)."""
+    same: dict[tuple, Tensor] = {}
+    return {k: same.setdefault((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()), t) for k, t in weights.items()}
 
 
 def _unique_bytes(tensors: Mapping[str, Tensor]) -> int:
@@ -107,6 +124,10 @@ class OldLogitService:
             are stored and run in it.
         initial_version: version of the folder's weights (default 0: the learner starts from the same
             folder); None holds nothing until the first :meth:`update_weights`.
+        adapter: a :class:`protocol.AdapterSpec` (or its dict) when the learner publishes LoRA
+            adapters: the folder's weights are kept once as the base and every version is an adapter
+            (see the module docstring); publications must then carry this same ``manifest.adapter``.
+            None (default): every version is a full copy of the weights.
 
     Raises:
         ValueError: an unknown route, negative ``max_staleness`` / budget, or an unknown dtype
@@ -122,6 +143,7 @@ class OldLogitService:
         device: str = "cpu",
         dtype: str = "float32",
         initial_version: int | None = 0,
+        adapter: AdapterSpec | Mapping[str, Any] | None = None,
     ) -> None:
         if route not in ROUTES:
             raise ValueError(f"route: {route!r} is not one of {list(ROUTES)}")
@@ -137,6 +159,11 @@ class OldLogitService:
         self.device = torch.device(device)
         self.dtype = torch_dtype(dtype)
         self._store_device = torch.device("cpu") if route == "snapshot" else self.device
+        self.adapter = AdapterSpec.model_validate(adapter) if isinstance(adapter, Mapping) else adapter
+        """The adapter spec when versions are LoRA adapters over one kept base, else None."""
+        self._base: dict[str, Tensor] = {}  # adapter mode: the base weights, in the wrapped model's names
+        self._base_bytes = 0
+        self._adapter_shapes: dict[str, tuple[int, ...]] = {}  # publication name -> shape
 
         self._held: OrderedDict[int, dict[str, Tensor]] = OrderedDict()  # ascending versions
         self._held_bytes: dict[int, int] = {}
@@ -166,18 +193,49 @@ class OldLogitService:
         from modelkit.modelhub import load_causal_lm
 
         model = load_causal_lm(model_path, dtype=str(self.dtype).removeprefix("torch.")).to(self.device)
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        if self.adapter is not None:
+            model = self._adapter_template(model)
         state = model.state_dict()
         self._shapes = {k: tuple(v.shape) for k, v in state.items()}
-        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         if initial_version is not None:
             # the folder's weights become the first held version (no copy: the template gives them up)
             self.latest_version = initial_version
-            self._store(initial_version, {k: v.detach().to(self._store_device) for k, v in state.items()})
+            if self.adapter is not None:  # the base with a zero adapter: exactly the base model
+                zero = {
+                    k: torch.zeros(shape, dtype=self.dtype, device=self._store_device)
+                    for k, shape in self._adapter_shapes.items()
+                }
+                self._store(initial_version, self._peft_named(zero))
+            else:
+                self._store(initial_version, {k: v.detach().to(self._store_device) for k, v in state.items()})
         with torch.no_grad():  # the template keeps its code and buffers, not its weights
             for p in model.parameters():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         model.requires_grad_(False)
         self.model = model
+
+    def _adapter_template(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Wrap ``model`` with peft for :attr:`adapter` and keep its base weights (once) as :attr:`_base`."""
+        from modelkit.lora import peft_to_adapter, peft_to_hf, wrap_lora
+
+        assert self.adapter is not None
+        model = wrap_lora(model, self.adapter)
+        for name, t in model.state_dict().items():
+            key = peft_to_adapter(name)
+            if key is not None:
+                self._adapter_shapes[key] = tuple(t.shape)
+            elif peft_to_hf(name) is not None:
+                self._base[name] = t.detach().to(self._store_device)
+        self._base = _dedup(self._base)
+        self._base_bytes = _unique_bytes(self._base)
+        return model
+
+    @staticmethod
+    def _peft_named(adapter: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        from modelkit.lora import adapter_to_peft
+
+        return {adapter_to_peft(k): t for k, t in adapter.items()}
 
     # ------------------------------------------------------------------------------------------
     # weights
@@ -190,15 +248,12 @@ class OldLogitService:
 
     @property
     def bytes_held(self) -> int:
-        """Host (or device) bytes of the held weight copies, tied tensors counted once."""
-        return sum(self._held_bytes.values())
+        """Host (or device) bytes of the held weight copies, tied tensors counted once; with
+        adapters: the base once plus every held adapter."""
+        return self._base_bytes + sum(self._held_bytes.values())
 
     def _store(self, version: int, weights: dict[str, Tensor]) -> None:
-        # tensors that are views of the same memory become one object (tied weights stay tied)
-        same: dict[tuple, Tensor] = {}
-        weights = {
-            k: same.setdefault((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()), t) for k, t in weights.items()
-        }
+        weights = _dedup(weights)
         self._held[version] = weights
         self._held_bytes[version] = _unique_bytes(weights)
         self.evicted.pop(version, None)
@@ -240,10 +295,17 @@ class OldLogitService:
                 shapes do not match the model (the message names the tensor).
             ValueError: ``manifest.version`` is older than the newest version already published, or
                 republishes it with different weights.
+
+        With :attr:`adapter` set, the publication must be an adapter of that same spec (otherwise
+        ``ProtocolError`` naming ``manifest.adapter``); only the adapter is copied and held.
         """
         t0 = time.perf_counter()
         if not isinstance(manifest, WeightManifest):
             manifest = WeightManifest.model_validate(manifest)
+        if self.route != "none" and manifest.adapter != self.adapter:
+            have = "full weights" if self.adapter is None else f"adapters {self.adapter.model_dump()}"
+            got = "full weights (None)" if manifest.adapter is None else f"{manifest.adapter.model_dump()}"
+            raise ProtocolError(f"manifest.adapter: {got}, but this service holds {have}")
         v = manifest.version
         if self.latest_version is not None:
             if v < self.latest_version:
@@ -261,12 +323,13 @@ class OldLogitService:
             self.seconds["update"] += time.perf_counter() - t0
             return v
         full = unpack_weights(manifest, payload, verify=verify)
-        if set(full) != set(self._shapes):
-            missing, extra = sorted(set(self._shapes) - set(full)), sorted(set(full) - set(self._shapes))
+        shapes = self._adapter_shapes if self.adapter is not None else self._shapes
+        if set(full) != set(shapes):
+            missing, extra = sorted(set(shapes) - set(full)), sorted(set(full) - set(shapes))
             raise ProtocolError(f"payload: tensors do not match the model: missing {missing}, unexpected {extra}")
         for name, t in full.items():
-            if tuple(t.shape) != self._shapes[name]:
-                raise ProtocolError(f"payload[{name!r}].shape: {list(t.shape)} != model {list(self._shapes[name])}")
+            if tuple(t.shape) != shapes[name]:
+                raise ProtocolError(f"payload[{name!r}].shape: {list(t.shape)} != model {list(shapes[name])}")
         if v in self._held:  # the folder's copy of this version is replaced by the published one
             self._held.pop(v)
             self._held_bytes.pop(v)
@@ -279,7 +342,7 @@ class OldLogitService:
             if budget is not None:
                 while self._held and self.bytes_held + new_bytes > budget:
                     self._evict(next(iter(self._held)), EVICT_BUDGET)
-                if new_bytes > budget:  # cannot hold even this one copy
+                if self._base_bytes + new_bytes > budget:  # cannot hold even this one copy
                     self.evicted[v] = EVICT_BUDGET
                     self.evictions[EVICT_BUDGET] += 1
                     self.seconds["update"] += time.perf_counter() - t0
@@ -297,7 +360,7 @@ class OldLogitService:
             own[spec.name] = t if keep else t.to(self._store_device, self.dtype, copy=True)
         for alias, src in manifest.tied.items():
             own[alias] = own[src]
-        self._store(v, own)
+        self._store(v, self._peft_named(own) if self.adapter is not None else own)
         self._checksums[v] = manifest.checksum
         self.seconds["update"] += time.perf_counter() - t0
         return v
@@ -327,6 +390,8 @@ class OldLogitService:
     @torch.no_grad()
     def _forward(self, version: int, ids: Tensor, mask: Tensor, temperature: float) -> Tensor:
         weights = self._held[version]
+        if self.adapter is not None:  # the kept base with this version's adapter
+            weights = {**self._base, **weights}
         if self._store_device != self.device:
             moved: dict[int, Tensor] = {}
             weights = {k: moved.setdefault(id(t), t.to(self.device, non_blocking=True)) for k, t in weights.items()}
@@ -517,7 +582,8 @@ class OldLogitService:
         )
 
     def stats(self) -> dict[str, Any]:
-        """:meth:`status` fields plus ``forwards``, ``latest_version``, ``evicted`` ({version:
+        """:meth:`status` fields plus ``forwards``, ``base_bytes`` (the kept base with adapters, else
+        0), ``adapter`` (the spec or None), ``latest_version``, ``evicted`` ({version:
         reason}), ``evictions`` (count by reason), ``seconds`` (by kind), ``seconds_per_request``
         (mean over score/segment/prefix calls), ``last_request_seconds`` and ``exact_token_fraction``."""
         out = self.status().model_dump()
@@ -525,6 +591,8 @@ class OldLogitService:
         missing = sum(self.tokens_missing.values())
         out.update(
             forwards=self.forwards,
+            base_bytes=self._base_bytes,
+            adapter=self.adapter.model_dump() if self.adapter is not None else None,
             latest_version=self.latest_version,
             evicted=dict(self.evicted),
             evictions=dict(self.evictions),

@@ -2,8 +2,10 @@
 
 from protocol.arrays import Float32Array, Int8Array, Int32Array
 from protocol.messages import (
+    ADAPTER_KEY_PREFIX,
     NO_VERSION,
     SCHEMA_VERSION,
+    AdapterSpec,
     EnvRef,
     EwmaStatus,
     FinishReason,
@@ -24,12 +26,18 @@ from protocol.messages import (
     Trajectory,
     WeightManifest,
     WorkerStatus,
+    adapter_key,
     payload_checksum,
+    split_adapter_key,
     verify_weight_payload,
     weights_digest,
 )
 
 __all__ = [
+    "ADAPTER_KEY_PREFIX",
+    "AdapterSpec",
+    "adapter_key",
+    "split_adapter_key",
     "Float32Array",
     "Int8Array",
     "Int32Array",

@@ -293,8 +293,55 @@ class TensorSpec(Message):
         return math.prod(self.shape) * _DTYPE_BYTES[self.dtype]
 
 
+ADAPTER_KEY_PREFIX = "base_model.model."
+"""Prefix of every adapter tensor name (peft's saved-adapter naming, ``get_peft_model_state_dict``)."""
+
+
+def adapter_key(module: str, which: Literal["A", "B"]) -> str:
+    """Payload name of one LoRA factor of the HF module ``module`` (e.g. ``model.layers.0.self_attn.q_proj``):
+    ``base_model.model.<module>.lora_<which>.weight``, peft's saved-adapter naming."""
+    return f"{ADAPTER_KEY_PREFIX}{module}.lora_{which}.weight"
+
+
+def split_adapter_key(name: str) -> tuple[str, str] | None:
+    """``(module, "A" | "B")`` of an adapter tensor name (inverse of :func:`adapter_key`), None for any other name."""
+    if not name.startswith(ADAPTER_KEY_PREFIX):
+        return None
+    for which in ("A", "B"):
+        suffix = f".lora_{which}.weight"
+        if name.endswith(suffix) and len(name) > len(ADAPTER_KEY_PREFIX) + len(suffix):
+            return name[len(ADAPTER_KEY_PREFIX) : -len(suffix)], which
+    return None
+
+
+class AdapterSpec(Message):
+    """A LoRA adapter publication (Hu et al. 2021): the payload holds, per adapted linear module,
+    ``A`` ``[rank, in_features]`` and ``B`` ``[out_features, rank]``; the weight a consumer runs is
+    ``W + (alpha / rank) * B @ A`` on top of its own copy of the base model (the model folder the
+    learner started from, identical in every version)."""
+
+    kind: Literal["lora"] = "lora"
+    rank: int = Field(ge=1, le=65536)
+    """LoRA rank r (rows of A, columns of B)."""
+    alpha: float = Field(gt=0.0)
+    """LoRA alpha; the update is scaled by ``alpha / rank`` (peft's ``scaling``, no rsLoRA)."""
+    target_modules: list[str] = Field(min_length=1)
+    """Names of the adapted module kinds (last name component, e.g. ``q_proj``)."""
+
+    @property
+    def scaling(self) -> float:
+        """``alpha / rank``."""
+        return self.alpha / self.rank
+
+
 class WeightManifest(Message):
-    """What a versioned weight update contains; the payload travels separately (object store)."""
+    """What a versioned weight update contains; the payload travels separately (object store).
+
+    ``adapter`` None: the tensors are full weights in HF naming (the whole model). ``adapter`` set:
+    the tensors are exactly one LoRA ``A`` and ``B`` per adapted module (names from
+    :func:`adapter_key`), of the declared rank, each module's kind among ``target_modules``, and
+    nothing is tied.
+    """
 
     version: int = Field(ge=0)
     tensors: list[TensorSpec] = Field(min_length=1)
@@ -302,6 +349,8 @@ class WeightManifest(Message):
     """XXH3-128 hex digest of the tensor names and raw bytes, in manifest order (:func:`weights_digest`)."""
     tied: dict[str, str] = Field(default_factory=dict)
     """Names left out of the payload because they share storage with another: ``{alias: source}``."""
+    adapter: AdapterSpec | None = None
+    """Set when the payload is a LoRA adapter to merge into the consumer's base weights; None: full weights."""
 
     @model_validator(mode="after")
     def _unique(self) -> WeightManifest:
@@ -312,7 +361,36 @@ class WeightManifest(Message):
         for alias, src in self.tied.items():
             if src not in names:
                 raise ValueError(f"tied: {alias!r} points to {src!r}, which is not in tensors")
+        if self.adapter is not None:
+            self._check_adapter(self.adapter)
         return self
+
+    def _check_adapter(self, spec: AdapterSpec) -> None:
+        if self.tied:
+            raise ValueError(f"tied: an adapter publication ties nothing, got {self.tied}")
+        factors: dict[str, dict[str, TensorSpec]] = {}
+        for t in self.tensors:
+            key = split_adapter_key(t.name)
+            if key is None:
+                raise ValueError(
+                    f"tensors: {t.name!r} is not a LoRA factor name ({ADAPTER_KEY_PREFIX}<module>.lora_A|B.weight)"
+                )
+            module, which = key
+            if module.rsplit(".", 1)[-1] not in spec.target_modules:
+                raise ValueError(
+                    f"tensors: {t.name!r} adapts a module not in adapter.target_modules {spec.target_modules}"
+                )
+            if len(t.shape) != 2:
+                raise ValueError(f"tensors: {t.name!r} has shape {t.shape}, a LoRA factor is 2-D")
+            factors.setdefault(module, {})[which] = t
+        for module, ab in factors.items():
+            if set(ab) != {"A", "B"}:
+                raise ValueError(f"tensors: module {module!r} has lora_{''.join(ab)} without its pair")
+            a, b = ab["A"].shape, ab["B"].shape
+            if a[0] != spec.rank or b[1] != spec.rank:
+                raise ValueError(
+                    f"tensors: module {module!r} has A {a} and B {b}, not rank adapter.rank={spec.rank} ([r, in] and [out, r])"
+                )
 
     @property
     def total_bytes(self) -> int:

@@ -23,6 +23,10 @@ Invariants:
   ``old_logprobs`` for every completed segment;
 * a failed update (bad payload, engine error) raises; interrupted requests resume under the old
   version, which keeps serving;
+* a LoRA adapter publication (``manifest.adapter`` set) is merged into the worker's own pristine
+  copy of the base weights (the engine's model folder, loaded at the first adapter) by
+  :func:`modelkit.lora.merged_weights` and applied like full weights; every version is merged
+  from that base, never from the previous version;
 * every submitted sample leaves exactly once through :meth:`poll`, finished (``stop``/``length``)
   or ``abort`` with the reason in ``info["error"]``.
 """
@@ -40,7 +44,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from protocol import OldLogitItem, RolloutRequest, Trajectory, WeightManifest, WorkerStatus
+from protocol import AdapterSpec, OldLogitItem, RolloutRequest, Trajectory, WeightManifest, WorkerStatus
 from rollout.agent import ChatFormat, Episode, TemplateChatFormat
 from rollout.engine import EngineConfig, EngineRequest, GenerationEngine, make_engine
 from rollout.envs import check_reset, check_step, load_env
@@ -97,6 +101,7 @@ class RolloutWorkerCore:
         self.last_update_seconds: float | None = None
         self.last_error = ""
         self.state = "running"
+        self._base: dict[str, Any] | None = None  # pristine base weights, kept once an adapter arrives
 
     # --- public API --------------------------------------------------------------------------
 
@@ -148,7 +153,8 @@ class RolloutWorkerCore:
         """Interrupt in-flight requests, apply weights ``manifest.version``, resume; returns the version.
 
         ``payload`` is ``{hf_name: tensor}`` from ``modelkit.weights.pack_weights``; it is verified
-        (checksum, shapes) before anything is interrupted.
+        (checksum, shapes) before anything is interrupted. An adapter publication is merged into
+        the kept base first (:meth:`merged_adapter`).
 
         Raises:
             protocol.ProtocolError: the payload does not match the manifest.
@@ -162,6 +168,8 @@ class RolloutWorkerCore:
                 f"manifest.version: {manifest.version} is not newer than serving version {self.engine.version}"
             )
         named = unpack_weights(manifest, payload)
+        if manifest.adapter is not None:
+            named = self.merged_adapter(named, manifest.adapter)
         t0 = time.perf_counter()
         with self._locked():
             self._interrupt()
@@ -182,6 +190,24 @@ class RolloutWorkerCore:
             self.last_update_seconds = time.perf_counter() - t0
         self._wake.set()
         return self.engine.version
+
+    def merged_adapter(self, adapter: Mapping[str, Any], spec: AdapterSpec) -> dict[str, Any]:
+        """Full weights ``W0 + (alpha / r) * B @ A`` of an adapter version, from the kept base.
+
+        The base (the engine's model folder, cast to the engine dtype) is loaded at the first call
+        and kept unchanged: merging is always from it, never cumulative.
+
+        Raises:
+            ValueError: the adapter does not fit the base (names, shapes; the message names the module).
+        """
+        import torch
+
+        from modelkit.lora import load_base_weights, merged_weights
+
+        if self._base is None:
+            dtype = getattr(torch, self.engine.config.dtype)
+            self._base = {k: v.to(dtype) for k, v in load_base_weights(self.engine.config.model_path).items()}
+        return merged_weights(self._base, adapter, spec)
 
     def status(self) -> WorkerStatus:
         """Version, in-flight samples, throughput (tokens / second spent stepping) and errors."""

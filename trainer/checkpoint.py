@@ -17,6 +17,11 @@ buffer accounting and the old-logit snapshot index there. It must hold plain Pyt
 
 A resumed learner continues the version sequence: after loading ``v12`` the next applied step
 publishes version 13.
+
+With LoRA (``settings.lora.enabled``) the model files hold only the trainable parameters (the
+adapter; DeepSpeed's ``exclude_frozen_parameters``), next to the optimizer state, version and EWMA
+adapter average: the frozen base is the model folder, loaded again by the resuming learner. A
+checkpoint resumes only into a learner with the same LoRA rank, alpha and target modules.
 """
 
 from __future__ import annotations
@@ -55,7 +60,12 @@ def save_checkpoint(
     directory = Path(directory)
     tag = tag or f"v{core.version}"
     directory.mkdir(parents=True, exist_ok=True)
-    core.engine.save_checkpoint(str(directory), tag=tag, client_state={"vintage_version": core.version})
+    core.engine.save_checkpoint(
+        str(directory),
+        tag=tag,
+        client_state={"vintage_version": core.version},
+        exclude_frozen_parameters=core.settings.lora.enabled,
+    )
     if core.rank == 0:
         state = {
             "format": FORMAT,
@@ -107,14 +117,18 @@ def load_checkpoint(core: LearnerCore, directory: str | Path, *, tag: str | None
 
     Raises:
         FileNotFoundError: no complete checkpoint.
-        ValueError: the checkpoint has EWMA state but ``core`` has no EWMA (or the reverse), or an
+        ValueError: the checkpoint has EWMA state but ``core`` has no EWMA (or the reverse), its
+            LoRA settings (on/off, rank, alpha, target modules) differ from ``core``'s, or an
             unknown format.
     """
     state = read_state(directory, tag)
     tag = tag or latest_tag(directory)
+    _check_lora(core, state, tag)
+    lora = core.settings.lora.enabled
     load_path, _ = core.engine.load_checkpoint(
-        str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
-    )
+        str(directory), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False,
+        load_module_strict=not lora,  # a LoRA checkpoint holds the adapter only; the base is the model folder
+    )  # fmt: skip
     if load_path is None:
         raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag!r} in {directory}")
     if (state["ewma"] is None) != (core.ewma is None):
@@ -127,3 +141,16 @@ def load_checkpoint(core: LearnerCore, directory: str | Path, *, tag: str | None
     core.skipped_steps = int(state["skipped_steps"])
     _barrier(core)
     return dict(state["extra"])
+
+
+def _check_lora(core: LearnerCore, state: dict[str, Any], tag: str | None) -> None:
+    """Raise ValueError naming the field when the checkpoint's LoRA settings do not fit ``core``'s."""
+    saved = (state.get("settings") or {}).get("lora") or {"enabled": False}
+    want = core.settings.lora.model_dump(mode="json")
+    if not saved.get("enabled") and not want["enabled"]:
+        return
+    for field in ("enabled", "rank", "alpha", "target_modules"):
+        if saved.get(field) != want[field]:
+            raise ValueError(
+                f"lora.{field}: checkpoint {tag!r} was saved with {saved.get(field)!r}, this learner has {want[field]!r}"
+            )

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from protocol import SamplingParams
+from trainer.lora_config import LoraSettings, lora_zero_refusal
 from trainer.loss_config import EwmaConfig, LossConfig, kl_refusal, loss_config
 
 
@@ -241,6 +242,8 @@ class JobConfig(_Section):
     env: EnvConfig = Field(default_factory=EnvConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    """Train a LoRA adapter on the frozen base (``enabled = true``); versions are then adapters end to end."""
     loss: LossConfig = Field(default_factory=lambda: loss_config("snapshot"))
     """Loss method preset (``method = "snapshot"``) plus field overrides; see ``trainer.loss_config.METHODS``."""
     ewma: EwmaConfig = Field(default_factory=EwmaConfig)
@@ -281,6 +284,13 @@ class JobConfig(_Section):
             raise ValueError(f"rollout.max_batch: {self.rollout.max_batch} < sampling.n {n}: a group never fits")
         if self.rollout.num_workers == 0 and c.time_budget_s is None:
             raise ValueError("rollout.num_workers: 0 without controller.time_budget_s: the job would wait forever")
+        if self.lora.enabled:
+            if msg := lora_zero_refusal(self.learner.zero_stage):
+                raise ValueError(msg)
+            if self.rollout.inject_mismatch_std > 0:
+                raise ValueError(
+                    f"rollout.inject_mismatch_std: {self.rollout.inject_mismatch_std} is not supported with lora.enabled (the noise applies to full weights)"
+                )
         return self
 
     @property

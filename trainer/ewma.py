@@ -15,6 +15,11 @@ give 0.666667 (total 1.5) then 1.428571 (total 1.75)). A reset sets theta_ewma <
 total <- 1; it happens when the discrepancy mask on pi_ewma/mu keeps less than ``reset_tau`` of the
 valid tokens, and is counted.
 
+With ``trainable_only`` (LoRA) the EWMA holds only the parameters that train (``requires_grad``):
+the frozen base is the same in every version, so the average of the full weights equals base +
+the average of the adapter parameters, and only those are kept (``bytes_held`` = adapter bytes).
+A model passed later is read by the EWMA's own names (its other parameters are left alone).
+
 Invariants: the EWMA holds exactly the names and shapes of the parameters it was created from
 (any mismatch raises); it is fp32 on ``config.device`` (CPU by default) whatever the model's dtype;
 a forward with EWMA weights never changes the model's own parameters. Parameters must be full
@@ -60,13 +65,28 @@ def _named(params: ParamSource) -> dict[str, Tensor]:
 
 
 class EwmaProximal:
-    """fp32 EWMA copy of a model's named parameters, with bias-corrected updates and resets."""
+    """fp32 EWMA copy of a model's named parameters, with bias-corrected updates and resets.
 
-    def __init__(self, params: ParamSource, config: EwmaConfig | None = None) -> None:
+    Args:
+        params: a module, or ``{name: tensor}`` / ``(name, tensor)`` pairs.
+        config: decay source and reset threshold.
+        trainable_only: keep only the parameters of ``params`` with ``requires_grad`` (a module's
+            LoRA adapter); modules passed later are read by the EWMA's names.
+
+    Raises:
+        ValueError: ``trainable_only`` and no parameter requires a gradient.
+    """
+
+    def __init__(self, params: ParamSource, config: EwmaConfig | None = None, trainable_only: bool = False) -> None:
         self.config = config or EwmaConfig()
+        self.trainable_only = trainable_only
+        named = _named(params)
+        if trainable_only:
+            named = {name: t for name, t in named.items() if t.requires_grad}
+            if not named:
+                raise ValueError("trainable_only: no parameter requires a gradient")
         self.params: dict[str, Tensor] = {
-            name: t.detach().to(device=self.config.device, dtype=torch.float32, copy=True)
-            for name, t in _named(params).items()
+            name: t.detach().to(device=self.config.device, dtype=torch.float32, copy=True) for name, t in named.items()
         }
         self.total = 1.0
         self.updates = 0
@@ -94,6 +114,8 @@ class EwmaProximal:
 
     def _checked(self, params: ParamSource) -> dict[str, Tensor]:
         named = _named(params)
+        if self.trainable_only and isinstance(params, nn.Module):
+            named = {name: t for name, t in named.items() if name in self.params}
         if named.keys() != self.params.keys():
             missing, extra = self.params.keys() - named.keys(), named.keys() - self.params.keys()
             raise ValueError(

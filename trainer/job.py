@@ -298,6 +298,7 @@ def learner_settings(cfg: JobConfig, model_path: Path):
         temperature=s.temperature,
         max_token_staleness=c.max_token_staleness,
         seed=c.seed,
+        lora=cfg.lora,
     )
 
 
@@ -375,6 +376,7 @@ class Job:
                     route=cfg.oldlogit_route,
                     max_staleness=c.max_staleness,
                     memory_budget_bytes=cfg.oldlogit.memory_budget_bytes,
+                    adapter=cfg.lora.spec() if cfg.lora.enabled else None,
                 )
                 try:
                     ray.get(oldlogit.ready.remote(), timeout=c.start_timeout_s)
@@ -639,6 +641,7 @@ class Job:
                 "staleness_max": max(hist, default=0),
                 "staleness_hist": hist,
                 "publish_s": self.last_publish.get("seconds", 0.0),
+                "publish_bytes": float(self.last_publish.get("bytes", 0.0)),
                 "run_segment": self.run_segment,
                 **{f"dropped_{k}": v for k, v in self.buffer.dropped.items()},
             }
@@ -767,7 +770,7 @@ class Job:
                     beta=extra["ewma_beta"],
                     total_weight=extra["ewma_total_weight"],
                     resets=int(extra["ewma_resets"]),
-                    bytes_held=int(extra.get("ewma_bytes", 0)),
+                    bytes_held=int(extra.get("ewma_bytes_held", 0)),
                 )
         return f
 

@@ -59,6 +59,7 @@ from modelkit.weights import PackedWeights, Transport, all_finite, pack_weights
 from protocol import OldLogitAnswer, Trajectory, WeightManifest
 from trainer.batch import Batch, collate
 from trainer.ewma import EwmaProximal
+from trainer.lora_config import LoraSettings, lora_zero_refusal
 from trainer.loss_config import EwmaConfig, LossConfig, kl_refusal, loss_config
 from trainer.losses import compute_policy_loss, discrepancy_ratio, icepop_mask
 from trainer.proximal import proximal_reference
@@ -72,7 +73,7 @@ class LearnerSettings(BaseModel):
     model_path: str
     """HF model folder (``modelkit.modelhub``); loaded in fp32 on CPU, cast by DeepSpeed for bf16."""
     zero_stage: int = Field(0, ge=0, le=3)
-    """DeepSpeed ZeRO stage; 0-3 all work on CPU with gloo."""
+    """DeepSpeed ZeRO stage; 0-3 all work on CPU with gloo (with LoRA: 0-2, see ``trainer.lora_config``)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype; bf16 keeps fp32 master weights in DeepSpeed's optimizer wrapper."""
     lr: float = Field(1e-5, gt=0.0)
@@ -105,11 +106,15 @@ class LearnerSettings(BaseModel):
     """Rendezvous port (``MASTER_PORT``); :class:`LearnerGroup` picks a free one."""
     dist_backend: str | None = None
     """torch.distributed backend; None: gloo on CPU, the accelerator's own otherwise."""
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    """Train a LoRA adapter on the frozen base instead of every weight (``trainer.lora_config``)."""
 
     @model_validator(mode="after")
     def _no_kl(self) -> LearnerSettings:
         if self.loss.kl_coef > 0:
             raise ValueError(kl_refusal(self.loss.kl_coef))
+        if self.lora.enabled and (msg := lora_zero_refusal(self.zero_stage)):
+            raise ValueError(msg)
         return self
 
 
@@ -252,16 +257,23 @@ class LearnerCore:
         model = load_causal_lm(settings.model_path, "float32")
         model.config.use_cache = False
         self.pad_token_id = int(model.config.pad_token_id if model.config.pad_token_id is not None else 0)
+        lora = settings.lora
+        if lora.enabled:  # base frozen, A/B factors trainable (B = 0: version 0 is the base model)
+            from modelkit.lora import wrap_lora
+
+            model = wrap_lora(model, lora.spec(), dropout=lora.dropout)
         use_ewma = settings.loss.proxy == "ewma"
         scorer = None
-        if use_ewma:  # a plain copy for EWMA forwards; like DeepSpeed, cast parameters only (buffers stay fp32)
+        if use_ewma and not lora.enabled:
+            # a plain copy for EWMA forwards; like DeepSpeed, cast parameters only (buffers stay fp32).
+            # With LoRA there is no copy: the EWMA adapter is swapped into the engine's own module.
             scorer = copy.deepcopy(model).eval().requires_grad_(False)
             for p in scorer.parameters():
                 p.data = p.data.to(self._torch_dtype)
         model.train()
         self._optimizer = torch.optim.AdamW(
-            model.parameters(), lr=settings.lr, betas=settings.betas, eps=settings.adam_eps,
-            weight_decay=settings.weight_decay, fused=settings.fused_adam or None,
+            [p for p in model.parameters() if p.requires_grad], lr=settings.lr, betas=settings.betas,
+            eps=settings.adam_eps, weight_decay=settings.weight_decay, fused=settings.fused_adam or None,
         )  # fmt: skip
         self._install_step_guard()
         ds_config: dict[str, Any] = {
@@ -287,7 +299,7 @@ class LearnerCore:
         self._scorer = scorer
         if use_ewma:
             with self._full_params():
-                self.ewma = EwmaProximal(self.engine.module, settings.ewma)
+                self.ewma = EwmaProximal(self.engine.module, settings.ewma, trainable_only=lora.enabled)
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -340,10 +352,20 @@ class LearnerCore:
         return t.tolist()
 
     def _ewma_logprobs(self, mb: Batch) -> torch.Tensor:
-        """``[b, T]`` log-probs under the EWMA weights (no grad, learner numerics and temperature)."""
-        assert self.ewma is not None and self._scorer is not None
-        with torch.no_grad(), self.ewma.swapped_into(self._scorer):
-            return sequence_logprobs(self._scorer, mb.token_ids, mb.attention_mask, mb.temperature)
+        """``[b, T]`` log-probs under the EWMA weights (no grad, eval mode, learner numerics and temperature).
+
+        Full-weight training runs a separate scorer copy; with LoRA the EWMA adapter is swapped
+        into the engine's own module for the forward (the frozen base is shared, nothing is copied)
+        and the trained adapter is put back bit for bit."""
+        assert self.ewma is not None
+        model = self._scorer if self._scorer is not None else self.engine.module
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), self.ewma.swapped_into(model):
+                return sequence_logprobs(model, mb.token_ids, mb.attention_mask, mb.temperature)
+        finally:
+            model.train(was_training)
 
     # -- training -------------------------------------------------------------------------------
 
@@ -528,11 +550,31 @@ class LearnerCore:
             self.engine.module.train(was_training)
 
     def state_dict_full(self) -> dict[str, torch.Tensor]:
-        """CPU fp32 copy of the full weights in HF naming (tied tensors appear under both names)."""
+        """CPU fp32 copy of the full weights in HF naming (tied tensors appear under both names).
+
+        With LoRA: the merged weights a consumer runs, ``W0 + (alpha / r) * B @ A`` per adapted
+        module (:func:`modelkit.lora.merged_weights`)."""
         with self._full_params():
-            return {
-                k: v.detach().to("cpu", torch.float32, copy=True) for k, v in self.engine.module.state_dict().items()
-            }
+            if self.settings.lora.enabled:
+                from modelkit.lora import adapter_state, base_state, merged_weights
+
+                module = self.engine.module
+                state = merged_weights(base_state(module), adapter_state(module), self.settings.lora.spec())
+            else:
+                state = self.engine.module.state_dict()
+            return {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in state.items()}
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """CPU fp32 copy of the LoRA adapter, ``{protocol.adapter_key name: tensor}`` (A ``[r, in]``,
+        B ``[out, r]``).
+
+        Raises:
+            ValueError: LoRA is off."""
+        if not self.settings.lora.enabled:
+            raise ValueError("lora.enabled: false, the learner has no adapter")
+        from modelkit.lora import adapter_state
+
+        return {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in adapter_state(self.engine.module).items()}
 
     def publish(
         self, dtype: str = "float32", copy: bool = True, transport: Transport = "host"
@@ -550,17 +592,27 @@ class LearnerCore:
         (or ``auto`` on a GPU) keeps the payload on the device (:mod:`modelkit.cuda_ipc`); the last
         two such payloads are kept alive here, as their consumers read this process's memory.
 
+        With LoRA only the adapter is packed (:func:`modelkit.lora.pack_adapter`, ``manifest.adapter``
+        set): ``rank * (in + out)`` elements per adapted module; consumers merge it into their own base.
+
         Under ZeRO-3 with several ranks every rank must call it (parameters are gathered).
         """
         t0 = time.perf_counter()
-        with self._full_params():
-            named = self.engine.module.state_dict()
+        if self.settings.lora.enabled:  # ZeRO 0-2 only: the adapter is whole on every rank
+            from modelkit.lora import adapter_state, pack_adapter
+
+            named = adapter_state(self.engine.module)
             t1 = time.perf_counter()
-            copy = copy or self.settings.zero_stage == 3
-            manifest, payload = pack_weights(named.items(), self.version, dtype, copy=copy, transport=transport)
-        if not isinstance(payload, PackedWeights):  # a device payload: consumers map this memory
-            self._device_payloads.append(payload)
-            torch.cuda.ipc_collect()
+            manifest, payload = pack_adapter(named.items(), self.version, self.settings.lora.spec(), dtype)
+        else:
+            with self._full_params():
+                named = self.engine.module.state_dict()
+                t1 = time.perf_counter()
+                copy = copy or self.settings.zero_stage == 3
+                manifest, payload = pack_weights(named.items(), self.version, dtype, copy=copy, transport=transport)
+            if not isinstance(payload, PackedWeights):  # a device payload: consumers map this memory
+                self._device_payloads.append(payload)
+                torch.cuda.ipc_collect()
         t2 = time.perf_counter()
         self.last_publish = {
             "seconds": t2 - t0,
@@ -580,7 +632,7 @@ class LearnerCore:
         return {
             "version": self.version, "skipped_steps": self.skipped_steps, "rank": self.rank, "world_size": self.world_size,
             "zero_stage": self.settings.zero_stage, "dtype": self.settings.dtype, "last_publish": dict(self.last_publish),
-            "ewma": self.ewma.status() if self.ewma is not None else None,
+            "ewma": self.ewma.status() if self.ewma is not None else None, "lora": self.settings.lora.enabled,
         }  # fmt: skip
 
     def save_checkpoint(self, directory: str, extra: dict[str, Any] | None = None) -> str:

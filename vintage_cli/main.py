@@ -144,6 +144,24 @@ def bench_trl(
         raise typer.Exit(1) from None
 
 
+@bench_app.command("lora")
+def bench_lora(
+    windows: Annotated[list[int] | None, typer.Option(help="Staleness windows W (repeatable).")] = None,
+    rank: Annotated[int, typer.Option(min=1, help="LoRA rank.")] = 8,
+    alpha: Annotated[float, typer.Option(help="LoRA alpha.")] = 16.0,
+    steps: Annotated[int, typer.Option(min=1, help="Measured steps per window and route.")] = 3,
+    out: Annotated[Path, typer.Option(help="JSON results.")] = Path("runs/bench/lora.json"),
+) -> None:
+    """LoRA vs full weights on SmolLM2: old-logit memory (snapshots, adapter snapshots, PPO-EWMA),
+    publication bytes and seconds, old-logit seconds per step; prints a table, writes JSON."""
+    from benchmarks.bench_lora import main as lora_main
+
+    argv = ["--rank", str(rank), "--alpha", str(alpha), "--steps", str(steps), "--out", str(out)]
+    if windows:
+        argv += ["--windows", *map(str, windows)]
+    lora_main(argv)
+
+
 @eval_app.command("tau2")
 def eval_tau2(
     domain: Annotated[str, typer.Option(help="tau2 domain: mock, retail, airline or telecom.")],

@@ -22,6 +22,7 @@ import protocol
 from protocol import (
     NO_VERSION,
     SCHEMA_VERSION,
+    AdapterSpec,
     EnvRef,
     EwmaStatus,
     GatewayStatus,
@@ -41,6 +42,7 @@ from protocol import (
     Trajectory,
     WeightManifest,
     WorkerStatus,
+    adapter_key,
     payload_checksum,
     verify_weight_payload,
 )
@@ -204,6 +206,16 @@ def _samples() -> dict[str, Message]:
         "Trajectory[no old_logprobs]": make_traj(old_logprobs=None, turn_boundaries=[], turn_rewards=[], info={}),
         "TensorSpec": TensorSpec(name="model.norm.weight", shape=[4], dtype="bfloat16"),
         "WeightManifest": WeightManifest(**manifest_dict()),
+        "AdapterSpec": AdapterSpec(rank=2, alpha=4.0, target_modules=["q_proj"]),
+        "WeightManifest[adapter]": WeightManifest(
+            version=3,
+            tensors=[
+                TensorSpec(name=adapter_key("model.layers.0.self_attn.q_proj", "A"), shape=[2, 8], dtype="float32"),
+                TensorSpec(name=adapter_key("model.layers.0.self_attn.q_proj", "B"), shape=[8, 2], dtype="float32"),
+            ],
+            checksum="0" * 32,
+            adapter=AdapterSpec(rank=2, alpha=4.0, target_modules=["q_proj"]),
+        ),
         "OldLogitItem": OldLogitItem(**item_dict()),
         "OldLogitRequest": OldLogitRequest(
             request_id="r-0",
