@@ -65,12 +65,13 @@ def _median_seconds(fn, reps: int) -> tuple[float, Any]:
 
 
 def make_batch(vocab: int, batch: int, prompt: int, gen: int, V: int, W: int, seed: int) -> list[OldLogitItem]:
-    """B partial rollouts consumed at version V: sequence i started at version V - (i mod (W+1)) and
+    """B partial rollouts consumed at version V: sequence i started at version V - floor(i W / (B-1))
+    (so the starts cover [V - W, V] and every version of the window is present for any B >= 2) and
     its generated tokens are split evenly over the versions from its start to V."""
     rng = np.random.RandomState(seed)
     items = []
     for i in range(batch):
-        span = np.arange(max(0, V - (i % (W + 1))), V + 1)
+        span = np.arange(max(0, V - (i * W) // max(batch - 1, 1)), V + 1)
         vers = span[np.minimum((np.arange(gen) * len(span)) // gen, len(span) - 1)]
         items.append(
             OldLogitItem(
@@ -118,14 +119,14 @@ def route_cost(
     upd, score, exact = [], [], []
     for k in range(steps):
         V = W + 2 + k
-        t0 = time.perf_counter()
-        svc.update_weights(*publish(V))
-        t1 = time.perf_counter()
-        ans = svc.score(
-            OldLogitRequest(
-                request_id=f"s{V}", temperature=TEMPERATURE, items=make_batch(vocab, batch, prompt, gen, V, W, seed=V)
-            )
+        pub = publish(V)  # the learner's pack is not the service's cost (it is in the publication table)
+        request = OldLogitRequest(
+            request_id=f"s{V}", temperature=TEMPERATURE, items=make_batch(vocab, batch, prompt, gen, V, W, seed=V)
         )
+        t0 = time.perf_counter()
+        svc.update_weights(*pub)
+        t1 = time.perf_counter()
+        ans = svc.score(request)
         t2 = time.perf_counter()
         upd.append(t1 - t0)
         score.append(t2 - t1)

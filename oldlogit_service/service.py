@@ -274,10 +274,10 @@ class OldLogitService:
         payload from the object store) before any held version is touched, so a bad payload leaves
         the service as it was. Its tensors are copied (cast to the service dtype), except read-only
         object-store views that already have the store's device and dtype: those are immutable and
-        are held as they are (Ray keeps the object alive while they are held). Snapshot route: versions older than ``V - max_staleness``
-        are evicted (reason ``staleness``), then the oldest until the copies fit the memory budget
-        (reason ``memory_budget``; a version that alone exceeds the budget is recorded as evicted
-        at once). Single-replica routes: the new version replaces the loaded one (``superseded``).
+        are held as they are (Ray keeps the object alive while they are held). Snapshot route:
+        versions older than ``V - max_staleness`` are evicted (reason ``staleness``), then the
+        oldest until the copies fit the memory budget (reason ``memory_budget``; a version that
+        alone exceeds the budget is recorded as evicted at once). Single-replica routes: the new version replaces the loaded one (``superseded``).
         Route ``none``: only the version number is recorded. Republishing the newest version with
         the same checksum is a no-op.
 

@@ -26,7 +26,9 @@ checkpoint resumes only into a learner with the same LoRA rank, alpha and target
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,12 +62,11 @@ def save_checkpoint(
     directory = Path(directory)
     tag = tag or f"v{core.version}"
     directory.mkdir(parents=True, exist_ok=True)
-    core.engine.save_checkpoint(
-        str(directory),
-        tag=tag,
-        client_state={"vintage_version": core.version},
-        exclude_frozen_parameters=core.settings.lora.enabled,
-    )
+    lora = core.settings.lora.enabled
+    with _trainable_module_state(core.engine) if lora else contextlib.nullcontext():
+        core.engine.save_checkpoint(
+            str(directory), tag=tag, client_state={"vintage_version": core.version}, exclude_frozen_parameters=lora
+        )
     if core.rank == 0:
         state = {
             "format": FORMAT,
@@ -83,6 +84,30 @@ def save_checkpoint(
         os.replace(tmp_latest, directory / LATEST_FILE)
     _barrier(core)
     return directory / tag
+
+
+@contextlib.contextmanager
+def _trainable_module_state(engine: Any) -> Iterator[None]:
+    """While saving, DeepSpeed's module state holds exactly the trainable parameters (the adapter).
+
+    ``exclude_frozen_parameters`` drops the frozen parameters that ``named_parameters()`` lists, and
+    that lists a tied weight once: the alias (a tied ``lm_head.weight``, a whole embedding) would
+    still be saved. The engine's ``module_state_dict`` is shadowed for the duration of the save.
+    """
+    inner = engine.module_state_dict
+    trainable = {name for name, p in engine.module.named_parameters() if p.requires_grad}
+
+    def state_dict(*args: Any, **kwargs: Any) -> Any:
+        sd = inner(*args, **kwargs)
+        for name in [k for k in sd if k not in trainable]:
+            del sd[name]
+        return sd
+
+    engine.module_state_dict = state_dict
+    try:
+        yield
+    finally:
+        del engine.module_state_dict
 
 
 def latest_tag(directory: str | Path) -> str | None:
