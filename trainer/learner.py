@@ -217,6 +217,17 @@ class OptimizerRollback:
                         state[k] = copy.deepcopy(v)
 
 
+def first_loss_position(mb: Batch) -> int:
+    """The first sequence position any row of ``mb`` trains on (``loss_mask`` column), at least 1.
+
+    The learner's forwards compute vocabulary logits only from there on (every position before it
+    is prompt or context in every row, never read by the loss); 1 when nothing is trained on.
+    Example: rows with prompts of 5 and 7 tokens, completions after them: 5.
+    """
+    cols = torch.nonzero(mb.loss_mask.any(0)).flatten()
+    return max(1, int(cols[0])) if cols.numel() else 1
+
+
 def _sum_max_min(means: dict[str, float], weight: float, acc: dict[str, list[float]]) -> None:
     for k, v in means.items():
         if k == "n_tokens":
@@ -351,7 +362,7 @@ class LearnerCore:
         dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
         return t.tolist()
 
-    def _ewma_logprobs(self, mb: Batch) -> torch.Tensor:
+    def _ewma_logprobs(self, mb: Batch, first: int = 1) -> torch.Tensor:
         """``[b, T]`` log-probs under the EWMA weights (no grad, eval mode, learner numerics and temperature).
 
         Full-weight training runs a separate scorer copy; with LoRA the EWMA adapter is swapped
@@ -363,7 +374,9 @@ class LearnerCore:
         model.eval()
         try:
             with torch.no_grad(), self.ewma.swapped_into(model):
-                return sequence_logprobs(model, mb.token_ids, mb.attention_mask, mb.temperature)
+                return sequence_logprobs(
+                    model, mb.token_ids, mb.attention_mask, mb.temperature, first_loss_position(mb)
+                )
         finally:
             model.train(was_training)
 
@@ -413,6 +426,7 @@ class LearnerCore:
         rows_per_rank = -(-batch.size // self.world_size)
         n_micro = max(1, -(-rows_per_rank // self.settings.micro_batch_size))
         micro = local.micro_batches(self.settings.micro_batch_size, n_micro)
+        first = first_loss_position(local)  # one for every micro-batch: their sums match a single pass
         n_tok, n_seq = self._all_reduce([float(local.n_tokens), float(local.loss_mask.any(-1).sum())])
         scale = float(self.world_size)  # DeepSpeed averages gradients over data-parallel ranks
         self._grad_bad.fill_(False)
@@ -432,9 +446,9 @@ class LearnerCore:
             ta = time.perf_counter()
             ewma_lp = None
             if self.ewma is not None and (bool((mask & ~mb.exact_mask).any()) or (probe and i == 0)):
-                ewma_lp, ewma_runs = self._ewma_logprobs(mb), ewma_runs + 1
+                ewma_lp, ewma_runs = self._ewma_logprobs(mb, first), ewma_runs + 1
             tb = time.perf_counter()
-            lp = sequence_logprobs(eng, mb.token_ids, mb.attention_mask, mb.temperature)
+            lp = sequence_logprobs(eng, mb.token_ids, mb.attention_mask, mb.temperature, first)
             loss, m = compute_policy_loss(
                 lp, mb.behav_logprobs, mb.advantages, mask, cfg, old_logprobs=mb.old_logprobs,
                 exact_mask=mb.exact_mask, staleness=mb.staleness,

@@ -103,8 +103,8 @@ def test_case6_token_mean_independent_of_micro_batches(tiny_model_path, make_tra
         grads.append((acc, m["loss"], m["grad_norm"]))
     (g1, l1, n1), (g3, l3, n3) = grads
     assert l1 == pytest.approx(l3, rel=1e-5) and n1 == pytest.approx(n3, rel=1e-4)
-    for k in g1:
-        torch.testing.assert_close(g1[k], g3[k], rtol=1e-4, atol=1e-7)
+    for k in g1:  # to float32 rounding: the output projection's matmul shapes differ with the micro-batch
+        torch.testing.assert_close(g1[k], g3[k], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
