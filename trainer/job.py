@@ -670,10 +670,12 @@ class Job:
             r.model_copy(update={"purpose": "eval"})
             for r in make_requests(self.cfg, seeds, f"eval-{tag}-", self.version, n=1)
         ]
-        self.pool.submit(reqs)
+        pending = list(reqs)  # requests no worker took yet (every worker busy with a late call)
         timeout = self.cfg.env.eval_timeout_s
         got: list[Trajectory] = []
         while len(got) < len(reqs):
+            if pending:  # one sample per request, taken in order
+                pending = pending[self.pool.submit(pending) :]
             if time.perf_counter() - t0 > timeout:
                 raise TimeoutError(
                     f"env.eval_timeout_s: held-out evaluation {tag!r} got {len(got)} of {len(reqs)} episodes "

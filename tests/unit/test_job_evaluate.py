@@ -123,3 +123,17 @@ def test_intake_refuses_aborted_and_out_of_vocabulary_trajectories():
     assert intake_refusal(ok, vocab_size=2) == "token_id_out_of_vocab"  # id 2 has no row in a 2-row embedding
     aborted = ok.model_copy(update={"finish_reason": "abort"})
     assert intake_refusal(aborted, vocab_size=3) == "aborted"
+
+
+def test_eval_requests_no_worker_took_are_submitted_again():
+    """The pool takes one request per call (its only worker is busy with a late call meanwhile):
+    the second is submitted on a later round, and both episodes are scored."""
+
+    class OneAtATime(Pool):
+        def submit(self, reqs):
+            self.submitted += reqs[:1]
+            return len(reqs[:1])
+
+    pool = OneAtATime([[], [traj("eval-after-10", 1.0, "eval")], [traj("eval-after-11", 0.0, "eval")]])
+    assert job(pool).evaluate("after") == {"reward": 0.5, "success_rate": 0.5, "episodes": 2}
+    assert [r.request_id for r in pool.submitted] == ["eval-after-10", "eval-after-11"]
