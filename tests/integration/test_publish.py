@@ -28,30 +28,30 @@ REPO = Path(__file__).resolve().parents[2]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC and vLLM on CUDA need an NVIDIA GPU")
 
 
-class _Producer:
-    def __init__(self, path: str):
-        self.model = load_causal_lm(path)
-
-    def publish(self, version: int):
-        return pack_weights(self.model.state_dict().items(), version, copy=False)  # the learner's path
-
-
-class _Consumer:
-    def take(self, manifest, payload) -> dict:
-        ran_check = verify_payload(manifest, payload)
-        named = unpack_weights(manifest, payload, verify=False)
-        return {
-            "readonly": payload.readonly,
-            "ran_check": ran_check,
-            "digest": weights_digest(
-                [s.name for s in manifest.tensors], [named[s.name].numpy().tobytes() for s in manifest.tensors]
-            ),
-            "tied_same": named["lm_head.weight"] is named["model.embed_tokens.weight"],
-        }
-
-
 def test_object_store_payload_is_shared_and_checked_once_on_the_host(ray_cluster, tiny_model_path):
     ray = ray_cluster
+
+    # defined here so that Ray ships them by value (the test module is not importable in workers)
+    class _Producer:
+        def __init__(self, path: str):
+            self.model = load_causal_lm(path)
+
+        def publish(self, version: int):
+            return pack_weights(self.model.state_dict().items(), version, copy=False)  # the learner's path
+
+    class _Consumer:
+        def take(self, manifest, payload) -> dict:
+            ran_check = verify_payload(manifest, payload)
+            named = unpack_weights(manifest, payload, verify=False)
+            return {
+                "readonly": payload.readonly,
+                "ran_check": ran_check,
+                "digest": weights_digest(
+                    [s.name for s in manifest.tensors], [named[s.name].numpy().tobytes() for s in manifest.tensors]
+                ),
+                "tied_same": named["lm_head.weight"] is named["model.embed_tokens.weight"],
+            }
+
     producer = ray.remote(num_cpus=0.5)(_Producer).remote(str(tiny_model_path))
     consumers = [ray.remote(num_cpus=0.5)(_Consumer).remote() for _ in range(2)]
     man_ref, pay_ref = producer.publish.options(num_returns=2).remote(3)
