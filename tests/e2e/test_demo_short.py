@@ -4,7 +4,8 @@ Real vLLM rollout worker, DeepSpeed learner, snapshot old-logit service on a loc
 HTTP status server on 127.0.0.1. The snapshot memory budget is set to hold exactly two versions
 (2 x 538 MB), so with ``max_staleness = 2`` tokens of staleness 0-1 get exact old logits and tokens
 of staleness 2 fall back to PPO-EWMA: the exact fraction of each step must equal the share of
-staleness-0/1 tokens in that step's histogram, token for token.
+staleness-0/1 tokens in that step's histogram (staleness-1/2 for a batch taken ahead and scored
+during the step before), token for token.
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ def test_exact_and_proxy_accounting_per_token(demo_run):
     rows = read_metrics(run_dir / "metrics.jsonl")
     for r in rows:
         hist = {int(k): v for k, v in r["staleness_hist"].items()}
-        held = hist.get(0, 0) + hist.get(1, 0)  # versions V and V-1 fit the budget; V-2 was evicted
+        # two versions fit the budget: a batch taken at V is scored holding V and V-1 (staleness 0-1
+        # exact, 2 evicted); one taken ahead during step V-1 is scored holding V-1 and V-2, so at
+        # consumption its staleness 1-2 tokens are exact (it holds no token of version V)
+        held = hist.get(1, 0) + (hist.get(2, 0) if r["taken_ahead"] else hist.get(0, 0))
         assert r["exact_token_fraction"] == pytest.approx(held / sum(hist.values()), abs=1e-9)
         assert r["tokens"] == sum(hist.values())
     assert summary["tokens_total"] == sum(r["tokens"] for r in rows)
