@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import pickle
-import platform
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.machine import machine_facts  # noqa: E402
 from modelkit.lora import adapter_state, merged_weights, pack_adapter, wrap_lora  # noqa: E402
 from modelkit.modelhub import load_causal_lm, make_tiny_model, prepare_smollm2  # noqa: E402
 from modelkit.weights import pack_weights, unpack_weights  # noqa: E402
@@ -295,14 +295,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bench": "lora",
         "goals": {**GOALS, **g},
         "result": res,
-        "env": {
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "wall_s": time.perf_counter() - t0,
-        },
+        "env": machine_facts(t0),
         "notes": "bytes = bytes_held of the real OldLogitService / EwmaProximal after W+1 publications (tied tensors once); "
         "seconds = medians of wall seconds; transfer = pickle round trip of the payload; old-logit s/step = "
         "update_weights of one publication + scoring a batch whose tokens span versions [V-W, V]",

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.machine import machine_facts  # noqa: E402
 from modelkit.modelhub import load_causal_lm, make_tiny_model, prepare_smollm2  # noqa: E402
 from modelkit.scoring import sequence_logprobs  # noqa: E402
 from modelkit.weights import pack_weights  # noqa: E402
@@ -390,14 +390,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "paper": PAPER,
         "results": results,
         "ratios": [q for r in results for q in ratios(r)],
-        "env": {
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "wall_s": time.perf_counter() - t0,
-        },
+        "env": machine_facts(t0),
         "notes": "memory = bytes of weight copies held (tied tensors once); seconds = extra wall seconds per training step "
         "(weight receive + scoring); snapshot forwards = distinct versions in the batch; single-replica routes "
         "score each token once, at its version, before it is superseded",
