@@ -198,11 +198,12 @@ class AgentRunner:
     def admit(self, n: int) -> bool:
         """Admit ``n`` new training sessions if the staleness rule allows them now (thread-safe).
 
-        The rule is :func:`trainer.buffer.admission_capacity` over admitted sessions: a session
-        admitted at learner version ``V`` is consumed at most ``max_staleness`` versions later.
+        The rule is :func:`trainer.buffer.admission_capacity` over admitted sessions not dropped: a
+        session admitted at learner version ``V`` is consumed at most ``max_staleness`` versions later.
         """
         with self._lock:
-            room = admission_capacity(self.version(), self.cfg.controller.max_staleness, self.batch_size, self.admitted)
+            scheduled = self.admitted - self.buffer.dropped_total
+            room = admission_capacity(self.version(), self.cfg.controller.max_staleness, self.batch_size, scheduled)
             if room < n:
                 return False
             self.admitted += n

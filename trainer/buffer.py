@@ -33,16 +33,19 @@ def sequence_staleness(traj: Trajectory, consuming_version: int) -> int:
     return 0 if oldest == NO_VERSION else consuming_version - oldest
 
 
-def admission_capacity(learner_version: int, max_staleness: int, batch_size: int, submitted: int) -> int:
+def admission_capacity(learner_version: int, max_staleness: int, batch_size: int, scheduled: int) -> int:
     """How many more trajectories may be submitted now without breaking the staleness bound.
 
-    A trajectory submitted while the learner is at version ``V`` samples its first token at ``>= V``;
-    it is consumed by step ``ceil((submitted+1)/B)``. Bounding ``submitted <= (V + max_staleness + 1) * B``
-    means the batch that consumes it starts at most ``max_staleness`` versions after its admission
-    (AReaL's rule, Fu et al., 2025, Sec. 5.1). ``max_staleness = 0`` gives one batch per version: the
+    ``scheduled`` counts the trajectories submitted and not dropped (consumed, buffered, held or in
+    flight): a dropped trajectory (lost with its worker, refused, stale) is never consumed, so it
+    frees its place in the consumption order. A trajectory submitted while the learner is at version
+    ``V`` samples its first token at ``>= V``; it is consumed by step ``ceil((scheduled+1)/B)``.
+    Bounding ``scheduled <= (V + max_staleness + 1) * B`` means the batch that consumes it starts at
+    most ``max_staleness`` versions after its admission (AReaL's rule over accepted plus running
+    samples, Fu et al., 2025, Sec. 5.1). ``max_staleness = 0`` gives one batch per version: the
     synchronous baseline.
     """
-    return max(0, (learner_version + max_staleness + 1) * batch_size - submitted)
+    return max(0, (learner_version + max_staleness + 1) * batch_size - scheduled)
 
 
 @dataclass
@@ -55,6 +58,7 @@ class TrajectoryBuffer:
     consumed: int = 0
     dropped: Counter = field(default_factory=Counter)
     in_flight: int = 0
+    dropped_total: int = 0
     _items: OrderedDict = field(default_factory=OrderedDict)
     _held: dict = field(default_factory=dict)
 
@@ -72,6 +76,15 @@ class TrajectoryBuffer:
     def __len__(self) -> int:
         return len(self._items)
 
+    @property
+    def scheduled(self) -> int:
+        """Trajectories submitted and not dropped: the count :func:`admission_capacity` bounds."""
+        return self.submitted - self.dropped_total
+
+    def _drop(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] += n
+        self.dropped_total += n  # one int, read by other threads (the gateway's admission)
+
     def note_submitted(self, n: int) -> None:
         """Record ``n`` trajectories handed to rollout workers (now in flight)."""
         self.submitted += n
@@ -81,18 +94,18 @@ class TrajectoryBuffer:
         """Record ``n`` in-flight trajectories that will never arrive (worker removed, aborted...)."""
         n = min(n, self.in_flight)
         self.in_flight -= n
-        self.dropped[reason] += n
+        self._drop(reason, n)
 
     def reject(self, reason: str) -> None:
         """Record an arrived trajectory that will not be buffered (e.g. ``aborted`` by its worker)."""
         self.in_flight = max(0, self.in_flight - 1)
-        self.dropped[reason] += 1
+        self._drop(reason)
 
     def offer(self, traj: Trajectory) -> bool:
         """Add a finished trajectory. Returns False (and counts ``buffer_full``) when full."""
         self.in_flight = max(0, self.in_flight - 1)
         if len(self._items) >= self.capacity:
-            self.dropped["buffer_full"] += 1
+            self._drop("buffer_full")
             return False
         if traj.trajectory_id in self._items:
             raise ValueError(f"trajectory_id: {traj.trajectory_id!r} offered twice")
@@ -104,7 +117,7 @@ class TrajectoryBuffer:
         stale = [k for k, t in self._items.items() if sequence_staleness(t, consuming_version) > self.max_staleness]
         for k in stale:
             del self._items[k]
-        self.dropped["stale"] += len(stale)
+        self._drop("stale", len(stale))
         return len(stale)
 
     def _choose(self, n: int, consuming_version: int, group_size: int) -> list[str] | None:
@@ -205,6 +218,7 @@ class TrajectoryBuffer:
         self.dropped = Counter(state["dropped"])
         if lost > 0:
             self.dropped["lost_at_restart"] += lost
+        self.dropped_total = sum(self.dropped.values())
         self.in_flight = 0
         self._items.clear()
         self._held.clear()

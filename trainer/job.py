@@ -444,7 +444,7 @@ class Job:
             self.agents.top_up()
             return
         room = admission_capacity(
-            self.version, self.cfg.controller.max_staleness, self.batch_size, self.buffer.submitted
+            self.version, self.cfg.controller.max_staleness, self.batch_size, self.buffer.scheduled
         )
         groups = room // self.group_size
         if groups and len(self.pool):

@@ -81,10 +81,6 @@ def test_killed_rollout_worker_is_replaced_and_accounted(tmp_path, tiny_model_pa
     assert [int(r["version"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
 
 
-@pytest.mark.skip(
-    reason="timing-sensitive on a loaded 2-core box: when both workers pass the 6 s rule, their lost "
-    "samples never free admission room and the job stalls at version 0 (admission accounting defect)"
-)
 def test_hung_rollout_worker_is_killed_replaced_and_accounted(tmp_path, tiny_model_path, ray_cluster):
     """The first environment step anywhere never returns (``tests/hang_env.py``): the worker running
     it hangs before any of its samples finishes, holding both its groups (the pool spreads the first
@@ -92,7 +88,9 @@ def test_hung_rollout_worker_is_killed_replaced_and_accounted(tmp_path, tiny_mod
     finished trajectory it is killed, its 8 samples are dropped as ``worker_hung``, one replacement
     starts, ``/v1/status`` says so, and the job completes on the other worker and the replacement.
     The other worker alone keeps the job going (8 samples per version); 6 steps (about 2.5 s each
-    on the tiny model) give the 6 s rule time to fire before the run ends."""
+    on the tiny model) give the 6 s rule time to fire before the run ends. On a loaded machine the
+    healthy worker may pass the 6 s rule too: then it is replaced as well, and the samples lost with
+    it free their admission room, so the run still completes."""
     overrides = [
         f'logging.run_dir="{tmp_path}"', "rollout.num_workers=2", "controller.total_steps=6", 'loss.method="ppo_ewma"',
         'env.path="tests.hang_env:HangOnceEnv"', f'env.kwargs={{marker="{tmp_path / "hang-marker"}"}}',
@@ -113,10 +111,11 @@ def test_hung_rollout_worker_is_killed_replaced_and_accounted(tmp_path, tiny_mod
         time.sleep(0.5)
     th.join()
     assert result["state"] == "finished" and result["end_reason"] == "completed" and result["steps"] == 6
-    assert result["dropped"].get("worker_hung") == 8 and "worker_died" not in result["dropped"]
-    assert result["worker_restarts"] == 1 and result["accounting_ok"]
-    hung = r"rollout worker\(s\) rollout-[01] hung \(no finished trajectory in 6 s\) \(8 samples lost\); "
-    assert any(re.fullmatch(hung + "2 of 2 running, 1 of 3 restarts used", n) for n in notes), notes
+    assert result["dropped"].get("worker_hung", 0) >= 8 and "worker_died" not in result["dropped"]
+    assert 1 <= result["worker_restarts"] <= 3 and result["accounting_ok"]
+    hung = r"rollout-\d+ hung \(no finished trajectory in 6 s\)"
+    note = rf"rollout worker\(s\) {hung}(, {hung})* \(\d+ samples lost\); 2 of 2 running, [123] of 3 restarts used"
+    assert any(re.fullmatch(note, n) for n in notes), notes
 
 
 def test_killed_oldlogit_service_restarts_and_missing_tokens_use_the_proxy(tmp_path, tiny_model_path, ray_cluster):

@@ -86,6 +86,24 @@ def test_admission_capacity_bounds_submissions():
     assert admission_capacity(3, 2, 8, 40) == 8
 
 
+def test_dropped_trajectories_free_admission_room():
+    # batch 4, bound 0, version 0: 4 submitted fill the version; losing 3 with their worker and
+    # refusing 1 (stale or buffer full) frees all 4 places, otherwise the run could never step
+    b = TrajectoryBuffer(capacity=8, max_staleness=0)
+    b.note_submitted(4)
+    assert admission_capacity(0, 0, 4, b.scheduled) == 0
+    b.note_lost(3, "worker_hung")
+    assert (b.scheduled, admission_capacity(0, 0, 4, b.scheduled)) == (1, 3)
+    b.reject("aborted")
+    assert (b.submitted, b.dropped_total, b.scheduled) == (4, 4, 0) and b.accounting_ok()
+    assert admission_capacity(0, 0, 4, b.scheduled) == 4
+    # a resumed buffer counts what was lost at the restart as dropped too
+    b.note_submitted(4)
+    b2 = TrajectoryBuffer(capacity=8, max_staleness=0)
+    b2.load_state_dict(b.state_dict())
+    assert (b2.dropped["lost_at_restart"], b2.dropped_total, b2.scheduled) == (4, 8, 0)
+
+
 def test_case5_token_histogram_is_per_token():
     t = traj("a", [3, 3, 3, 4, 4, 5])
     assert token_staleness_histogram([t], 6) == {1: 1, 2: 2, 3: 3}
