@@ -4,7 +4,8 @@
     every consumer starts from the model folder (version 0); score held-out episodes (reward before)
     loop until total_steps (``_loop``, one line per part):
         controls      apply control requests (scale workers, pause)
-        admit         ``Job.top_up``: submit groups under the staleness admission rule
+        admit         ``Job.top_up``: submit groups under the staleness admission rule (here only
+                      when no batch was taken ahead; otherwise after the launch below)
         collect       ``Job.collect``: finished trajectories into the buffer (scorer routes attach
                       exact pi_old here, before their version is superseded)
         take          ``Job.take``: a batch at the learner's version (stale ones dropped, with a
@@ -12,6 +13,8 @@
                       unless the batch was already taken ahead during the previous step
         train         ``Job.async_train``: waits for the batch's old logits, then launches one
                       learner step (exact where known, the configured proxy elsewhere)
+        admit         ``Job.top_up`` again: the room the new version opened is submitted while
+                      the learner trains, not between its steps
         take ahead    ``Job.take_ahead``: while the learner trains on batch k at version V, batch
                       k+1 is taken for version V+1 and the snapshot route scores it (its tokens
                       are all at versions <= V, which the service holds)
@@ -872,13 +875,15 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
         if board.paused:
             time.sleep(0.2)
             continue
-        job.top_up()  # admit new groups under the staleness rule
-        job.collect()  # finished trajectories into the buffer
+        if nxt is None:  # no batch ready: admit and collect before taking one
+            job.top_up()  # admit new groups under the staleness rule
+            job.collect()  # finished trajectories into the buffer
         taken, nxt = nxt or job.take(), None  # a batch at the learner's version, its exact pi_old asked for
         if taken is None:
             time.sleep(0.05)
             continue
         step = job.async_train(taken)  # waits for its old logits, launches the learner step
+        job.top_up()  # the room the new version opened is admitted while the learner trains
         nxt = job.take_ahead(step)  # the next batch, for version + 1, scored while the learner trains
         learned = job.finish_train(step)  # the step's metrics: version + 1 when applied
         if learned["applied"]:
