@@ -31,6 +31,9 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench/async.json")
     a = ap.parse_args()
 
+    from trainer.netguard import reexec_with_loopback
+
+    reexec_with_loopback()  # the private cluster, this driver included, listens on loopback only
     from trainer.config import load_config
     from trainer.job import run_job
 

@@ -126,12 +126,17 @@ def _loopback_private_cluster() -> None:
     """Give the processes the private cluster will start the loopback-only environment."""
     from trainer import netguard
 
+    bound = netguard.active()  # this process itself was started with the interposer
     os.environ.update(netguard.private_cluster_env())
-    # Ray read this switch when it was imported; the node address must be loopback for this start
+    # Ray read these when it was imported: the node address must be loopback for this start, and
+    # this process must see token authentication like the processes it starts
     import ray._private.ray_constants as ray_constants
+    from ray._raylet import AuthenticationTokenLoader, Config
 
     ray_constants.ENABLE_RAY_CLUSTER = False
-    if not netguard.active():
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+    if not bound:
         print(
             "warning: ray.loopback_only: this driver process was not started with the bind interposer; "
             "its own Ray port listens on every interface (start jobs with `vintage run`)",

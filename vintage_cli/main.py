@@ -89,9 +89,11 @@ def bench_methods(
     """
     from benchmarks.methods import GRIDS
     from benchmarks.methods import main as methods_main
+    from trainer.netguard import reexec_with_loopback
 
     if grid not in GRIDS:
         raise typer.BadParameter(f"grid={grid!r} is not one of {', '.join(GRIDS)}", param_hint="--grid")
+    reexec_with_loopback()  # the cells' private clusters, this driver included, listen on loopback only
     methods_main(out_dir=out, quick=quick, console=console, kind=grid)
 
 

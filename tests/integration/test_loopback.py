@@ -46,6 +46,28 @@ def test_interposer_turns_wildcard_binds_into_loopback():
     assert plain.stdout.split() == ["0.0.0.0", "::", "127.0.0.2", "::"]
 
 
+IN_PROCESS = """
+import ray
+from trainer.config import load_config
+from trainer.job import ray_session
+
+with ray_session(load_config(None, ['model.path="tiny"', "rollout.num_workers=1"])):
+    print(ray.get(ray.remote(lambda: 6 * 7).remote()))
+"""
+
+
+def test_private_cluster_started_in_process_authenticates_its_own_driver():
+    """A job started from Python (``run_job`` in a benchmark or a notebook, not ``vintage run``):
+    Ray read its token-auth mode when it was imported, so the driver must refresh it to talk to
+    the token-authenticated cluster it starts; its own port is not covered, and it says so."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VINTAGE_LOOPBACK_BIND", "RAY_AUTH_MODE")}
+    out = subprocess.run(
+        [sys.executable, "-c", IN_PROCESS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and out.stdout.split()[-1] == "42", out.stderr[-2000:]
+    assert "its own Ray port listens on every interface" in out.stderr
+
+
 def test_loopback_classification():
     assert [is_loopback_host(h) for h in ("127.0.0.1", "127.5.0.1", "::1", "::ffff:127.0.0.1")] == [True] * 4
     assert [is_loopback_host(h) for h in ("0.0.0.0", "::", "192.0.2.2", "::ffff:10.0.0.1")] == [False] * 4
