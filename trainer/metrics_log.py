@@ -65,7 +65,8 @@ class StepMetrics(BaseModel):
     oldlogit_retries: int = Field(0, ge=0)
     """Tries of those calls after their first failure."""
     oldlogit_unavailable_s: float = Field(0.0, ge=0)
-    """Seconds so far from such a call's first failure to its answer, summed over those calls."""
+    """Seconds so far during which at least one such call was waiting for the service (from its first
+    failure to its answer)."""
 
     def row(self) -> dict[str, Any]:
         """The flat dict written to ``metrics.jsonl`` (declared and extra fields)."""

@@ -21,6 +21,7 @@ Restarts are counted by the service's ``started_unix`` (a new process has a new 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,9 +57,10 @@ class RestartWait:
     and 23.5 s, each retry given the seconds left until 30 (29.5, 28.5, 26.5, 22.5, 14.5, 6.5); the
     next pause (8 s) would end at 31.5 > 30, so ``ServiceNotBack`` is raised at 23.5 s after 7 tries.
 
-    Attributes updated by :meth:`call`: ``outages`` (calls that failed at least once), ``retries``
-    (tries after a failure), ``unavailable_s`` (seconds from each such call's first failure to its
-    answer or to giving up; ``clock`` seconds).
+    Attributes updated by :meth:`call` (safe from several threads): ``outages`` (calls that failed
+    at least once), ``retries`` (tries after a failure), ``unavailable_s`` (``clock`` seconds during
+    which at least one call was between its first failure and its answer or giving up: calls waiting
+    at the same time count once).
     """
 
     timeout_s: float
@@ -71,6 +73,9 @@ class RestartWait:
     outages: int = 0
     retries: int = 0
     unavailable_s: float = 0.0
+    _waiting: int = field(default=0, repr=False)
+    _since: float = field(default=0.0, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def pause(self, n: int) -> float:
         """Seconds before retry ``n`` (1-based): ``min(first_pause_s * 2 ** (n - 1), max_pause_s)``."""
@@ -93,7 +98,11 @@ class RestartWait:
             first = e
         t0 = self.clock()
         deadline = t0 + self.timeout_s
-        self.outages += 1
+        with self._lock:
+            self.outages += 1
+            if self._waiting == 0:
+                self._since = t0
+            self._waiting += 1
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception_type((*RESTART_ERRORS, ray.exceptions.GetTimeoutError)),
             wait=lambda rs: self.pause(rs.attempt_number + 1),
@@ -107,7 +116,8 @@ class RestartWait:
             self.sleep(self.pause(1))
             for tried in retrying:
                 with tried:
-                    self.retries += 1
+                    with self._lock:
+                        self.retries += 1
                     return attempt(deadline - self.clock())
             raise AssertionError("unreachable: tenacity returns or raises")  # pragma: no cover
         except (*RESTART_ERRORS, ray.exceptions.GetTimeoutError) as e:
@@ -116,7 +126,10 @@ class RestartWait:
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             ) from e
         finally:
-            self.unavailable_s += self.clock() - t0
+            with self._lock:
+                self._waiting -= 1
+                if self._waiting == 0:
+                    self.unavailable_s += self.clock() - self._since
 
 
 @dataclass

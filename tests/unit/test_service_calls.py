@@ -170,3 +170,24 @@ def test_status_counts_a_new_service_process_as_a_restart(fake_get):
     calls = ServiceCalls(handle, waiting(30.0, Clock()))
     assert [calls.status().started_unix for _ in range(4)] == [100.0, 100.0, 250.0, 400.0]
     assert calls.restarts == 2 and calls.record()["oldlogit_outages"] == 1
+
+
+def test_calls_waiting_at_the_same_time_count_their_unavailable_seconds_once():
+    # call A fails at 0 and is retried at 0.5; that retry makes call B, which fails at 0.5 and is
+    # answered at 1.0; A is then answered at 1.0: unavailable 0 -> 1.0 (not 1.0 + 0.5)
+    clock = Clock()
+    w = waiting(30.0, clock)
+    b_errors = [UNAVAILABLE]
+
+    def b(timeout):
+        if b_errors:
+            raise b_errors.pop(0)
+        return "b"
+
+    def a(timeout):
+        if timeout is None:
+            raise UNAVAILABLE
+        return w.call(b) + "a"
+
+    assert w.call(a) == "ba" and clock.now == 1.0
+    assert (w.outages, w.retries, w.unavailable_s) == (2, 2, 1.0)
