@@ -11,10 +11,11 @@ process group is killed (SIGKILL, by the PID this test started) and a new node w
 resources is started. The worker's death is noticed, its in-flight samples are dropped as
 ``worker_died`` and a replacement is placed on the new node; Ray restarts the old-logit service
 there, the driver's calls wait for it (``oldlogit.restart_timeout_s``), and the restarted service
-holds no version until the next publication. The head's worker keeps sampling at the version the
-lost service held, so the next batches' tokens of it are answered ``missing`` and use the proxy:
-the exact-token fraction is 1 before the loss and below 1 after it. The job completes with the
-accounting identity intact and the restart counted. Only processes this test started are signalled.
+holds no version until the next publication. The job completes with the accounting identity intact,
+every token exact before the loss, and the restart counted. Whether a batch after the loss holds
+tokens of a version only the lost service had (answered ``missing``, exact fraction below 1) depends
+on whether the batch taken ahead right after the second step was scored before the kill, so it is
+not asserted. Only processes this test started are signalled.
 """
 
 from __future__ import annotations
@@ -79,19 +80,14 @@ def test_lost_node_of_a_rollout_worker_and_the_oldlogit_service_is_survived_once
         assert lost is not None and job.returncode == 0, out[-4000:]
         summary = json.loads((run_dir / "summary.json").read_text())
         rows = read_metrics(metrics)
-        service = {k: v for k, v in summary.items() if k.startswith("oldlogit_")}
-        print(f"lost at {lost:.1f}; rows (version, unix time, exact, restarts, outages, retries, unavailable_s):")
-        for r in rows:
-            print(f"  {r['version']} {r['time']:.1f} {r['exact_token_fraction']:.3f} {r['oldlogit_restarts']}",
-                  f"{r['oldlogit_outages']} {r['oldlogit_retries']} {r['oldlogit_unavailable_s']:.1f}")  # fmt: skip
-        print(f"summary: {service}, wall_s {summary['wall_s']:.1f}")
         assert summary["end_reason"] == "completed" and summary["steps"] == 5
         assert summary["worker_restarts"] == 1 and "worker_died" in summary["dropped"]
         assert summary["accounting_ok"]
-        exact = [r["exact_token_fraction"] for r in rows]
-        assert [r["version"] for r in rows] == [1, 2, 3, 4, 5] and exact[:2] == [1.0, 1.0]
-        assert min(exact[2:]) < 1.0  # the lost service's versions: missing after its restart, the proxy used
-        assert [r["oldlogit_restarts"] for r in rows][:2] == [0, 0] and summary["oldlogit_restarts"] == 1
+        assert [r["version"] for r in rows] == [1, 2, 3, 4, 5]
+        assert [r["exact_token_fraction"] for r in rows][:2] == [1.0, 1.0]  # before the loss
+        # one restart, after the second step: counted at the first status read answered by the new process
+        restarts = [r["oldlogit_restarts"] for r in rows]
+        assert restarts[:2] == [0, 0] and restarts[-1] == 1 and summary["oldlogit_restarts"] == 1
     finally:
         for n in nodes:
             n.stop(timeout_s=10)
