@@ -25,12 +25,20 @@ from oldlogit_service.service import OldLogitService
 
 
 class _OldLogitActorBody(OldLogitService):
-    """:class:`OldLogitService` plus the actor-only bits: thread count and a readiness probe."""
+    """:class:`OldLogitService` plus the actor-only bits: thread count, a readiness probe, and an
+    empty start after a restart.
+
+    A process Ray restarts (``max_restarts``) runs the constructor again with the same arguments; it
+    then holds no version (``initial_version=None``) until the next publication: nothing held before
+    the restart is assumed, and tokens of those versions are answered ``missing``.
+    """
 
     def __init__(self, *args: Any, torch_threads: int | None = None, **kwargs: Any) -> None:
         import torch
 
         torch.set_num_threads(torch_threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            kwargs["initial_version"] = None
         super().__init__(*args, **kwargs)
 
     def ready(self) -> bool:

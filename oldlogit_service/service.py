@@ -182,6 +182,8 @@ class OldLogitService:
         """Wall seconds by kind: ``score``, ``segments``, ``prefixes`` (interruption stall), ``update``."""
         self.requests = 0
         self.last_request_seconds = 0.0
+        self.started_unix = time.time()
+        """When this service was constructed (Unix seconds): a restarted actor process has a new one."""
 
         self.model: torch.nn.Module | None = None
         self._shapes: dict[str, tuple[int, ...]] = {}
@@ -570,7 +572,7 @@ class OldLogitService:
         self.last_request_seconds = seconds
 
     def status(self) -> OldLogitServiceStatus:
-        """Versions and bytes held, exact/missing token counts (by reason), seconds and requests."""
+        """Versions and bytes held, exact/missing token counts (by reason), seconds, requests and start time."""
         return OldLogitServiceStatus(
             route=self.route,  # type: ignore[arg-type]
             versions_held=self.versions_held,
@@ -579,6 +581,7 @@ class OldLogitService:
             tokens_missing=dict(self.tokens_missing),
             seconds_total=float(sum(self.seconds.values())),
             requests=self.requests,
+            started_unix=self.started_unix,
         )
 
     def stats(self) -> dict[str, Any]:

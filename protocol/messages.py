@@ -558,6 +558,8 @@ class OldLogitServiceStatus(Message):
     """Missing tokens by :class:`TokenStatus` name."""
     seconds_total: float = Field(0.0, ge=0.0)
     requests: int = Field(0, ge=0)
+    started_unix: float | None = None
+    """When this service was constructed (Unix seconds); a restarted service process has a new one."""
 
 
 class EwmaStatus(Message):

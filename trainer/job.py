@@ -70,6 +70,7 @@ from trainer.environment import ENV_VARS, defaults_env
 from trainer.metrics_log import MetricsLog, StepMetrics, plot_run
 from trainer.routes import make_route
 from trainer.server import ApiServer, StatusBoard
+from trainer.service_calls import PendingCall
 
 
 @contextlib.contextmanager
@@ -315,8 +316,9 @@ class TakenBatch:
     """A batch out of the buffer (held there until its step starts) and the route's pending answer."""
 
     trajectories: list[Trajectory]
-    old_logits: ray.ObjectRef | None
-    """The snapshot route's per-token answer (:class:`protocol.OldLogitAnswer`), None on other routes."""
+    old_logits: PendingCall | None
+    """The snapshot route's call for the per-token answer (:class:`protocol.OldLogitAnswer`), None on
+    other routes; ``old_logits.ref`` is the reference the learner resolves."""
     ahead: bool
     """Taken for the next version while the learner trained on the batch before."""
     waited_s: float | None = None
@@ -393,7 +395,8 @@ class Job:
                     raise TimeoutError(
                         f"old-logit service: not started within controller.start_timeout_s = {c.start_timeout_s} s"
                     ) from None
-        self.route = make_route(cfg.oldlogit_route, oldlogit)
+        self.route = make_route(cfg.oldlogit_route, oldlogit, cfg.oldlogit.restart_timeout_s)
+        self._oldlogit_status = None  # the service's status at the last step (:meth:`oldlogit_status`)
         engine = EngineConfig(
             kind=cfg.rollout.engine,
             model_path=str(self.model_path),
@@ -510,12 +513,17 @@ class Job:
 
         The wait is ``taken.waited_s`` and counts as ``times["old_logits"]``; the service's own
         scoring seconds beyond it (``OldLogitAnswer.seconds``: scoring hidden behind the learner)
-        count as ``times["old_logits_overlapped"]``.
+        count as ``times["old_logits_overlapped"]``. A service that is restarting is waited for and
+        asked again (:class:`trainer.service_calls.ServiceCalls`).
+
+        Raises:
+            trainer.service_calls.ServiceNotBack: the service did not come back within
+                ``oldlogit.restart_timeout_s``.
         """
         if taken is None or taken.waited_s is not None:
             return
         t0 = time.perf_counter()
-        answer = None if taken.old_logits is None else ray.get(taken.old_logits)
+        answer = None if taken.old_logits is None else taken.old_logits.result()
         taken.waited_s = time.perf_counter() - t0
         self.times["old_logits"] += taken.waited_s
         if answer is not None:
@@ -532,7 +540,9 @@ class Job:
         t0 = time.perf_counter()
         if self.first_launch is None:
             self.first_launch = t0
-        refs = self.learner.async_train_step(taken.trajectories, taken.old_logits)
+        refs = self.learner.async_train_step(
+            taken.trajectories, taken.old_logits.ref if taken.old_logits is not None else None
+        )
         return TrainStep(taken, refs, t0, taken.waited_s or 0.0)
 
     def take_ahead(self, step: TrainStep) -> TakenBatch | None:
@@ -627,14 +637,19 @@ class Job:
             raise err
 
     def step_metrics(self, batch: list[Trajectory], m: dict[str, Any]) -> StepMetrics:
-        """The learner's metrics ``m`` plus the batch's rewards and staleness, the last publication and
-        the buffer's drop counts: one row of ``metrics.jsonl``. Adds to the job's exact-token totals.
+        """The learner's metrics ``m`` plus the batch's rewards and staleness, the last publication,
+        the old-logit service's restarts and outages so far (:meth:`ServiceCalls.record`) and the
+        buffer's drop counts: one row of ``metrics.jsonl``. Adds to the job's exact-token totals.
 
         Raises:
             pydantic.ValidationError: the learner's metrics lack a field every step has.
+            trainer.service_calls.ServiceNotBack: the service did not come back within
+                ``oldlogit.restart_timeout_s``.
         """
         hist = token_staleness_histogram(batch, int(m["consumed_version"]))
         n = sum(hist.values())
+        self.oldlogit_status()  # counts a restart of the service before the row is written
+        service = self.route.calls.record() if self.route.calls is not None else {}
         rewards = [t.reward for t in batch]
         exact = float(m.get("exact_token_fraction", 0.0))
         self.tokens_exact += exact * m["tokens"]
@@ -651,9 +666,22 @@ class Job:
                 "publish_s": self.last_publish.get("seconds", 0.0),
                 "publish_bytes": float(self.last_publish.get("bytes", 0.0)),
                 "run_segment": self.run_segment,
+                **service,
                 **{f"dropped_{k}": v for k, v in self.buffer.dropped.items()},
             }
         )
+
+    def oldlogit_status(self):
+        """The old-logit service's :class:`protocol.OldLogitServiceStatus` now (None without one); a
+        new service process since the last call counts as a restart (``ServiceCalls.restarts``).
+
+        Raises:
+            trainer.service_calls.ServiceNotBack: the service did not come back within
+                ``oldlogit.restart_timeout_s``.
+        """
+        calls = self.route.calls
+        self._oldlogit_status = calls.status() if calls is not None else None
+        return self._oldlogit_status
 
     def evaluate(self, tag: str) -> dict[str, float]:
         """Mean reward on held-out env seeds (disjoint from training), one sample each, same sampling.
@@ -746,9 +774,9 @@ class Job:
         board.update(scale_note=note, workers=self.pool.statuses())
 
     def status_fields(self, m: StepMetrics | None) -> dict[str, Any]:
-        """The ``/v1/status`` fields now; those of the last step ``m`` when given."""
-        oldlogit = self.route.oldlogit
-        st = ray.get(oldlogit.status.remote()) if oldlogit is not None else None
+        """The ``/v1/status`` fields now; those of the last step ``m`` when given (the old-logit
+        service's status then is the one :meth:`step_metrics` read)."""
+        st = self._oldlogit_status if m is not None else self.oldlogit_status()
         f = dict(
             learner_version=self.version,
             run_segment=self.run_segment,
@@ -941,6 +969,7 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
         "time_split_s": dict(job.times),
         "wall_s": time.perf_counter() - t_start,
         "oldlogit_route": job.route.name,
+        **(job.route.calls.record() if job.route.calls is not None else {}),
         "method": cfg.loss.method,
         "gateway": job.agents.gateway.status().model_dump() if job.agents is not None else None,
     }

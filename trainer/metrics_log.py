@@ -57,6 +57,16 @@ class StepMetrics(BaseModel):
     """The batch was taken (and scored) for this version while the learner trained on the one before."""
     publish_s: float = Field(ge=0)
     """The last weight publication to every consumer."""
+    oldlogit_restarts: int = Field(0, ge=0)
+    """Restarts of the old-logit service seen so far (a new service process; Ray restarts it)."""
+    oldlogit_outages: int = Field(0, ge=0)
+    """Driver calls to the old-logit service so far that failed because it was restarting and were
+    submitted again (:class:`trainer.service_calls.RestartWait`)."""
+    oldlogit_retries: int = Field(0, ge=0)
+    """Tries of those calls after their first failure."""
+    oldlogit_unavailable_s: float = Field(0.0, ge=0)
+    """Seconds so far during which at least one such call was waiting for the service (from its first
+    failure to its answer)."""
 
     def row(self) -> dict[str, Any]:
         """The flat dict written to ``metrics.jsonl`` (declared and extra fields)."""

@@ -8,8 +8,8 @@ hook                ``none``                      ``snapshot``                  
 ==================  ============================  ==============================  ===========================
 ``attach``          returns the trajectories      returns the trajectories        scores them at the loaded
 (on collect)        unchanged                     unchanged                       version (exact ``old_logprobs``)
-``async_old_logits``  None                        a reference to the service's    None (already attached)
-(per batch)                                       per-token answer for the batch
+``async_old_logits``  None                        the submitted call for the      None (already attached)
+(per batch)                                       service's per-token answer
 ``before_publish``  nothing                       nothing                         collects: finished work is
                                                                                   scored before the scorer
                                                                                   moves to the new version
@@ -23,8 +23,9 @@ batch while the learner trains on the current one (version V), so the service sc
 tokens are at versions <= V, all held; the service runs one call at a time, in order, so the
 publication of V+1 reaches it after that request.
 
-A route holds the old-logit service's Ray handle (None on ``none``); it never owns the buffer or the
-workers - the loop passes what a hook needs.
+A route holds the old-logit service's Ray handle (None on ``none``) and makes every driver call to it
+through :class:`trainer.service_calls.ServiceCalls` (``calls``), which waits out a restart of the
+service; it never owns the buffer or the workers - the loop passes what a hook needs.
 """
 
 from __future__ import annotations
@@ -32,9 +33,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import ray
-
 from protocol import OldLogitRequest, Trajectory, WeightManifest
+from trainer.service_calls import PendingCall, RestartWait, ServiceCalls
 
 ScorerWeights = tuple[WeightManifest, Any]
 """``(manifest, payload ObjectRef)`` of the float32 publication the old-logit service installs."""
@@ -45,8 +45,10 @@ class NoRoute:
 
     name = "none"
 
-    def __init__(self, oldlogit: Any = None) -> None:
+    def __init__(self, oldlogit: Any = None, restart_timeout_s: float = 600.0) -> None:
         self.oldlogit = oldlogit
+        self.calls = None if oldlogit is None else ServiceCalls(oldlogit, RestartWait(restart_timeout_s))
+        """The driver's calls to the service (None without one)."""
 
     @property
     def worker_scorer(self) -> Any:
@@ -57,8 +59,8 @@ class NoRoute:
         """Finished trajectories as they enter the buffer (unchanged here)."""
         return got
 
-    def async_old_logits(self, batch: Sequence[Trajectory], version: int, temperature: float) -> ray.ObjectRef | None:
-        """A reference to the per-token exact ``pi_old`` of ``batch`` (None: nothing to ask for)."""
+    def async_old_logits(self, batch: Sequence[Trajectory], version: int, temperature: float) -> PendingCall | None:
+        """The submitted call for the per-token exact ``pi_old`` of ``batch`` (None: nothing to ask for)."""
         return None
 
     def before_publish(self, collect: Callable[[], None]) -> None:
@@ -74,19 +76,19 @@ class SnapshotRoute(NoRoute):
 
     name = "snapshot"
 
-    def async_old_logits(self, batch: Sequence[Trajectory], version: int, temperature: float) -> ray.ObjectRef:
+    def async_old_logits(self, batch: Sequence[Trajectory], version: int, temperature: float) -> PendingCall:
         from oldlogit_service.service import items_from_trajectories
 
         req = OldLogitRequest(
             request_id=f"step-{version}", temperature=temperature, items=items_from_trajectories(batch)
         )
-        return self.oldlogit.score.remote(req)
+        return self.calls.submit("score", req)
 
     def publish(self, update_workers: Callable[[], Any], scorer_weights: ScorerWeights | None) -> None:
         # the service and the workers take the same publication concurrently
-        pending = self.oldlogit.update_weights.remote(*scorer_weights)
+        pending = self.calls.submit("update_weights", *scorer_weights)
         update_workers()
-        ray.get(pending)
+        pending.result()
 
 
 class ScorerRoute(NoRoute):
@@ -97,8 +99,8 @@ class ScorerRoute(NoRoute):
     version during their weight update, so the workers are updated before the scorer.
     """
 
-    def __init__(self, name: str, oldlogit: Any) -> None:
-        super().__init__(oldlogit)
+    def __init__(self, name: str, oldlogit: Any, restart_timeout_s: float = 600.0) -> None:
+        super().__init__(oldlogit, restart_timeout_s)
         self.name = name
 
     @property
@@ -108,28 +110,29 @@ class ScorerRoute(NoRoute):
     def attach(self, got: list[Trajectory], temperature: float) -> list[Trajectory]:
         if not got:
             return got
-        return ray.get(self.oldlogit.attach_old_logprobs.remote(got, temperature))
+        return self.calls.call("attach_old_logprobs", got, temperature)
 
     def before_publish(self, collect: Callable[[], None]) -> None:
         collect()
 
     def publish(self, update_workers: Callable[[], Any], scorer_weights: ScorerWeights | None) -> None:
         update_workers()
-        ray.get(self.oldlogit.update_weights.remote(*scorer_weights))
+        self.calls.call("update_weights", *scorer_weights)
 
 
-def make_route(name: str, oldlogit: Any) -> NoRoute:
-    """The route object for ``loss.oldlogit_route`` ``name`` around the service handle ``oldlogit``.
+def make_route(name: str, oldlogit: Any, restart_timeout_s: float = 600.0) -> NoRoute:
+    """The route object for ``loss.oldlogit_route`` ``name`` around the service handle ``oldlogit``;
+    its calls wait at most ``restart_timeout_s`` seconds for a restarting service (:class:`RestartWait`).
 
     Raises:
         ValueError: an unknown route name, or a route other than ``none`` without a service handle.
     """
     if name == "none":
-        return NoRoute(oldlogit)
+        return NoRoute(oldlogit, restart_timeout_s)
     if oldlogit is None:
         raise ValueError(f"oldlogit_route: {name!r} needs a running old-logit service")
     if name == "snapshot":
-        return SnapshotRoute(oldlogit)
+        return SnapshotRoute(oldlogit, restart_timeout_s)
     if name in ("old_logit_model", "interrupt_sync"):
-        return ScorerRoute(name, oldlogit)
+        return ScorerRoute(name, oldlogit, restart_timeout_s)
     raise ValueError(f"oldlogit_route: {name!r} is not one of none, snapshot, old_logit_model, interrupt_sync")
