@@ -279,9 +279,9 @@ class OldLogitService:
         are held as they are (Ray keeps the object alive while they are held). Snapshot route:
         versions older than ``V - max_staleness`` are evicted (reason ``staleness``), then the
         oldest until the copies fit the memory budget (reason ``memory_budget``; a version that
-        alone exceeds the budget is recorded as evicted at once). Single-replica routes: the new version replaces the loaded one (``superseded``).
-        Route ``none``: only the version number is recorded. Republishing the newest version with
-        the same checksum is a no-op.
+        alone exceeds the budget is recorded as evicted at once). Single-replica routes: the new
+        version replaces the loaded one (``superseded``). Route ``none``: only the version number is
+        recorded. Republishing the newest version with the same checksum is a no-op.
 
         Args:
             manifest: :class:`protocol.WeightManifest` (or its dict form).

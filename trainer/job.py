@@ -649,7 +649,7 @@ class Job:
         hist = token_staleness_histogram(batch, int(m["consumed_version"]))
         n = sum(hist.values())
         self.oldlogit_status()  # counts a restart of the service before the row is written
-        service = self.route.calls.record() if self.route.calls is not None else {}
+        service = self.route.service_record()
         rewards = [t.reward for t in batch]
         exact = float(m.get("exact_token_fraction", 0.0))
         self.tokens_exact += exact * m["tokens"]
@@ -969,7 +969,7 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
         "time_split_s": dict(job.times),
         "wall_s": time.perf_counter() - t_start,
         "oldlogit_route": job.route.name,
-        **(job.route.calls.record() if job.route.calls is not None else {}),
+        **job.route.service_record(),
         "method": cfg.loss.method,
         "gateway": job.agents.gateway.status().model_dump() if job.agents is not None else None,
     }

@@ -363,7 +363,8 @@ class LearnerCore:
         return t.tolist()
 
     def _ewma_logprobs(self, mb: Batch, first: int = 1) -> torch.Tensor:
-        """``[b, T]`` log-probs under the EWMA weights (no grad, eval mode, learner numerics and temperature).
+        """``[b, T]`` log-probs under the EWMA weights (no grad, eval mode, learner numerics and temperature),
+        vocabulary logits from position ``first`` on (:func:`modelkit.scoring.sequence_logprobs`).
 
         Full-weight training runs a separate scorer copy; with LoRA the EWMA adapter is swapped
         into the engine's own module for the forward (the frozen base is shared, nothing is copied)
@@ -374,9 +375,7 @@ class LearnerCore:
         model.eval()
         try:
             with torch.no_grad(), self.ewma.swapped_into(model):
-                return sequence_logprobs(
-                    model, mb.token_ids, mb.attention_mask, mb.temperature, first_loss_position(mb)
-                )
+                return sequence_logprobs(model, mb.token_ids, mb.attention_mask, mb.temperature, first)
         finally:
             model.train(was_training)
 

@@ -50,6 +50,10 @@ class NoRoute:
         self.calls = None if oldlogit is None else ServiceCalls(oldlogit, RestartWait(restart_timeout_s))
         """The driver's calls to the service (None without one)."""
 
+    def service_record(self) -> dict[str, float]:
+        """The service's restart and outage counters so far (:meth:`ServiceCalls.record`); {} without one."""
+        return self.calls.record() if self.calls is not None else {}
+
     @property
     def worker_scorer(self) -> Any:
         """The service handle rollout workers score their interrupted prefixes with (None here)."""
