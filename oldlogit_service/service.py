@@ -159,7 +159,7 @@ class OldLogitService:
         self.device = torch.device(device)
         self.dtype = torch_dtype(dtype)
         self._store_device = torch.device("cpu") if route == "snapshot" else self.device
-        self.adapter = AdapterSpec.model_validate(adapter) if isinstance(adapter, Mapping) else adapter
+        self.adapter = None if adapter is None else AdapterSpec.from_wire(adapter, "adapter")
         """The adapter spec when versions are LoRA adapters over one kept base, else None."""
         self._base: dict[str, Tensor] = {}  # adapter mode: the base weights, in the wrapped model's names
         self._base_bytes = 0
@@ -292,7 +292,8 @@ class OldLogitService:
             The version now current (``manifest.version``).
 
         Raises:
-            pydantic.ValidationError: a malformed manifest dict.
+            pydantic.ValidationError: a malformed manifest mapping (decoded strictly,
+                :meth:`protocol.Message.from_wire`).
             protocol.ProtocolError: the payload does not match the manifest, or its tensor names or
                 shapes do not match the model (the message names the tensor).
             ValueError: ``manifest.version`` is older than the newest version already published, or
@@ -302,8 +303,7 @@ class OldLogitService:
         ``ProtocolError`` naming ``manifest.adapter``); only the adapter is copied and held.
         """
         t0 = time.perf_counter()
-        if not isinstance(manifest, WeightManifest):
-            manifest = WeightManifest.model_validate(manifest)
+        manifest = WeightManifest.from_wire(manifest, "manifest")
         if self.route != "none" and manifest.adapter != self.adapter:
             have = "full weights" if self.adapter is None else f"adapters {self.adapter.model_dump()}"
             got = "full weights (None)" if manifest.adapter is None else f"{manifest.adapter.model_dump()}"
@@ -460,16 +460,14 @@ class OldLogitService:
             ``status`` (int8 ``[seq]``), and the wall seconds spent.
 
         Raises:
-            pydantic.ValidationError: a malformed request dict (the message names the field).
+            pydantic.ValidationError: a malformed request mapping (decoded strictly,
+                :meth:`protocol.Message.from_wire`; the message names the field).
             TypeError: ``request`` is neither a request nor a mapping.
             ValueError: ``items[i].token_ids`` outside the vocabulary, or ``items[i].loss_mask``
                 marks offset 0 (no prefix to score it with).
         """
         t0 = time.perf_counter()
-        if isinstance(request, Mapping):
-            request = OldLogitRequest.model_validate(request)
-        if not isinstance(request, OldLogitRequest):
-            raise TypeError(f"request: expected OldLogitRequest or a mapping, got {type(request).__name__}")
+        request = OldLogitRequest.from_wire(request, "request")
         lps, sts = self._score_items(request.items, request.temperature)
         dt = time.perf_counter() - t0
         self._account("score", dt)
@@ -628,7 +626,7 @@ def _as_item(x: OldLogitItem | Trajectory | Mapping[str, Any], i: int) -> OldLog
             trajectory_id=x.trajectory_id, token_ids=x.token_ids, loss_mask=x.loss_mask, versions=x.versions
         )
     if isinstance(x, Mapping):
-        return OldLogitItem.model_validate(x)
+        return OldLogitItem.from_wire(x, f"items[{i}]")
     raise TypeError(f"items[{i}]: expected OldLogitItem, Trajectory or a mapping, got {type(x).__name__}")
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from enum import IntEnum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 import numpy as np
 import xxhash
@@ -53,6 +53,26 @@ class Message(BaseModel):
         if v != SCHEMA_VERSION:
             raise ValueError(f"schema_version {v} is unknown; this build speaks {SCHEMA_VERSION}")
         return v
+
+    @classmethod
+    def from_wire(cls, value: Any, field: str = "message") -> Self:
+        """``value`` itself when it already is a ``cls``; a mapping decoded in pydantic's strict mode.
+
+        A mapping is what reaches an actor from outside vintage's own code, so it is held to what
+        JSON can carry, with no coercion: ``"3"``, ``true`` and ``4.0`` are refused where an integer
+        is expected, ``"1.0"`` where a number is, a tuple where a list is. Array fields still take
+        lists or numpy arrays.
+
+        Raises:
+            pydantic.ValidationError: the mapping breaks a field's type or an invariant (the text
+                names the field and the value).
+            TypeError: ``value`` is neither a ``cls`` nor a mapping (the text names ``field``).
+        """
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            return cls.model_validate(value, strict=True)
+        raise TypeError(f"{field}: expected {cls.__name__} or a mapping, got {type(value).__name__}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -113,16 +113,19 @@ class RolloutWorkerCore:
     def submit(self, requests: list[RolloutRequest] | RolloutRequest) -> int:
         """Queue requests (``n`` samples each). Returns the number of samples queued.
 
+        A request given as a mapping is decoded strictly (:meth:`protocol.Message.from_wire`).
+
         Raises:
-            ValueError: a request id is already queued, or its prompt/env cannot be built (the
-                message names the request and field). Nothing of a failing call is queued.
-            TypeError: an environment returns malformed messages from ``reset``.
+            ValueError: a request id is already queued, or its prompt/env cannot be built, or a
+                mapping breaks a field (``pydantic.ValidationError``; the message names the request
+                and field). Nothing of a failing call is queued.
+            TypeError: an environment returns malformed messages from ``reset``, or a request is
+                neither a :class:`RolloutRequest` nor a mapping.
         """
         reqs = [requests] if isinstance(requests, RolloutRequest) else list(requests)
         built: list[Episode] = []
-        for r in reqs:
-            if not isinstance(r, RolloutRequest):
-                r = RolloutRequest.model_validate(r)
+        for i, r in enumerate(reqs):
+            r = RolloutRequest.from_wire(r, f"requests[{i}]")
             for i in range(r.sampling.n):
                 tid = r.request_id if r.sampling.n == 1 else f"{r.request_id}/{i}"
                 built.append(self._new_episode(r, tid))

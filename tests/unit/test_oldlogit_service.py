@@ -320,6 +320,11 @@ def test_malformed_requests_and_publications_name_the_field(tiny_model_path, lea
         svc.score(request(dict(trajectory_id="z", token_ids=[5, 6], loss_mask=[1, 1], versions=[0, 0])))
     with pytest.raises(TypeError, match="request"):
         svc.score(["not", "a", "request"])
+    # a mapping is decoded strictly: no string, bool or float for a number or an integer
+    with pytest.raises(pydantic.ValidationError, match=r"temperature\n  Input should be a valid number"):
+        svc.score({"request_id": "r", "temperature": "1.0", "items": [good]})
+    with pytest.raises(pydantic.ValidationError, match=r"items\.0\.schema_version\n  Input should be a valid integer"):
+        svc.score({"request_id": "r", "temperature": 1.0, "items": [dict(good, schema_version=True)]})
     with pytest.raises(TypeError, match=r"items\[0\]"):
         svc.score_segments([42], T)
     with pytest.raises(ValueError, match="temperature"):
@@ -346,6 +351,10 @@ def test_malformed_requests_and_publications_name_the_field(tiny_model_path, lea
     learner.model.load_state_dict(learner.states[max(learner.states)])
     with pytest.raises(pydantic.ValidationError, match="version"):
         svc.update_weights(dict(man.model_dump(), version=-1), pay)
+    with pytest.raises(pydantic.ValidationError, match=r"version\n  Input should be a valid integer.*input_value=3\.0"):
+        svc.update_weights(dict(man.model_dump(), version=3.0), pay)
+    assert svc.versions_held == [2]  # refused publications change nothing (max_staleness 1 evicted 0)
+    assert svc.update_weights(man.model_dump(), pay) == 2  # a well-formed mapping is taken
     for kw, field in (
         (dict(route="snapshots"), "route"),
         (dict(max_staleness=-1), "max_staleness"),

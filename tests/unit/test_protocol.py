@@ -10,6 +10,7 @@ import copy
 import json
 import math
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -938,6 +939,27 @@ def test_public_surface():
         assert name in protocol.__all__
     assert issubclass(ProtocolError, ValueError)
     assert NO_VERSION == -1 and isinstance(SCHEMA_VERSION, int)
+
+
+def test_from_wire_takes_a_message_as_is_and_decodes_a_mapping_strictly():
+    m = WeightManifest(**manifest_dict())
+    assert WeightManifest.from_wire(m) is m
+    assert WeightManifest.from_wire(manifest_dict()) == m
+    item = OldLogitItem.from_wire(item_dict(versions=np.array([-1, -1, 2, 3], np.int64)))  # arrays as numpy
+    assert item.versions.tolist() == [-1, -1, 2, 3] and item.versions.dtype == np.int32
+    for bad, field, got in (
+        (manifest_dict(version="3"), "version", "'3'"),
+        (manifest_dict(version=True), "version", "True"),
+        (manifest_dict(version=4.0), "version", "4.0"),
+        (manifest_dict(version=np.int64(3)), "version", "np.int64(3)"),
+        (manifest_dict(tensors=(manifest_dict()["tensors"][0],)), "tensors", "input_type=tuple"),
+    ):
+        with pytest.raises(
+            pydantic.ValidationError, match=rf"(?s){field}\n  Input should be a valid .*{re.escape(got)}"
+        ):
+            WeightManifest.from_wire(bad)
+    with pytest.raises(TypeError, match=r"^manifest: expected WeightManifest or a mapping, got list$"):
+        WeightManifest.from_wire([1, 2], "manifest")
 
 
 def test_with_old_logprobs_checks_what_it_attaches():

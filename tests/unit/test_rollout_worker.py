@@ -6,6 +6,7 @@ import threading
 import time
 
 import numpy as np
+import pydantic
 import pytest
 import torch
 
@@ -224,6 +225,19 @@ def test_bad_env_path_names_request_and_path():
     bad = RolloutRequest(request_id="x", group_id="g", env=EnvRef(path="rollout.envs.nope:Env"))
     with pytest.raises(ValueError, match=r"request 'x'.*rollout\.envs\.nope"):
         core.submit(bad)
+
+
+def test_a_request_mapping_is_decoded_strictly_and_a_bad_one_queues_nothing():
+    core = RolloutWorkerCore(FakeEngine([([10, EOS], "stop")] * 2), chat=FakeChat())
+    good = _req("a", env=False).model_dump()
+    with pytest.raises(pydantic.ValidationError, match=r"admitted_version\n  Input should be a valid integer.*'3'"):
+        core.submit([good, dict(_req("b", env=False).model_dump(), admitted_version="3")])
+    with pytest.raises(pydantic.ValidationError, match=r"sampling\.n\n  Input should be a valid integer.*True"):
+        core.submit([dict(good, sampling=dict(good["sampling"], n=True))])
+    with pytest.raises(TypeError, match=r"requests\[1\]: expected RolloutRequest or a mapping, got str"):
+        core.submit([good, "b"])
+    assert core.status().in_flight == 0  # nothing of a refused call was queued
+    assert core.submit([good]) == 1
 
 
 def test_background_thread_and_update_mid_generation():
