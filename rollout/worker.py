@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from oldlogit_service.calls import RestartWait, ServiceCalls
 from protocol import AdapterSpec, OldLogitItem, RolloutRequest, Trajectory, WeightManifest, WorkerStatus
 from rollout.agent import ChatFormat, Episode, TemplateChatFormat
 from rollout.engine import EngineConfig, EngineRequest, GenerationEngine, make_engine
@@ -487,7 +488,9 @@ class RolloutWorkerActor:
     ``interrupt_target=(actor_handle, method_name)`` makes every weight update call
     ``ray.get(actor_handle.<method_name>.remote(prefixes, outgoing_version))`` before applying.
     ``oldlogit=handle`` (interrupt_sync route) scores the prefixes with
-    ``handle.score_prefixes(items, temperature, known)`` at the outgoing version and attaches them.
+    ``handle.score_prefixes(items, temperature, known)`` at the outgoing version and attaches them;
+    each such call waits out a restart of the service for at most ``oldlogit_restart_timeout_s``
+    seconds (:class:`oldlogit_service.calls.ServiceCalls`), then the weight update fails.
     """
 
     def __init__(
@@ -498,6 +501,7 @@ class RolloutWorkerActor:
         interrupt_target: tuple[Any, str] | None = None,
         autostart: bool = True,
         oldlogit: Any = None,
+        oldlogit_restart_timeout_s: float = 600.0,
     ):
         cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.model_validate(engine_config)
         hook = None
@@ -509,9 +513,10 @@ class RolloutWorkerActor:
 
         scorer = None
         if oldlogit is not None:
+            calls = ServiceCalls(oldlogit, RestartWait(oldlogit_restart_timeout_s))
 
             def scorer(items, temperature, known):
-                return ray.get(oldlogit.score_prefixes.remote(items, temperature, known))
+                return calls.call("score_prefixes", items, temperature, known)
 
         self.core = RolloutWorkerCore(
             make_engine(cfg), worker_id=worker_id, max_in_flight=max_in_flight, on_interrupt=hook, score_prefixes=scorer

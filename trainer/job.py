@@ -62,6 +62,7 @@ import numpy as np
 import ray
 from rich.console import Console
 
+from oldlogit_service.calls import PendingCall
 from protocol import EnvRef, EwmaStatus, RolloutRequest, Trajectory
 from trainer.buffer import TrajectoryBuffer, admission_capacity, token_staleness_histogram
 from trainer.config import JobConfig, one_line, write_private, write_resolved
@@ -70,7 +71,6 @@ from trainer.environment import ENV_VARS, defaults_env
 from trainer.metrics_log import MetricsLog, StepMetrics, plot_run
 from trainer.routes import make_route
 from trainer.server import ApiServer, StatusBoard
-from trainer.service_calls import PendingCall
 
 
 @contextlib.contextmanager
@@ -412,6 +412,7 @@ class Job:
             actor_options=cfg.rollout.actor_options(),
             max_in_flight=cfg.rollout.max_batch,
             oldlogit=self.route.worker_scorer,
+            oldlogit_restart_timeout_s=cfg.oldlogit.restart_timeout_s,
             start_timeout_s=cfg.rollout.start_timeout_s,
             hang_timeout_s=cfg.rollout.hang_timeout_s,
         )
@@ -514,10 +515,10 @@ class Job:
         The wait is ``taken.waited_s`` and counts as ``times["old_logits"]``; the service's own
         scoring seconds beyond it (``OldLogitAnswer.seconds``: scoring hidden behind the learner)
         count as ``times["old_logits_overlapped"]``. A service that is restarting is waited for and
-        asked again (:class:`trainer.service_calls.ServiceCalls`).
+        asked again (:class:`oldlogit_service.calls.ServiceCalls`).
 
         Raises:
-            trainer.service_calls.ServiceNotBack: the service did not come back within
+            oldlogit_service.calls.ServiceNotBack: the service did not come back within
                 ``oldlogit.restart_timeout_s``.
         """
         if taken is None or taken.waited_s is not None:
@@ -643,7 +644,7 @@ class Job:
 
         Raises:
             pydantic.ValidationError: the learner's metrics lack a field every step has.
-            trainer.service_calls.ServiceNotBack: the service did not come back within
+            oldlogit_service.calls.ServiceNotBack: the service did not come back within
                 ``oldlogit.restart_timeout_s``.
         """
         hist = token_staleness_histogram(batch, int(m["consumed_version"]))
@@ -676,7 +677,7 @@ class Job:
         new service process since the last call counts as a restart (``ServiceCalls.restarts``).
 
         Raises:
-            trainer.service_calls.ServiceNotBack: the service did not come back within
+            oldlogit_service.calls.ServiceNotBack: the service did not come back within
                 ``oldlogit.restart_timeout_s``.
         """
         calls = self.route.calls

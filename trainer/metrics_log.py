@@ -61,7 +61,7 @@ class StepMetrics(BaseModel):
     """Restarts of the old-logit service seen so far (a new service process; Ray restarts it)."""
     oldlogit_outages: int = Field(0, ge=0)
     """Driver calls to the old-logit service so far that failed because it was restarting and were
-    submitted again (:class:`trainer.service_calls.RestartWait`)."""
+    submitted again (:class:`oldlogit_service.calls.RestartWait`)."""
     oldlogit_retries: int = Field(0, ge=0)
     """Tries of those calls after their first failure."""
     oldlogit_unavailable_s: float = Field(0.0, ge=0)

@@ -64,7 +64,9 @@ class WorkerPool:
 
     ``hang_timeout_s``: seconds without a finished trajectory (while samples are in flight) after
     which a worker is hung (see the module docstring); None or 0: no hang detection, and every call
-    waits for its answer. ``clock``: monotonic seconds (a test may pass its own).
+    waits for its answer. ``clock``: monotonic seconds (a test may pass its own). ``oldlogit``: the
+    old-logit service handle workers score their prefixes with on ``interrupt_sync``, each call
+    waiting at most ``oldlogit_restart_timeout_s`` for a restarting service.
     """
 
     def __init__(
@@ -73,6 +75,7 @@ class WorkerPool:
         actor_options: dict | None = None,
         max_in_flight: int = 64,
         oldlogit: Any = None,
+        oldlogit_restart_timeout_s: float = 600.0,
         start_timeout_s: float = 300.0,
         hang_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -83,6 +86,7 @@ class WorkerPool:
         self.clock = clock
         self.actor_options = actor_options or {"num_cpus": 1.0}
         self.oldlogit = oldlogit  # interrupt_sync: workers score their prefixes there at each update
+        self.oldlogit_restart_timeout_s = oldlogit_restart_timeout_s
         self.workers: dict[str, Any] = {}
         self.in_flight: dict[str, int] = {}
         self.last_progress: dict[str, float] = {}
@@ -119,6 +123,7 @@ class WorkerPool:
                 worker_id=wid,
                 max_in_flight=self.max_in_flight,
                 oldlogit=self.oldlogit,
+                oldlogit_restart_timeout_s=self.oldlogit_restart_timeout_s,
             )
             try:
                 ray.get(actor.ready.remote(), timeout=max(0.0, slot_deadline - time.monotonic()))

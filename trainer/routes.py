@@ -24,7 +24,7 @@ tokens are at versions <= V, all held; the service runs one call at a time, in o
 publication of V+1 reaches it after that request.
 
 A route holds the old-logit service's Ray handle (None on ``none``) and makes every driver call to it
-through :class:`trainer.service_calls.ServiceCalls` (``calls``), which waits out a restart of the
+through :class:`oldlogit_service.calls.ServiceCalls` (``calls``), which waits out a restart of the
 service; it never owns the buffer or the workers - the loop passes what a hook needs.
 """
 
@@ -33,8 +33,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from oldlogit_service.calls import PendingCall, RestartWait, ServiceCalls
 from protocol import OldLogitRequest, Trajectory, WeightManifest
-from trainer.service_calls import PendingCall, RestartWait, ServiceCalls
 
 ScorerWeights = tuple[WeightManifest, Any]
 """``(manifest, payload ObjectRef)`` of the float32 publication the old-logit service installs."""

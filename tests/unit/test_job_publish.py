@@ -90,7 +90,7 @@ def test_scorer_routes_wait_for_workers_then_scorer(monkeypatch):
     import ray
 
     log = []
-    monkeypatch.setattr(ray, "get", lambda x: x)
+    monkeypatch.setattr(ray, "get", lambda x, timeout=None: x)
     pool = GatedPool()
     pool.gate.set()
     orig = pool.update_weights
