@@ -18,29 +18,12 @@ import httpx
 import pytest
 
 from protocol import JobStatus
+from tests.tiny_job import TINY_JOB
 from trainer.config import load_config
 from trainer.job import run_job
 from trainer.metrics_log import read_metrics
 
 pytestmark = pytest.mark.integration
-
-BASE = [
-    'model.path="tiny"',
-    "env.eval_prompts=2",
-    "rollout.num_workers=1",
-    "rollout.max_batch=16",
-    "rollout.sampling.max_tokens=12",
-    "rollout.sampling.n=4",
-    "rollout.sampling.temperature=1.0",
-    "controller.batch_groups=2",
-    "controller.max_staleness=1",
-    "learner.lr=1e-4",
-    "learner.micro_batch_size=8",
-    "server.port=0",
-    "logging.tensorboard=false",
-    "logging.plots=false",
-    "ray.num_cpus=6",
-]
 
 
 def _wait_for(path: Path, timeout_s: float = 300.0) -> None:
@@ -55,7 +38,7 @@ def first_run(tmp_path_factory, tiny_model_path, ray_cluster):
     """Run 6 steps in a thread while the test talks to the HTTP API; scale 1 -> 2 -> 1 workers."""
     run_dir = tmp_path_factory.mktemp("job")
     cfg = load_config(
-        None, BASE + ["controller.total_steps=6", f'logging.run_dir="{run_dir}"', 'loss.method="snapshot"']
+        None, TINY_JOB + ["controller.total_steps=6", f'logging.run_dir="{run_dir}"', 'loss.method="snapshot"']
     )
     result: dict = {}
     th = threading.Thread(target=lambda: result.update(run_job(cfg)), daemon=True)
@@ -137,7 +120,7 @@ def test_resume_continues_version_sequence(first_run, tmp_path):
     run_dir, _, _ = first_run
     cfg = load_config(
         None,
-        BASE
+        TINY_JOB
         + [
             "controller.total_steps=8",
             f'logging.run_dir="{tmp_path}"',
@@ -162,7 +145,7 @@ def test_scorer_routes_attach_exact_old_logprobs(method, tmp_path, tiny_model_pa
     and the learner's exact fraction says so."""
     cfg = load_config(
         None,
-        BASE
+        TINY_JOB
         + [
             "controller.total_steps=3",
             f'logging.run_dir="{tmp_path}"',

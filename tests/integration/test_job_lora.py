@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.tiny_job import TINY_JOB
 from trainer.config import load_config
 from trainer.job import run_job
 from trainer.metrics_log import read_metrics
@@ -23,24 +24,14 @@ def test_lora_job_publishes_adapters_and_every_token_is_exact(tmp_path, tiny_mod
     cfg = load_config(
         None,
         [
-            'model.path="tiny"',
-            "env.eval_prompts=2",
-            "rollout.num_workers=1",
-            "rollout.max_batch=16",
-            "rollout.sampling.max_tokens=12",
-            "rollout.sampling.n=4",
-            "controller.batch_groups=2",
-            "controller.max_staleness=1",
+            *TINY_JOB,
             "controller.total_steps=3",
             "learner.lr=1e-3",
-            "learner.micro_batch_size=8",
             "lora.enabled=true",
             "lora.rank=4",
             "lora.alpha=8.0",
             'loss.method="snapshot"',
             "server.enabled=false",
-            "logging.tensorboard=false",
-            "logging.plots=false",
             f'logging.run_dir="{tmp_path}"',
         ],
     )
