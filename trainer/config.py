@@ -130,10 +130,12 @@ class OldLogitConfig(_Placement):
     on the restarted one). A restarted server holds no version until the next publication: tokens of
     earlier versions are answered ``missing`` (never stored) and the learner uses its proxy for them."""
     restart_timeout_s: float = Field(600.0, gt=0.0)
-    """Seconds a driver call to the old-logit server waits for it to come back once the call failed
-    because the server is restarting (its process or its node died; Ray places it again where its
-    resources are); the call is submitted again meanwhile. Past that the run fails
-    (``failed: old-logit service``)."""
+    """Seconds a call to the old-logit server (the driver's, and a rollout worker's on
+    ``interrupt_sync``) waits for it to come back once the call failed because the server is
+    restarting (its process or its node died; Ray places it again where its resources are), or had
+    no answer while Ray reported the server restarting; the call is submitted again meanwhile. Past
+    that the run fails (``failed: old-logit service``); a server whose restarts are used up fails
+    the run at once."""
 
 
 class ControllerConfig(_Section):
