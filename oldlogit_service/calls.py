@@ -86,7 +86,8 @@ def actor_state(handle: Any) -> str | None:
 class RestartWait:
     """Retry rule for calls to a restarting actor, and its record.
 
-    A call is first made with no time limit. If it fails with one of :data:`RESTART_ERRORS`, it is
+    A call's first try waits for its answer with no time limit (in slices, with a state reader:
+    below). If it fails with one of :data:`RESTART_ERRORS`, it is
     tried again after pauses of ``first_pause_s``, doubled each time up to ``max_pause_s``
     (0.5, 1, 2, 4, 8, 8, ... s), each try waiting for its answer at most until ``timeout_s`` after
     the first failure. No try starts when the pause before it would reach that bound: the last
@@ -232,8 +233,8 @@ class ServiceCalls:
     """The old-logit service's actor handle with calls that wait out its restart (:class:`RestartWait`).
 
     ``submit(method, *args)`` returns a :class:`PendingCall` at once; ``result(pending)`` or
-    ``call(method, *args)`` wait for the answer. :meth:`status` also counts restarts. ``state`` reads
-    ``read_state(handle)`` the actor's GCS state (default :func:`actor_state`; None: never read).
+    ``call(method, *args)`` wait for the answer. :meth:`status` also counts restarts.
+    ``read_state(handle)`` reads the actor's GCS state (default :func:`actor_state`; None: never read).
     """
 
     def __init__(
