@@ -834,7 +834,7 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
     The summary is also written to ``<run_dir>/summary.json``; metrics go to ``metrics.jsonl`` (and
     TensorBoard), plots to ``reward.png`` / ``staleness.png``.
     """
-    console = console or Console()
+    console = console or Console(soft_wrap=True)  # one line per step at any width
     defaults_env()
     run_dir = Path(cfg.logging.run_dir)
     write_resolved(cfg, run_dir)
