@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import json
+import logging
 import os
 import struct
 import time
@@ -315,6 +316,8 @@ class VllmEngine(GenerationEngine):
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         t0 = time.perf_counter()
+        # torch announces at vLLM's import that it has no Triton (CPU): not the user's business
+        logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
         from vllm import EngineArgs
         from vllm.sampling_params import RequestOutputKind, SamplingParams
         from vllm.v1.engine.llm_engine import LLMEngine
@@ -332,6 +335,7 @@ class VllmEngine(GenerationEngine):
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_num_seqs=config.max_num_seqs,
             disable_log_stats=True,
+            use_tqdm_on_load=False,
         )
         try:
             self._llm = LLMEngine.from_engine_args(args)

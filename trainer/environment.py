@@ -20,6 +20,7 @@ ENV_VARS = (
     "TRANSFORMERS_VERBOSITY",
     "TORCH_EXTENSIONS_DIR",
     "PYTHONWARNINGS",
+    "TORCH_CPP_LOG_LEVEL",
 )
 
 
@@ -37,6 +38,8 @@ def defaults_env() -> None:
         ("TRANSFORMERS_VERBOSITY", "error"),
         # library deprecation notices (torch.distributed, transformers) are not the user's business
         ("PYTHONWARNINGS", "ignore::FutureWarning,ignore::DeprecationWarning"),
+        # torch's C++ log below ERROR (vLLM CPU's NUMA-binding notice at every engine start)
+        ("TORCH_CPP_LOG_LEVEL", "ERROR"),
         # DeepSpeed's JIT ops (the CPU comm op) build once per virtual environment: two venvs
         # sharing ~/.cache/torch_extensions invalidate each other's build on every learner start.
         ("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions")),

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import math
 import os
 import socket
@@ -148,7 +149,8 @@ def _init_distributed(settings: LearnerSettings, rank: int, world_size: int) -> 
         from deepspeed.accelerator import get_accelerator
 
         backend = "gloo" if get_accelerator().device_name() == "cpu" else get_accelerator().communication_backend_name()
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints "... built successfully" here
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
 
 class OptimizerRollback:
