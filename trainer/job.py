@@ -213,6 +213,17 @@ def failed_part(e: BaseException) -> str:
     return next((part for part in _PARTS.values() if str(e).startswith(part + ":")), type(e).__name__)
 
 
+def held_by_pause(board: StatusBoard) -> bool:
+    """Whether the driver loop holds at a pause request; while it holds, ``/v1/status`` says
+    ``state = "paused"``, and ``"running"`` again once it goes on."""
+    state = board.status().state
+    if board.paused and state == "running":
+        board.update(state="paused")
+    elif not board.paused and state == "paused":
+        board.update(state="running")
+    return board.paused
+
+
 def intake_refusal(t: Trajectory, vocab_size: int) -> str | None:
     """Why a finished trajectory cannot enter the buffer (the buffer's drop reason), or None.
 
@@ -906,7 +917,7 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
             break
         job.apply_controls(board)  # control requests: scale workers, pause
         job.replace_dead_workers(board)  # a worker process died: count its samples, start a replacement
-        if board.paused:
+        if held_by_pause(board):  # POST /v1/pause: no batch is taken until /v1/resume
             time.sleep(0.2)
             continue
         if nxt is None:  # no batch ready: admit and collect before taking one

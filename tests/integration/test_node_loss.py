@@ -6,16 +6,19 @@ custom resources ``learner_node`` (the learner) and one ``rollout_node``, and a 
 (the old-logit service), both with token authentication. A tiny job on the snapshot route runs
 against it as a user would (``vintage run --address``): learner and one rollout worker on the head,
 the other rollout worker and the old-logit service on the second node, so every published version
-crosses the node boundary through Ray's object store. After the second step the second node's whole
-process group is killed (SIGKILL, by the PID this test started) and a new node with the same
-resources is started. The worker's death is noticed, its in-flight samples are dropped as
-``worker_died`` and a replacement is placed on the new node; Ray restarts the old-logit service
-there, the driver's calls wait for it (``oldlogit.restart_timeout_s``), and the restarted service
-holds no version until the next publication. The job completes with the accounting identity intact,
-every token exact before the loss, and the restart counted. Whether a batch after the loss holds
-tokens of a version only the lost service had (answered ``missing``, exact fraction below 1) depends
-on whether the batch taken ahead right after the second step was scored before the kill, so it is
-not asserted. Only processes this test started are signalled.
+crosses the node boundary through Ray's object store.
+
+After the second step the job is paused through its control API (``POST /v1/pause``; the loop holds
+after the step in progress, at version k, with the batch for step k + 1 already scored), the second
+node's whole process group is killed (SIGKILL, by the PID this test started), a new node with the
+same resources is started, and the job is resumed. The worker's death is noticed, its in-flight
+samples are dropped as ``worker_died`` and a replacement is placed on the new node; Ray restarts the
+old-logit service there, the driver's calls wait for it (``oldlogit.restart_timeout_s``), and the
+restarted service holds no version until the next publication. So, by hand: steps 1 .. k + 1 train
+on exact old logits; the batch of step k + 2 (its tokens all at versions <= k) is scored by the
+restarted service before it holds any version, so none of its tokens is exact; the job completes
+with the accounting identity intact and the restart counted. Only processes this test started are
+signalled.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from deploy.local_cluster import LocalRayHead
@@ -36,6 +40,24 @@ from trainer.metrics_log import read_metrics
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def control(run_dir: Path, action: str) -> None:
+    """``POST /v1/<action>`` (pause / resume) to the job's API with its bearer token."""
+    url = json.loads((run_dir / "server.json").read_text())["url"]
+    token = (run_dir / "token").read_text().strip()
+    httpx.post(f"{url}/v1/{action}", headers={"Authorization": f"Bearer {token}"}, timeout=10).raise_for_status()
+
+
+def pause(run_dir: Path, timeout_s: float = 300.0) -> int:
+    """Pause the job; returns the learner version at which its loop holds (``/v1/status``)."""
+    control(run_dir, "pause")
+    url = json.loads((run_dir / "server.json").read_text())["url"]
+    deadline = time.monotonic() + timeout_s
+    while (st := httpx.get(f"{url}/v1/status", timeout=10).json())["state"] != "paused":
+        assert time.monotonic() < deadline, f"the job did not pause: {st['state']}"
+        time.sleep(0.2)
+    return st["learner_version"]
 
 
 @pytest.mark.timeout(900)
@@ -52,7 +74,7 @@ def test_lost_node_of_a_rollout_worker_and_the_oldlogit_service_is_survived_once
             'model.path="tiny"', "env.eval_prompts=0", 'rollout.engine="transformers"', "rollout.num_workers=2",
             "rollout.max_batch=16", "rollout.sampling.max_tokens=12", "rollout.sampling.n=4",
             "controller.batch_groups=2", "controller.max_staleness=1", "controller.total_steps=5",
-            "learner.micro_batch_size=8", "server.enabled=false", "logging.tensorboard=false", "logging.plots=false",
+            "learner.micro_batch_size=8", "server.port=0", "logging.tensorboard=false", "logging.plots=false",
             'loss.method="snapshot"', "rollout.resources={rollout_node = 1}", "learner.resources={learner_node = 1}",
             "oldlogit.resources={oldlogit_node = 1}", "oldlogit.restart_timeout_s=300",
             "rollout.start_timeout_s=240", f'logging.run_dir="{run_dir}"',
@@ -64,27 +86,30 @@ def test_lost_node_of_a_rollout_worker_and_the_oldlogit_service_is_survived_once
         log = open(tmp_path / "job.log", "w")
         job = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         try:
-            metrics, lost = run_dir / "metrics.jsonl", None
+            metrics, paused_at = run_dir / "metrics.jsonl", None
             deadline = time.monotonic() + 780
             while job.poll() is None and time.monotonic() < deadline:
-                if lost is None and metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-                    lost = time.time()
+                if paused_at is None and metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                    paused_at = pause(run_dir)
                     nodes[0].stop(timeout_s=10, sig=signal.SIGKILL)  # the raylet, the worker and the service
                     nodes.append(head.add_node(num_cpus=2, resources=second))
+                    control(run_dir, "resume")
                 time.sleep(0.5)
         finally:
             if job.poll() is None:
                 job.kill()
             job.wait(timeout=60)
         out = (tmp_path / "job.log").read_text()
-        assert lost is not None and job.returncode == 0, out[-4000:]
+        assert paused_at in (2, 3) and job.returncode == 0, out[-4000:]
         summary = json.loads((run_dir / "summary.json").read_text())
         rows = read_metrics(metrics)
         assert summary["end_reason"] == "completed" and summary["steps"] == 5
         assert summary["worker_restarts"] == 1 and "worker_died" in summary["dropped"]
         assert summary["accounting_ok"]
         assert [r["version"] for r in rows] == [1, 2, 3, 4, 5]
-        assert [r["exact_token_fraction"] for r in rows][:2] == [1.0, 1.0]  # before the loss
+        k = paused_at  # exact up to step k + 1; step k + 2's batch was scored by the empty restarted service
+        assert [r["exact_token_fraction"] for r in rows][: k + 2] == [1.0] * (k + 1) + [0.0]
+        assert summary["tokens_exact"] < summary["tokens_total"]
         # one restart, after the second step: counted at the first status read answered by the new process
         restarts = [r["oldlogit_restarts"] for r in rows]
         assert restarts[:2] == [0, 0] and restarts[-1] == 1 and summary["oldlogit_restarts"] == 1

@@ -55,6 +55,25 @@ def test_mutating_endpoints_need_the_token(server):
     assert board.paused
 
 
+def test_the_status_says_paused_while_the_loop_holds_and_running_once_resumed(server):
+    from trainer.job import held_by_pause
+
+    board, srv = server
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    board.update(state="running")
+    assert held_by_pause(board) is False and board.status().state == "running"
+    httpx.post(f"{srv.url}/v1/pause", headers=auth)
+    assert httpx.get(f"{srv.url}/v1/status").json()["state"] == "running"  # until the loop holds
+    assert held_by_pause(board) is True
+    assert httpx.get(f"{srv.url}/v1/status").json()["state"] == "paused"
+    httpx.post(f"{srv.url}/v1/resume", headers=auth)
+    assert held_by_pause(board) is False
+    assert httpx.get(f"{srv.url}/v1/status").json()["state"] == "running"
+    board.update(state="starting")
+    board.paused = True
+    assert held_by_pause(board) is True and board.status().state == "starting"  # only a running loop holds
+
+
 def test_scale_request_validation_names_field(server):
     _, srv = server
     r = httpx.post(f"{srv.url}/v1/workers", json={"num_workers": -1}, headers={"Authorization": f"Bearer {TOKEN}"})
