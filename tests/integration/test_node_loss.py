@@ -9,16 +9,19 @@ the other rollout worker and the old-logit service on the second node, so every 
 crosses the node boundary through Ray's object store.
 
 After the second step the job is paused through its control API (``POST /v1/pause``; the loop holds
-after the step in progress, at version k, with the batch for step k + 1 already scored), the second
-node's whole process group is killed (SIGKILL, by the PID this test started), a new node with the
-same resources is started, and the job is resumed. The worker's death is noticed, its in-flight
-samples are dropped as ``worker_died`` and a replacement is placed on the new node; Ray restarts the
-old-logit service there, the driver's calls wait for it (``oldlogit.restart_timeout_s``), and the
-restarted service holds no version until the next publication. So, by hand: steps 1 .. k + 1 train
-on exact old logits; the batch of step k + 2 (its tokens all at versions <= k) is scored by the
-restarted service before it holds any version, so none of its tokens is exact; the job completes
-with the accounting identity intact and the restart counted. Only processes this test started are
-signalled.
+after the step in progress, at version k), the second node's whole process group is killed
+(SIGKILL, by the PID this test started), a new node with the same resources is started, and the job
+is resumed. The worker's death is noticed, its in-flight samples are dropped as ``worker_died`` and
+a replacement is placed on the new node; Ray restarts the old-logit service there, the driver's
+calls wait for it (``oldlogit.restart_timeout_s``), and the restarted service holds no version until
+the next publication. So, by hand: steps 1 .. k train on exact old logits. The first batch scored
+after the kill holds tokens of version k or earlier, which the restarted service answers
+``missing``: when no batch was taken ahead at the pause, that is the batch of step k + 1 (taken
+after the resume, before version k + 1 exists: no token exact); when one was, step k + 1 trains on
+the answer it got before the kill and the batch of step k + 2 holds them (taken ahead during step
+k + 1, or finished during the pause). Either way one of the steps k + 1, k + 2 has an exact
+fraction below 1. The job completes with the accounting identity intact and the restart counted.
+Only processes this test started are signalled.
 """
 
 from __future__ import annotations
@@ -107,8 +110,8 @@ def test_lost_node_of_a_rollout_worker_and_the_oldlogit_service_is_survived_once
         assert summary["worker_restarts"] == 1 and "worker_died" in summary["dropped"]
         assert summary["accounting_ok"]
         assert [r["version"] for r in rows] == [1, 2, 3, 4, 5]
-        k = paused_at  # exact up to step k + 1; step k + 2's batch was scored by the empty restarted service
-        assert [r["exact_token_fraction"] for r in rows][: k + 2] == [1.0] * (k + 1) + [0.0]
+        k, exact = paused_at, [r["exact_token_fraction"] for r in rows]
+        assert exact[:k] == [1.0] * k and min(exact[k : k + 2]) < 1.0  # tokens the restarted service lacks
         assert summary["tokens_exact"] < summary["tokens_total"]
         # one restart, after the second step: counted at the first status read answered by the new process
         restarts = [r["oldlogit_restarts"] for r in rows]
