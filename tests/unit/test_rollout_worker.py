@@ -240,6 +240,31 @@ def test_a_request_mapping_is_decoded_strictly_and_a_bad_one_queues_nothing():
     assert core.submit([good]) == 1
 
 
+class BrokenEngine(FakeEngine):
+    """An engine whose step fails and leaves it unable to serve (e.g. half-applied weights)."""
+
+    def step(self):
+        self.failed = "weights half-applied"
+        raise RuntimeError("engine core died")
+
+
+def test_a_worker_whose_engine_fails_reports_failed_not_running():
+    core = RolloutWorkerCore(BrokenEngine([([10, EOS], "stop")]), chat=FakeChat())
+    core.submit(_req(env=False))
+    assert core.status().state == "running"
+    core.start()
+    try:
+        deadline = time.monotonic() + 30
+        while core.status().state != "failed":
+            assert time.monotonic() < deadline, core.status()
+            time.sleep(0.01)
+        st = core.status()
+        assert (st.state, st.errors) == ("failed", 1)  # the loop stopped at the first failure
+        assert st.last_error.startswith("step failed: RuntimeError('engine core died')")
+    finally:
+        core.stop()
+
+
 def test_background_thread_and_update_mid_generation():
     eng = FakeEngine([(list(range(10, 40)) + [EOS], "stop")], delay=0.005)
     core = RolloutWorkerCore(eng, chat=FakeChat())
