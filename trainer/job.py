@@ -754,10 +754,11 @@ class Job:
         if self.agents is None:  # agent sessions account for their own calls
             for lost, reason in deaths.values():
                 self.buffer.note_lost(lost, reason)
-        add = min(self.workers_wanted - len(self.pool), self.cfg.rollout.max_restarts - self.restarts)
+        have = len(self.pool) + len(self.pool.starting)
+        add = min(self.workers_wanted - have, self.cfg.rollout.max_restarts - self.restarts)
         if add > 0:
-            added, _ = self.pool.scale_to(len(self.pool) + add)
-            self.restarts += len(added)
+            self.pool.request(have + add)  # started in the background: admit_started_workers
+            self.restarts += add
         what = {
             "worker_died": "died",
             "worker_hung": f"hung (no finished trajectory in {self.pool.hang_timeout_s or 0:g} s)",
@@ -765,25 +766,49 @@ class Job:
         note = (
             f"rollout worker(s) {', '.join(f'{w} {what[r]}' for w, (_, r) in sorted(deaths.items()))} "
             f"({sum(lost for lost, _ in deaths.values())} samples lost); "
-            f"{len(self.pool)} of {self.workers_wanted} running, {self.restarts} of {self.cfg.rollout.max_restarts} restarts used"
+            f"{self.workers_line()}, {self.restarts} of {self.cfg.rollout.max_restarts} restarts used"
         )
         self.console.print(note)
         board.update(scale_note=note, workers=self.pool.statuses())
 
     def apply_controls(self, board: StatusBoard) -> None:
-        """Apply the latest scale request (one that arrives meanwhile stays pending for the next call)."""
+        """Apply the latest scale request (one that arrives meanwhile stays pending for the next call).
+        Extra workers are removed now; new ones start in the background (:meth:`admit_started_workers`),
+        so the loop never waits for a placement."""
         want = board.take_scale_request()
         if want is None:
             return
         self.workers_wanted = want
-        added, removed = self.pool.scale_to(want)
+        removed = self.pool.request(want)
         for _wid, lost in removed.items():
             self.buffer.note_lost(lost, "worker_removed")
-        note = f"scaled rollout workers to {len(self.pool)} (+{len(added)} -{len(removed)})"
-        if len(self.pool) != want:
-            note += f"; {want} requested, {want - len(self.pool)} could not be placed within rollout.start_timeout_s"
+        note = f"scaling rollout workers to {want}: {self.workers_line()}" + (
+            f", {len(removed)} removed" if removed else ""
+        )
         self.console.print(note)
         board.update(scale_note=note, workers=self.pool.statuses())
+
+    def admit_started_workers(self, board: StatusBoard) -> None:
+        """Rollout workers started in the background that are ready join at the current version;
+        those not placed and started within ``rollout.start_timeout_s`` are given up (the job goes on
+        with fewer). ``scale_note`` says which."""
+        joined, gave_up = self.pool.admit_started()
+        if not joined and not gave_up:
+            return
+        parts = [f"rollout worker(s) {', '.join(joined)} started"] if joined else []
+        if gave_up:
+            parts.append(
+                f"{', '.join(gave_up)} not placed and started within rollout.start_timeout_s = "
+                f"{self.cfg.rollout.start_timeout_s:g} s, given up"
+            )
+        note = f"{'; '.join(parts)}; {self.workers_line()}"
+        self.console.print(note)
+        board.update(scale_note=note, workers=self.pool.statuses())
+
+    def workers_line(self) -> str:
+        """``"<running> of <wanted> running[, <n> starting]"``: the rollout workers now."""
+        starting = len(self.pool.starting)
+        return f"{len(self.pool)} of {self.workers_wanted} running" + (f", {starting} starting" if starting else "")
 
     def status_fields(self, m: StepMetrics | None) -> dict[str, Any]:
         """The ``/v1/status`` fields now; those of the last step ``m`` when given (the old-logit
@@ -916,6 +941,7 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
         if deadline is not None and time.perf_counter() >= deadline:
             break
         job.apply_controls(board)  # control requests: scale workers, pause
+        job.admit_started_workers(board)  # workers started in the background join at the current version
         job.replace_dead_workers(board)  # a worker process died: count its samples, start a replacement
         if held_by_pause(board):  # POST /v1/pause: no batch is taken until /v1/resume
             time.sleep(0.2)

@@ -42,6 +42,11 @@ WORKER_DIED, WORKER_HUNG = "worker_died", "worker_hung"
 """Reasons a worker's in-flight samples are lost: its process died; it hung and was killed."""
 
 
+def _number(wid: str) -> int:
+    """The number in a worker id (``rollout-12`` -> 12): the newest worker has the largest."""
+    return int(wid.split("-")[1])
+
+
 def hung_workers(
     in_flight: Mapping[str, int], last_progress: Mapping[str, float], now: float, timeout_s: float | None
 ) -> list[str]:
@@ -88,6 +93,8 @@ class WorkerPool:
         self.oldlogit = oldlogit  # interrupt_sync: workers score their prefixes there at each update
         self.oldlogit_restart_timeout_s = oldlogit_restart_timeout_s
         self.workers: dict[str, Any] = {}
+        self.starting: dict[str, tuple[Any, Any, float]] = {}
+        """Workers launched and not ready yet: id -> (actor, its ``ready`` reference, deadline)."""
         self.in_flight: dict[str, int] = {}
         self.last_progress: dict[str, float] = {}
         self._ids = itertools.count()
@@ -102,58 +109,91 @@ class WorkerPool:
         return len(self.workers)
 
     def scale_to(self, n: int) -> tuple[list[str], dict[str, int]]:
-        """Add or remove workers to reach ``n``; returns (added ids, {removed id: lost samples}).
+        """Add or remove workers to reach ``n`` and wait for the new ones; returns (added ids,
+        {removed id: lost samples}). Used at start-up; a running job uses :meth:`request` and
+        :meth:`admit_started`, which never wait.
 
         A worker that is not placed and started within ``start_timeout_s`` (e.g. the cluster has no
-        room for it) is killed and no more are added this call: the pool then holds fewer than ``n``.
-        One that dies while starting (its node was lost before Ray marked it dead) is placed again,
-        within the same ``start_timeout_s``.
+        room for it) is killed: the pool then holds fewer than ``n``. One that dies while starting
+        (its node was lost before Ray marked it dead) is placed again, within the same
+        ``start_timeout_s``.
         """
-        with self._lock:
-            return self._scale_to(n)
-
-    def _scale_to(self, n: int) -> tuple[list[str], dict[str, int]]:
-        added, removed = [], {}
-        slot_deadline = None  # each new worker gets start_timeout_s, retries included
-        while len(self.workers) < n:
-            slot_deadline = slot_deadline or time.monotonic() + self.start_timeout_s
-            wid = f"rollout-{next(self._ids)}"
-            actor = RolloutWorker.options(**self.actor_options).remote(
-                self.engine_config,
-                worker_id=wid,
-                max_in_flight=self.max_in_flight,
-                oldlogit=self.oldlogit,
-                oldlogit_restart_timeout_s=self.oldlogit_restart_timeout_s,
-            )
-            try:
-                ray.get(actor.ready.remote(), timeout=max(0.0, slot_deadline - time.monotonic()))
-            except ray.exceptions.GetTimeoutError:
-                ray.kill(actor)
-                break
-            except ray.exceptions.RayActorError:  # died while starting (its node was lost): place it again
-                ray.kill(actor)
-                time.sleep(1.0)
-                continue
-            slot_deadline = None
-            if self._latest is not None:  # a late joiner starts at the current version
-                ray.get(actor.update_weights.remote(*self._latest))
-            self.workers[wid], self.in_flight[wid] = actor, 0
-            self.last_progress[wid] = self.clock()
-            added.append(wid)
-        while len(self.workers) > n:
-            wid = max(self.workers, key=lambda w: int(w.split("-")[1]))
-            actor = self.workers.pop(wid)
-            removed[wid] = self.in_flight.pop(wid)
-            self.last_progress.pop(wid, None)
-            self._late.pop(wid, None)
-            self._behind.discard(wid)
-            try:
-                ray.get(actor.close.remote(), timeout=30)
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                pass  # already dead, or hung: nothing to close
-            finally:
-                ray.kill(actor)
+        removed = self.request(n)
+        added: list[str] = []
+        while self.starting:
+            joined, _ = self.admit_started()
+            added += joined
+            if self.starting:
+                time.sleep(0.1)
         return added, removed
+
+    def request(self, n: int) -> dict[str, int]:
+        """Move toward ``n`` workers without waiting for any start: new workers are launched and
+        join when :meth:`admit_started` finds them ready (each within ``start_timeout_s``); extra
+        workers are removed now, those still starting first. Returns {removed id: lost samples}."""
+        removed: dict[str, int] = {}
+        with self._lock:
+            while len(self.workers) + len(self.starting) < n:
+                self._launch(f"rollout-{next(self._ids)}", time.monotonic() + self.start_timeout_s)
+            while self.starting and len(self.workers) + len(self.starting) > n:
+                ray.kill(self.starting.pop(max(self.starting, key=_number))[0])
+            while len(self.workers) > n:
+                wid = max(self.workers, key=_number)
+                actor = self.workers.pop(wid)
+                removed[wid] = self.in_flight.pop(wid)
+                self.last_progress.pop(wid, None)
+                self._late.pop(wid, None)
+                self._behind.discard(wid)
+                try:
+                    ray.get(actor.close.remote(), timeout=30)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    pass  # already dead, or hung: nothing to close
+                finally:
+                    ray.kill(actor)
+        return removed
+
+    def _launch(self, wid: str, deadline: float) -> None:
+        """Create worker ``wid``'s actor; it must be ready by ``deadline`` (monotonic seconds)."""
+        actor = RolloutWorker.options(**self.actor_options).remote(
+            self.engine_config,
+            worker_id=wid,
+            max_in_flight=self.max_in_flight,
+            oldlogit=self.oldlogit,
+            oldlogit_restart_timeout_s=self.oldlogit_restart_timeout_s,
+        )
+        self.starting[wid] = (actor, actor.ready.remote(), deadline)
+
+    def admit_started(self) -> tuple[list[str], list[str]]:
+        """Workers whose start finished join the pool at the current version (the newest
+        publication is installed first); one not ready by its deadline is killed; one that died
+        while starting (its node was lost) is launched again under the same deadline. Never waits
+        for a start. Returns (joined ids, ids given up because ``start_timeout_s`` passed)."""
+        joined, gave_up = [], []
+        with self._lock:
+            for wid, (actor, ready, deadline) in list(self.starting.items()):
+                done, _ = ray.wait([ready], timeout=0)
+                if not done:
+                    if time.monotonic() >= deadline:
+                        ray.kill(actor)
+                        del self.starting[wid]
+                        gave_up.append(wid)
+                    continue
+                del self.starting[wid]
+                try:
+                    ray.get(ready)
+                except ray.exceptions.RayActorError:  # died while starting: place it again
+                    ray.kill(actor)
+                    if time.monotonic() < deadline:
+                        self._launch(wid, deadline)
+                    else:
+                        gave_up.append(wid)
+                    continue
+                if self._latest is not None:  # a late joiner starts at the current version
+                    ray.get(actor.update_weights.remote(*self._latest))
+                self.workers[wid], self.in_flight[wid] = actor, 0
+                self.last_progress[wid] = self.clock()
+                joined.append(wid)
+        return joined, gave_up
 
     def _bury(self, wid: str, reason: str = WORKER_DIED) -> None:
         """Forget a worker whose process died (or that hung); its in-flight samples are recorded as lost."""

@@ -58,15 +58,16 @@ def first_run(tmp_path_factory, tiny_model_path, ray_cluster):
         if seen["refused"] is None:
             seen["refused"] = httpx.post(f"{url}/v1/workers", json={"num_workers": 3}, timeout=10).status_code
         if s.learner_version >= 2 and not scaled_up:
-            assert (
-                httpx.post(
-                    f"{url}/v1/workers",
-                    json={"num_workers": 2},
-                    headers={"Authorization": f"Bearer {token}"},
-                    timeout=10,
-                ).status_code
-                == 202
-            )
+            auth = {"Authorization": f"Bearer {token}"}
+            assert httpx.post(f"{url}/v1/workers", json={"num_workers": 2}, headers=auth, timeout=10).status_code == 202
+            # the new worker starts in the background; hold the loop until it has joined
+            httpx.post(f"{url}/v1/pause", headers=auth, timeout=10).raise_for_status()
+            deadline = time.monotonic() + 300
+            while len(httpx.get(f"{url}/v1/workers", timeout=10).json()) < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            seen["scale_note"] = httpx.get(f"{url}/v1/status", timeout=10).json()["scale_note"]
+            httpx.post(f"{url}/v1/resume", headers=auth, timeout=10).raise_for_status()
             scaled_up = True
         if s.learner_version >= 4 and len(s.workers) == 2 and not scaled_down:
             assert (
@@ -113,6 +114,7 @@ def test_status_endpoint_during_run_and_token(first_run):
     assert seen["refused"] == 401
     assert seen["versions"] == sorted(seen["versions"]) and max(seen["versions"]) >= 4
     assert 2 in seen["workers"]  # scaled up mid-run
+    assert seen["scale_note"] == "rollout worker(s) rollout-1 started; 2 of 2 running"
     assert seen["workers"][-1] == 1  # and back down
 
 

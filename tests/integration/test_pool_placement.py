@@ -3,6 +3,8 @@ on); a learner that cannot start raises naming the part instead of waiting silen
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from rollout.engine import EngineConfig
@@ -19,7 +21,22 @@ def test_unplaceable_worker_times_out_and_pool_stays_empty(ray_cluster, tiny_mod
         start_timeout_s=2.0,
     )
     added, removed = pool.scale_to(2)
-    assert (added, removed, len(pool)) == ([], {}, 0)
+    assert (added, removed, len(pool), pool.starting) == ([], {}, 0, {})
+
+
+def test_a_worker_started_in_the_background_is_given_up_without_anyone_waiting(ray_cluster, tiny_model_path):
+    pool = WorkerPool(
+        EngineConfig(kind="transformers", model_path=str(tiny_model_path)),
+        actor_options={"num_cpus": 0.1, "resources": {"no_such_node": 1}},
+        start_timeout_s=2.0,
+    )
+    assert pool.request(1) == {} and list(pool.starting) == ["rollout-0"]  # launched, not waited for
+    assert pool.admit_started() == ([], [])  # not ready, deadline not reached: nothing happens
+    deadline = time.monotonic() + 60
+    while (got := pool.admit_started()) == ([], []):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert got == ([], ["rollout-0"]) and (len(pool), pool.starting) == (0, {})
 
 
 def test_learner_that_cannot_start_raises_naming_the_part(ray_cluster, tiny_model_path):

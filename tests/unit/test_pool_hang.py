@@ -30,7 +30,7 @@ class Pool:
     hang_timeout_s = 30.0
 
     def __init__(self):
-        self.n, self.killed = 1, 0
+        self.n, self.killed, self.starting = 1, 0, {}
         self.deaths = {"rollout-0": (8, WORKER_HUNG), "rollout-2": (3, WORKER_DIED)}
 
     def __len__(self):
@@ -44,10 +44,14 @@ class Pool:
         d, self.deaths = self.deaths, {}
         return d
 
-    def scale_to(self, n):
-        added = [f"rollout-{3 + i}" for i in range(n - self.n)]
-        self.n = n
-        return added, {}
+    def request(self, n):  # new workers start in the background
+        self.starting = {f"rollout-{3 + i}": None for i in range(n - self.n)}
+        return {}
+
+    def admit_started(self):  # the first started; the second could not be placed in time
+        joined, gave_up = sorted(self.starting)[:1], sorted(self.starting)[1:]
+        self.n, self.starting = self.n + len(joined), {}
+        return joined, gave_up
 
     def statuses(self):
         return []
@@ -64,8 +68,15 @@ def test_hung_and_dead_workers_are_dropped_with_their_reason_and_replaced():
     assert j.pool.killed == 1
     assert dict(j.buffer.dropped) == {"worker_hung": 8, "worker_died": 3}
     assert j.buffer.in_flight == 5 and j.buffer.accounting_ok()
-    assert (j.restarts, len(j.pool)) == (2, 3)
+    assert (j.restarts, len(j.pool), sorted(j.pool.starting)) == (2, 1, ["rollout-3", "rollout-4"])
     assert board.status().scale_note == (
         "rollout worker(s) rollout-0 hung (no finished trajectory in 30 s), rollout-2 died (11 samples lost); "
-        "3 of 3 running, 2 of 3 restarts used"
+        "1 of 3 running, 2 starting, 2 of 3 restarts used"
     )
+    j.admit_started_workers(board)  # the loop's next turn: one replacement is ready, one was not placed
+    assert board.status().scale_note == (
+        "rollout worker(s) rollout-3 started; rollout-4 not placed and started within "
+        "rollout.start_timeout_s = 300 s, given up; 2 of 3 running"
+    )
+    j.admit_started_workers(board)  # nothing new: the note stays
+    assert board.status().scale_note.endswith("; 2 of 3 running")
