@@ -125,8 +125,8 @@ class RolloutWorkerCore:
         """
         reqs = [requests] if isinstance(requests, RolloutRequest) else list(requests)
         built: list[Episode] = []
-        for i, r in enumerate(reqs):
-            r = RolloutRequest.from_wire(r, f"requests[{i}]")
+        for k, r in enumerate(reqs):
+            r = RolloutRequest.from_wire(r, f"requests[{k}]")
             for i in range(r.sampling.n):
                 tid = r.request_id if r.sampling.n == 1 else f"{r.request_id}/{i}"
                 built.append(self._new_episode(r, tid))
