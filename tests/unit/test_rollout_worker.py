@@ -260,7 +260,9 @@ def test_a_worker_whose_engine_fails_reports_failed_not_running():
             time.sleep(0.01)
         st = core.status()
         assert (st.state, st.errors) == ("failed", 1)  # the loop stopped at the first failure
-        assert st.last_error.startswith("step failed: RuntimeError('engine core died')")
+        assert core.last_error.startswith("step failed: RuntimeError('engine core died')\nTraceback")
+        assert st.last_error == core.last_error[-500:]  # the status keeps the end: the exception line
+        assert st.last_error.endswith("RuntimeError: engine core died\n")
     finally:
         core.stop()
 
