@@ -768,8 +768,7 @@ class Job:
             f"({sum(lost for lost, _ in deaths.values())} samples lost); "
             f"{self.workers_line()}, {self.restarts} of {self.cfg.rollout.max_restarts} restarts used"
         )
-        self.console.print(note)
-        board.update(scale_note=note, workers=self.pool.statuses())
+        self.report_workers(board, note)
 
     def apply_controls(self, board: StatusBoard) -> None:
         """Apply the latest scale request (one that arrives meanwhile stays pending for the next call).
@@ -785,8 +784,7 @@ class Job:
         note = f"scaling rollout workers to {want}: {self.workers_line()}" + (
             f", {len(removed)} removed" if removed else ""
         )
-        self.console.print(note)
-        board.update(scale_note=note, workers=self.pool.statuses())
+        self.report_workers(board, note)
 
     def admit_started_workers(self, board: StatusBoard) -> None:
         """Rollout workers started in the background that are ready join at the current version;
@@ -802,6 +800,10 @@ class Job:
                 f"{self.cfg.rollout.start_timeout_s:g} s, given up"
             )
         note = f"{'; '.join(parts)}; {self.workers_line()}"
+        self.report_workers(board, note)
+
+    def report_workers(self, board: StatusBoard, note: str) -> None:
+        """Print ``note`` and show it as ``/v1/status`` ``scale_note`` with the workers now."""
         self.console.print(note)
         board.update(scale_note=note, workers=self.pool.statuses())
 
