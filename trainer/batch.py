@@ -35,7 +35,7 @@ from trainer.advantages import TRUNCATED_REASONS, grpo_advantages, rloo_advantag
 
 _ROW_TENSORS = (
     "token_ids", "attention_mask", "loss_mask", "sampled_mask", "behav_logprobs", "versions", "staleness",
-    "old_logprobs", "exact_mask", "advantages", "rewards", "seq_advantages",
+    "old_logprobs", "exact_mask", "advantages", "rewards", "seq_advantages", "recompute_logprobs",
 )  # fmt: skip
 
 
@@ -63,6 +63,9 @@ class Batch:
     exact_mask: Tensor | None = None  # [B, T] bool
     rewards: Tensor | None = None  # [B] fp32
     seq_advantages: Tensor | None = None  # [B] fp32
+    recompute_logprobs: Tensor | None = None  # [B, T] fp32 nats, NaN where not taken
+    """Log-probs under the weights of ``consuming_version`` taken before the batch's first optimizer
+    step (the recompute reference of its second and later mini-batches); NaN when not taken."""
     stats: dict[str, float] = field(default_factory=dict)
     """Counts from collation: ``stale_masked_tokens``, ``overlong_masked_seqs``, ``sampled_tokens``..."""
 
@@ -83,6 +86,8 @@ class Batch:
             self.rewards = torch.zeros(b)
         if self.seq_advantages is None:
             self.seq_advantages = torch.zeros(b)
+        if self.recompute_logprobs is None:
+            self.recompute_logprobs = torch.full((b, t), float("nan"))
         for name in _ROW_TENSORS:
             v = getattr(self, name)
             want = (b,) if name in ("rewards", "seq_advantages") else (b, t)
@@ -115,6 +120,23 @@ class Batch:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, {world_size})")
         return self.select(range(rank, self.size, world_size))
+
+    def mini_batches(self, count: int) -> list[Batch]:
+        """Split the rows into ``count`` contiguous mini-batches of near-equal size, one optimizer
+        step each (row order kept; the first ``size % count`` get one row more; none is empty).
+        Example: 10 rows, 3 mini-batches -> rows 0-3, 4-6, 7-9.
+
+        Raises:
+            ValueError: ``count`` < 1 or more than the rows."""
+        if not 1 <= count <= self.size:
+            raise ValueError(f"learner.ppo_mini_batches: {count} mini-batches for a batch of {self.size} sequences")
+        if count == 1:
+            return [self]
+        base, extra = divmod(self.size, count)
+        bounds = [0]
+        for j in range(count):
+            bounds.append(bounds[-1] + base + (j < extra))
+        return [self.select(range(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
 
     def micro_batches(self, micro_batch_size: int, count: int | None = None) -> list[Batch]:
         """Split into chunks of ``micro_batch_size`` rows, padded with empty (all-masked) chunks up to
@@ -273,6 +295,8 @@ def collate(
     stats = {
         "sequences": float(b),
         "sampled_tokens": float(sampled.sum()),
+        "response_tokens_mean": float(sampled.sum(-1).mean()),
+        "response_tokens_max": float(sampled.sum(-1).max()),
         "train_tokens": float(train.sum()),
         "stale_masked_tokens": float(stale_masked),
         "overlong_masked_seqs": float(overlong_seqs),

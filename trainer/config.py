@@ -113,6 +113,16 @@ class LearnerConfig(_Placement):
     """Global gradient-norm clip (DeepSpeed ``gradient_clipping``); 0 disables it."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward; the loss does not depend on it (global token count)."""
+    ppo_mini_batches: int = Field(1, ge=1, le=1024)
+    """Optimizer steps per pass over one rollout batch (verl's batch / ``ppo_mini_batch_size``,
+    AReaL's ``ppo_n_minibatches``): the batch's rows split into this many contiguous mini-batches,
+    each a token-mean over its own tokens, micro-batched inside. One rollout batch is still one
+    policy version: it is published once, after all its optimizer steps."""
+    ppo_epochs: int = Field(1, ge=1, le=64)
+    """Passes over one rollout batch (verl's ``ppo_epochs``, TRL's ``num_iterations``); the learner
+    takes ``ppo_epochs * ppo_mini_batches`` optimizer steps per version. From the second step on,
+    the recompute reference is the consuming version's log-probs taken before the first step, exact
+    old logits stay the behaviour version's, and the EWMA has folded in every earlier step."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Learner compute dtype."""
     overlong_filter: bool = False
@@ -140,7 +150,8 @@ class OldLogitConfig(_Placement):
 
 class ControllerConfig(_Section):
     total_steps: int = Field(10, ge=0)
-    """Optimizer steps to run (each bumps the policy version by one)."""
+    """Learner steps to run, one per rollout batch (each bumps the policy version by one, after
+    ``learner.ppo_epochs * learner.ppo_mini_batches`` optimizer steps)."""
     batch_groups: int = Field(4, ge=1)
     """Groups (prompts x ``sampling.n`` samples) per optimizer step."""
     max_staleness: int = Field(2, ge=0)
@@ -286,6 +297,10 @@ class JobConfig(_Section):
         if c.buffer_capacity < c.batch_groups * n:
             raise ValueError(
                 f"controller.buffer_capacity: {c.buffer_capacity} < one batch ({c.batch_groups} groups x {n} samples): the job could never step"
+            )
+        if self.learner.ppo_mini_batches > c.batch_groups * n:
+            raise ValueError(
+                f"learner.ppo_mini_batches: {self.learner.ppo_mini_batches} > one batch ({c.batch_groups} groups x {n} samples): a mini-batch would be empty"
             )
         if self.rollout.max_batch < n:
             raise ValueError(f"rollout.max_batch: {self.rollout.max_batch} < sampling.n {n}: a group never fits")

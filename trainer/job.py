@@ -313,6 +313,8 @@ def learner_settings(cfg: JobConfig, model_path: Path):
         grad_clip=cfg.learner.grad_clip,
         overlong_filter=cfg.learner.overlong_filter,
         micro_batch_size=cfg.learner.micro_batch_size,
+        ppo_mini_batches=cfg.learner.ppo_mini_batches,
+        ppo_epochs=cfg.learner.ppo_epochs,
         loss=cfg.loss,
         ewma=ewma,
         temperature=s.temperature,
@@ -971,7 +973,8 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
         console.print(
             f"step {m.consumed_version}->{job.version}  reward {m.reward_mean:.3f}  staleness mean {m.staleness_mean:.2f} "
             f"max {m.staleness_max}  exact {m.exact_token_fraction:.2f}  kept {m.mask_kept_fraction if m.mask_kept_fraction is not None else float('nan'):.2f}  "
-            f"loss {m.loss:+.4f}  {m.tokens_per_s:.0f} tok/s  train {m.train_s:.1f}s"
+            f"loss {m.loss:+.4f}  clip {m.clip_frac_step_max:.2f}  entropy {m.entropy:.2f}  len {m.response_tokens_mean:.0f}  "
+            f"{m.tokens_per_s:.0f} tok/s  train {m.train_s:.1f}s"
         )
     t_end = time.perf_counter()
     loop_s = t_end - t_loop

@@ -1,4 +1,4 @@
-"""The DeepSpeed learner: one optimizer step per batch, versioned weights, a non-finite guard.
+"""The DeepSpeed learner: several optimizer steps per rollout batch, one version per batch, a non-finite guard.
 
 :class:`LearnerCore` is a plain class around a DeepSpeed engine (tested without Ray);
 :data:`Learner` is its ``ray.remote`` wrapper, one actor per data-parallel rank, and
@@ -8,29 +8,33 @@ One :meth:`LearnerCore.train_step` at learner version ``V``:
 
 1. collate the trajectories (:func:`trainer.batch.collate`): per-token staleness ``V - v_t``,
    exact old log-probs where a route supplied them (NaN elsewhere), GRPO advantages over the whole
-   batch; each rank then takes rows ``rank::world_size``;
-2. the global token count ``N`` (all-reduced over ranks) is the token-mean denominator of every
-   micro-batch, and the loss is multiplied by ``world_size`` because DeepSpeed averages
-   gradients over data-parallel ranks;
+   batch; the batch is split into ``ppo_mini_batches`` mini-batches, taken ``ppo_epochs`` times,
+   one optimizer step each (with one step, the batch itself); with several steps and a proxy built
+   from the current log-probs, those of version ``V`` are taken first (the recompute reference);
+   each rank then takes rows ``rank::world_size`` of a mini-batch;
+2. per optimizer step, the global token count ``N`` of the mini-batch (all-reduced over ranks) is
+   the token-mean denominator of every micro-batch, and the loss is multiplied by ``world_size``
+   because DeepSpeed averages gradients over data-parallel ranks;
 3. per micro-batch: with the PPO-EWMA proxy a no-grad forward with the EWMA weights (only where a
-   sampled token lacks exact old logits, plus a probe every ``ewma.probe_every`` steps that keeps
+   sampled token lacks exact old logits, plus a probe every ``ewma.probe_every`` versions that keeps
    the auto-reset signal and the proxy-error metric measured), the forward
-   of the current policy, :func:`trainer.losses.compute_policy_loss` (exact reference where known,
-   the configured proxy elsewhere), ``engine.backward``; gradient accumulation is driven by hand
-   (``set_gradient_accumulation_boundary``), so the number of micro-batches may change per step;
+   of the current policy (log-probs and entropy), :func:`trainer.losses.compute_policy_loss` (exact
+   reference where known, the configured proxy elsewhere), ``engine.backward``; gradient
+   accumulation is driven by hand (``set_gradient_accumulation_boundary``), so the number of
+   micro-batches may change per step;
 4. the non-finite guard: a hook on every parameter flags a non-finite local gradient, the loss is
    checked, and the flag is all-reduced; if set, ``engine.step()`` runs with the inner torch
    optimizer's ``step`` suppressed (DeepSpeed still clears its gradient buffers, weights and
-   optimizer state stay untouched), the skip is counted and the version is *not* bumped, so those
-   weights can never be published. A step DeepSpeed itself skips (its own overflow check) counts
-   the same way. The optimizer's own step is checked too: the parameters and state it updates
-   are copied before it runs (:class:`OptimizerRollback`), and when any updated weight or state
-   tensor is not finite (an infinite learning rate, an overflowing update) every rank restores the
-   copy, so weights and optimizer state are exactly those of before the step, and the step counts
-   as skipped (``nonfinite_weight_steps``);
-5. otherwise the optimizer steps, the EWMA folds the new weights in, the EWMA resets when the
-   discrepancy mask on pi_ewma/mu keeps less than ``ewma.reset_tau`` of the tokens, and
-   ``version += 1``.
+   optimizer state stay untouched) and the optimizer step is counted as skipped. A step DeepSpeed
+   itself skips (its own overflow check) counts the same way. The optimizer's own step is checked
+   too: the parameters and state it updates are copied before it runs (:class:`OptimizerRollback`),
+   and when any updated weight or state tensor is not finite (an infinite learning rate, an
+   overflowing update) every rank restores the copy, so weights and optimizer state are exactly
+   those of before the step, and the step counts as skipped (``nonfinite_weight_steps``);
+5. after each applied optimizer step the EWMA folds the new weights in and resets when the
+   discrepancy mask on pi_ewma/mu keeps less than ``ewma.reset_tau`` of the tokens; after the last
+   one, ``version += 1`` when at least one step of the batch applied (otherwise the version stays,
+   so weights a guard refused are never published as a new version).
 
 ZeRO stages 0, 1, 2 and 3 all run on CPU with gloo and a torch ``AdamW`` passed in (DeepSpeed's
 fused/CPU Adam would JIT-compile for minutes and is never used). bf16 keeps fp32 master weights in
@@ -48,6 +52,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import numpy as np
@@ -55,7 +60,7 @@ import ray
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from modelkit.scoring import sequence_logprobs
+from modelkit.scoring import sequence_logprobs, sequence_logprobs_and_entropy
 from modelkit.weights import PackedWeights, Transport, all_finite, pack_weights
 from protocol import OldLogitAnswer, Trajectory, WeightManifest
 from trainer.batch import Batch, collate
@@ -63,7 +68,7 @@ from trainer.ewma import EwmaProximal
 from trainer.lora_config import LoraSettings, lora_zero_refusal
 from trainer.loss_config import EwmaConfig, LossConfig, kl_refusal, loss_config
 from trainer.losses import compute_policy_loss, discrepancy_ratio, icepop_mask
-from trainer.proximal import proximal_reference
+from trainer.proximal import RECOMPUTE_PROXIES, proximal_reference
 
 
 class LearnerSettings(BaseModel):
@@ -89,6 +94,12 @@ class LearnerSettings(BaseModel):
     """Global gradient-norm clip (DeepSpeed ``gradient_clipping``); 0 disables it."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward on one rank; the loss does not depend on it."""
+    ppo_mini_batches: int = Field(1, ge=1, le=1024)
+    """Optimizer steps per pass over one rollout batch: its rows are split into this many
+    mini-batches (``Batch.mini_batches``), each with its own token-mean denominator."""
+    ppo_epochs: int = Field(1, ge=1, le=64)
+    """Passes over one rollout batch; the learner takes ``ppo_epochs * ppo_mini_batches`` optimizer
+    steps per batch and publishes one version."""
     loss: LossConfig = Field(default_factory=lambda: loss_config("ppo_ewma"))
     """Correction method (``trainer.loss_config``); proxy "ewma" keeps an EWMA copy of the weights."""
     ewma: EwmaConfig = Field(default_factory=EwmaConfig)
@@ -242,6 +253,71 @@ def _sum_max_min(means: dict[str, float], weight: float, acc: dict[str, list[flo
             a[3] = min(a[3], v)
 
 
+_SUMMED = (
+    "ewma_forward_s", "forward_backward_s", "optimizer_s", "ewma_update_s", "micro_batches",
+    "ewma_forward_micro_batches", "proxy_err_sum", "proxy_err_tokens",
+)  # fmt: skip
+_OWN_RULE = ("tokens", "applied", "grad_norm", "ewma_kept_frac")
+
+
+def _mean_or_nan(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def combine_step_metrics(steps: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The metrics of one learner step from those of its optimizer steps (in order).
+
+    Each step's dict holds ``tokens`` (its loss-token count N), ``applied``, ``grad_norm``,
+    ``ewma_kept_frac`` and the loss library's metrics. Rules: phase seconds, micro-batch counts and
+    the proxy-error sums add up; ``*_max`` and ``ewma_reset`` take the largest, ``*_min`` the
+    smallest; ``grad_norm`` is the mean over applied steps (``grad_norm_max`` the largest; NaN when
+    none applied) and ``ewma_kept_frac`` the mean over steps that measured it; every other metric is
+    the token-weighted mean (plain mean when no step has a token). Derived: ``optimizer_steps``
+    (applied) and ``optimizer_steps_total``, ``proxy_abs_err`` = proxy-error sum / tokens (NaN
+    without exact tokens), ``clip_frac_step_max`` = the largest ``clip_frac_low + clip_frac_high``
+    of one step, ``clip_grad_removed_frac`` = sum of N * ``pg_weight_clipped`` / sum of
+    N * ``pg_weight`` (0 without gradient weight).
+
+    Example: steps with 10 and 30 tokens and ``clip_frac_high`` 0.1 and 0.3 give
+    ``clip_frac_high`` 0.25 and ``clip_frac_step_max`` 0.3 (``clip_frac_low`` 0).
+    """
+    weights = [float(s["tokens"]) for s in steps]
+    total = sum(weights)
+    out: dict[str, float] = {}
+    keys = list(dict.fromkeys(k for s in steps for k in s))
+    for k in keys:
+        if k in _OWN_RULE:
+            continue
+        pairs = [(s[k], w) for s, w in zip(steps, weights, strict=True) if k in s]
+        vals = [v for v, _ in pairs]
+        if k in _SUMMED:
+            out[k] = float(sum(vals))
+        elif k.endswith("_max") or k == "ewma_reset":
+            out[k] = float(max(vals))
+        elif k.endswith("_min"):
+            out[k] = float(min(vals))
+        elif total > 0:
+            out[k] = float(sum(v * w for v, w in pairs) / sum(w for _, w in pairs)) if any(w for _, w in pairs) else 0.0
+        else:
+            out[k] = float(sum(vals) / len(vals))
+    applied = [s for s in steps if s.get("applied", 0.0) > 0]
+    norms = [s["grad_norm"] for s in applied if math.isfinite(s.get("grad_norm", math.nan))]
+    out["grad_norm"] = _mean_or_nan(norms)
+    out["grad_norm_max"] = max(norms) if norms else math.nan
+    out["ewma_kept_frac"] = _mean_or_nan([s.get("ewma_kept_frac", math.nan) for s in steps])
+    out["optimizer_steps"] = float(len(applied))
+    out["optimizer_steps_total"] = float(len(steps))
+    err_n = out.pop("proxy_err_tokens", 0.0)
+    err = out.pop("proxy_err_sum", 0.0)
+    out["proxy_abs_err"], out["proxy_err_tokens"] = (err / err_n if err_n > 0 else math.nan), err_n
+    out["clip_frac_step_max"] = max(s.get("clip_frac_low", 0.0) + s.get("clip_frac_high", 0.0) for s in steps)
+    pg = sum(s.get("pg_weight", 0.0) * w for s, w in zip(steps, weights, strict=True))
+    pg_clipped = sum(s.get("pg_weight_clipped", 0.0) * w for s, w in zip(steps, weights, strict=True))
+    out["clip_grad_removed_frac"] = pg_clipped / pg if pg > 0 else 0.0
+    return out
+
+
 class LearnerCore:
     """One data-parallel rank of the learner around a DeepSpeed engine.
 
@@ -251,8 +327,9 @@ class LearnerCore:
         world_size: number of ranks; every rank must be constructed concurrently (collective init).
 
     Attributes:
-        version: optimizer steps applied (initial weights: 0); a skipped step leaves it alone.
-        skipped_steps: steps refused by the non-finite guard (or DeepSpeed's overflow check).
+        version: learner steps (rollout batches) with at least one applied optimizer step (initial
+            weights: 0); a batch whose every optimizer step was skipped leaves it alone.
+        skipped_steps: optimizer steps refused by the non-finite guard (or DeepSpeed's overflow check).
         nonfinite_weight_steps: of those, steps whose update produced a non-finite weight or optimizer
             state (e.g. an infinite learning rate) and were rolled back.
         ewma: the :class:`trainer.ewma.EwmaProximal`, or None when the proxy is not "ewma".
@@ -307,12 +384,17 @@ class LearnerCore:
         self.skipped_steps = 0
         self.nonfinite_weight_steps = 0
         self.last_publish: dict[str, float] = {}
+        self.last_optimizer_steps: list[dict[str, float]] = []
+        """Per optimizer step metrics of the last :meth:`train_batch` (before :func:`combine_step_metrics`)."""
         self._device_payloads: deque = deque(maxlen=2)  # CUDA IPC publications consumers may still read
         self.ewma: EwmaProximal | None = None
         self._scorer = scorer
         if use_ewma:
+            # the window is in versions, the EWMA folds weights in per optimizer step: W * S steps
+            steps = settings.ppo_epochs * settings.ppo_mini_batches
+            ewma_cfg = settings.ewma.model_copy(update={"window": settings.ewma.window * steps})
             with self._full_params():
-                self.ewma = EwmaProximal(self.engine.module, settings.ewma, trainable_only=lora.enabled)
+                self.ewma = EwmaProximal(self.engine.module, ewma_cfg, trainable_only=lora.enabled)
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -403,18 +485,35 @@ class LearnerCore:
         return self.train_batch(batch)
 
     def train_batch(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step on a collated (or hand-built) :class:`Batch` of the whole optimizer batch.
+        """One learner step on a collated (or hand-built) :class:`Batch`: ``ppo_epochs`` passes over
+        it, each split into ``ppo_mini_batches`` mini-batches (:meth:`Batch.mini_batches`; fewer
+        when the batch has fewer rows), one optimizer step per mini-batch, then ``version += 1`` if
+        at least one step applied. A policy version is therefore one published update per rollout
+        batch (as AReaL and verl count it), whatever the number of optimizer steps inside it.
 
-        Returns a dict of floats: ``loss`` (global token-mean loss), ``applied`` (1/0), ``version``
-        (after the step), ``consumed_version``, ``skipped_steps``, ``grad_norm`` (before clipping,
-        NaN when skipped), ``tokens`` (global N), ``sequences``, the loss library's metrics averaged
-        over tokens (``clip_frac_low/high``, ``mask_kept_fraction``, ``exact_token_fraction``,
-        ``discrepancy_kl``, ``ratio_mean`` ...; ``*_max``/``*_min`` as extremes), ``proxy_abs_err``
-        (mean |proxy - exact| in nats over exact tokens, NaN without any) and ``proxy_err_tokens``,
-        ``ewma_*`` (beta, total_weight, resets, kept_frac, reset, bytes), ``step_s``, ``tokens_per_s``,
-        phase seconds (``ewma_forward_s``, ``forward_backward_s``, ``optimizer_s``, ``ewma_update_s``)
-        and the collation counts (``stale_masked_tokens``, ``overlong_masked_seqs``, ``staleness_*``,
-        ``groups``, ``zero_variance_groups``: groups whose rewards are all equal).
+        The reference of the second and later optimizer steps: exact old log-probs stay those of
+        each token's own version; the EWMA folds the weights in after every optimizer step (the
+        next step's EWMA forward sees them); "recompute" and the linear proxies use the log-probs
+        under the consuming version's weights, taken once before the first step
+        (:meth:`_with_recompute`), so their ratio departs from 1 from the second step on and the
+        clip acts. With one step per batch nothing is taken: the forward's own log-probs are those.
+
+        Returns a dict of floats: ``loss`` (token-weighted mean of the steps' token-mean losses),
+        ``applied`` (1 when at least one optimizer step applied), ``optimizer_steps`` (applied)
+        and ``optimizer_steps_total``, ``version`` (after the step), ``consumed_version``,
+        ``skipped_steps`` (optimizer steps refused so far), ``grad_norm`` (mean before clipping over
+        applied steps, NaN when none) and ``grad_norm_max``, ``tokens`` (the batch's loss tokens,
+        one pass), ``sequences``, the loss library's metrics as token-weighted means over steps
+        (``clip_frac_low/high``, ``mask_kept_fraction``, ``exact_token_fraction``, ``entropy``,
+        ``approx_kl``, ``ratio_mean`` ...; ``*_max``/``*_min`` as extremes), ``clip_frac_step_max``
+        (largest clipped fraction of one optimizer step), ``clip_grad_removed_frac`` (share of the
+        policy-gradient weight |w r A| on clipped tokens), ``proxy_abs_err`` (mean |proxy - exact|
+        in nats over exact tokens, NaN without any) and ``proxy_err_tokens``, ``ewma_*`` (beta,
+        total_weight, resets, kept_frac, reset, bytes), ``step_s``, ``tokens_per_s``, phase seconds
+        summed over steps (``recompute_forward_s``, ``ewma_forward_s``, ``forward_backward_s``,
+        ``optimizer_s``, ``ewma_update_s``) and the collation counts (``stale_masked_tokens``,
+        ``overlong_masked_seqs``, ``staleness_*``, ``response_tokens_*``, ``groups``,
+        ``zero_variance_groups``: groups whose rewards are all equal).
 
         Raises:
             ValueError: the batch was collated for another version than the learner's.
@@ -422,11 +521,91 @@ class LearnerCore:
         if batch.consuming_version != self.version:
             raise ValueError(f"batch collated for version {batch.consuming_version}, learner is at {self.version}")
         t0 = time.perf_counter()
+        s = self.settings
+        minis = batch.mini_batches(min(s.ppo_mini_batches, max(1, batch.size)))
+        steps = s.ppo_epochs * len(minis)
+        recompute_s = 0.0
+        if steps > 1 and s.loss.proxy in RECOMPUTE_PROXIES:
+            tr = time.perf_counter()  # the first mini-batch of a single pass reads its own forward
+            minis = [mb if j == 0 and s.ppo_epochs == 1 else self._with_recompute(mb) for j, mb in enumerate(minis)]
+            recompute_s = time.perf_counter() - tr
+        probe = (
+            self.ewma is not None
+            and self.ewma.config.probe_every > 0
+            and self.version % self.ewma.config.probe_every == 0
+        )
+        results = []
+        for epoch in range(s.ppo_epochs):
+            for j, mb in enumerate(minis):
+                use_recompute = steps > 1 and not (j == 0 and epoch == 0 and s.ppo_epochs == 1)
+                results.append(
+                    self._optimizer_step(mb, probe and epoch == 0 and j == 0, use_recompute, len(minis) * s.ppo_epochs)
+                )
+        self.last_optimizer_steps = results
+        applied = any(r["applied"] > 0 for r in results)
+        out: dict[str, float] = {"consumed_version": float(self.version)}
+        if applied:
+            self.version += 1
+        out.update(combine_step_metrics(results))
+        step_s = time.perf_counter() - t0
+        n_tok = float(sum(r["tokens"] for r in results[: len(minis)]))  # one pass
+        out.update(
+            applied=float(applied), version=float(self.version), skipped_steps=float(self.skipped_steps),
+            nonfinite_weight_steps=float(self.nonfinite_weight_steps), tokens=n_tok, sequences=float(batch.size),
+            step_s=step_s, tokens_per_s=n_tok / step_s if step_s > 0 else 0.0, recompute_forward_s=recompute_s,
+        )  # fmt: skip
+        if self.ewma is not None:
+            out.update({f"ewma_{k}": float(v) for k, v in self.ewma.status().items()})
+        out.update({k: float(v) for k, v in batch.stats.items() if k not in out})
+        return out
+
+    def _micro_count(self, batch: Batch) -> int:
+        """Micro-batches every rank runs for ``batch`` (the largest rank's share; at least one)."""
+        rows_per_rank = -(-batch.size // self.world_size)
+        return max(1, -(-rows_per_rank // self.settings.micro_batch_size))
+
+    @torch.no_grad()
+    def _with_recompute(self, batch: Batch) -> Batch:
+        """``batch`` with ``recompute_logprobs`` filled on this rank's rows: the current weights'
+        log-probs (eval mode, learner numerics), micro-batch by micro-batch; other ranks' rows stay NaN.
+
+        Every rank runs the same number of forwards (ZeRO-3 gathers parameters in each)."""
+        local_rows = torch.arange(self.rank, batch.size, self.world_size)
+        local = batch.select(local_rows)
+        mbs = self.settings.micro_batch_size
+        n_micro = self._micro_count(batch)
+        first = first_loss_position(local)
+        ref = torch.full_like(batch.behav_logprobs, float("nan"))
+        model = self.engine.module
+        was_training = model.training
+        model.eval()
+        try:  # the first ceil(rows / mbs) micro-batches are this rank's rows in order, the rest padding
+            for k, mb in enumerate(local.micro_batches(mbs, n_micro)):
+                lp = sequence_logprobs(model, mb.token_ids, mb.attention_mask, mb.temperature, first)
+                rows = local_rows[k * mbs : k * mbs + mb.size] if k * mbs < local.size else local_rows[:0]
+                ref[rows, : lp.shape[1]] = lp[: len(rows)]
+        finally:
+            model.train(was_training)
+        return replace(batch, recompute_logprobs=ref)
+
+    def _optimizer_step(
+        self, batch: Batch, probe: bool, use_recompute: bool, steps_per_version: int
+    ) -> dict[str, float]:
+        """One optimizer step on one mini-batch (the whole rollout batch with one step per batch).
+
+        The token-mean denominator ``N`` is the mini-batch's loss tokens over all ranks, so the loss
+        does not depend on the micro-batch split; gradient accumulation runs over its micro-batches.
+        ``probe``: run the EWMA forward on the first micro-batch even when every token is exact.
+        ``use_recompute``: the reference for "recompute" and the linear proxies is
+        ``batch.recompute_logprobs`` (taken before the batch's first step). After an applied step
+        the EWMA folds the new weights in and may reset; the version is the caller's.
+
+        Returns the step's metrics: ``loss``, ``applied``, ``grad_norm``, ``tokens`` (N), the loss
+        library's token-weighted means and extremes (``entropy`` among them), proxy error sums,
+        ``ewma_kept_frac``, ``ewma_reset``, phase seconds and micro-batch counts."""
         cfg, eng = self.settings.loss, self.engine
         local = batch.shard(self.rank, self.world_size) if self.world_size > 1 else batch
-        rows_per_rank = -(-batch.size // self.world_size)
-        n_micro = max(1, -(-rows_per_rank // self.settings.micro_batch_size))
-        micro = local.micro_batches(self.settings.micro_batch_size, n_micro)
+        micro = local.micro_batches(self.settings.micro_batch_size, self._micro_count(batch))
         first = first_loss_position(local)  # one for every micro-batch: their sums match a single pass
         n_tok, n_seq = self._all_reduce([float(local.n_tokens), float(local.loss_mask.any(-1).sum())])
         scale = float(self.world_size)  # DeepSpeed averages gradients over data-parallel ranks
@@ -435,24 +614,20 @@ class LearnerCore:
         sums = {"loss": 0.0, "err": 0.0, "err_n": 0.0, "ewma_keep": 0.0, "ewma_n": 0.0}
         timing = {"ewma_forward_s": 0.0, "forward_backward_s": 0.0}
         ewma_runs = 0
-        probe = (
-            self.ewma is not None
-            and self.ewma.config.probe_every > 0
-            and self.version % self.ewma.config.probe_every == 0
-        )
         eng.train()
         for i, mb in enumerate(micro):
             eng.set_gradient_accumulation_boundary(i == len(micro) - 1)
             mask = mb.loss_mask
+            recompute = mb.recompute_logprobs if use_recompute else None
             ta = time.perf_counter()
             ewma_lp = None
             if self.ewma is not None and (bool((mask & ~mb.exact_mask).any()) or (probe and i == 0)):
                 ewma_lp, ewma_runs = self._ewma_logprobs(mb, first), ewma_runs + 1
             tb = time.perf_counter()
-            lp = sequence_logprobs(eng, mb.token_ids, mb.attention_mask, mb.temperature, first)
+            lp, entropy = sequence_logprobs_and_entropy(eng, mb.token_ids, mb.attention_mask, mb.temperature, first)
             loss, m = compute_policy_loss(
                 lp, mb.behav_logprobs, mb.advantages, mask, cfg, old_logprobs=mb.old_logprobs,
-                exact_mask=mb.exact_mask, staleness=mb.staleness,
+                exact_mask=mb.exact_mask, staleness=mb.staleness, recompute_logprobs=recompute,
                 # every sampled token has exact old logits when the EWMA forward was skipped: the
                 # proxy is never read there, so the current log-probs stand in for it
                 ewma_logprobs=ewma_lp if ewma_lp is not None or self.ewma is None else lp.detach(),
@@ -462,13 +637,15 @@ class LearnerCore:
             timing["ewma_forward_s"] += tb - ta
             timing["forward_backward_s"] += time.perf_counter() - tb
             sums["loss"] += float(loss.detach())
+            m["entropy"] = float(entropy[mask].sum() / mask.sum().clamp(min=1))
             _sum_max_min(m, float(mask.sum()), acc)
             with torch.no_grad():
                 exact = mb.exact_mask & mask
                 if bool(exact.any()) and (ewma_lp is not None or self.ewma is None):
                     proxy = proximal_reference(
-                        cfg.proxy, lp, mb.behav_logprobs, staleness=mb.staleness, ewma_logprobs=ewma_lp
-                    )
+                        cfg.proxy, lp, mb.behav_logprobs, staleness=mb.staleness, ewma_logprobs=ewma_lp,
+                        recompute_logprobs=recompute,
+                    )  # fmt: skip
                     sums["err"] += float((proxy - mb.old_logprobs).abs()[exact].sum())
                     sums["err_n"] += float(exact.sum())
                 if ewma_lp is not None:
@@ -492,36 +669,28 @@ class LearnerCore:
         if grad_norm is None:
             g = eng.get_global_grad_norm()
             grad_norm = float(g) if g is not None else math.nan
-        out: dict[str, float] = {"consumed_version": float(self.version)}
         ewma_reset = False
         kept = glob["ewma_keep"] / glob["ewma_n"] if glob["ewma_n"] > 0 else math.nan
         td = time.perf_counter()
         if applied:
-            self.version += 1
             if self.ewma is not None:
                 if self.ewma.config.beta_source == "lag" and bool(batch.sampled_mask.any()):
-                    # measured mean version lag of the consumed tokens (same full batch on every rank)
-                    self.ewma.observe_lag(float(batch.staleness[batch.sampled_mask].float().mean()))
+                    # measured mean lag of the consumed tokens, in optimizer steps (same batch on every rank)
+                    lag = float(batch.staleness[batch.sampled_mask].float().mean()) * steps_per_version
+                    self.ewma.observe_lag(lag)
                 with self._full_params():
                     self.ewma.update(self.engine.module)
                     ewma_reset = self.ewma.maybe_reset(kept, self.engine.module)
         else:
             self.skipped_steps += 1
         timing["ewma_update_s"] = time.perf_counter() - td
-        out.update(self._reduce_metrics(acc))
+        out = self._reduce_metrics(acc)
         out.update(timing)
-        step_s = time.perf_counter() - t0
         out.update(
-            loss=glob["loss"], applied=float(applied), version=float(self.version), skipped_steps=float(self.skipped_steps),
-            nonfinite_weight_steps=float(self.nonfinite_weight_steps),
-            grad_norm=grad_norm if applied else math.nan, tokens=n_tok, sequences=float(batch.size),
-            proxy_abs_err=glob["err"] / glob["err_n"] if glob["err_n"] > 0 else math.nan, proxy_err_tokens=glob["err_n"],
-            ewma_kept_frac=kept, ewma_reset=float(ewma_reset), step_s=step_s, tokens_per_s=n_tok / step_s if step_s > 0 else 0.0,
+            loss=glob["loss"], applied=float(applied), grad_norm=grad_norm if applied else math.nan, tokens=n_tok,
+            proxy_err_sum=glob["err"], proxy_err_tokens=glob["err_n"], ewma_kept_frac=kept, ewma_reset=float(ewma_reset),
             micro_batches=float(len(micro)), ewma_forward_micro_batches=float(ewma_runs),
         )  # fmt: skip
-        if self.ewma is not None:
-            out.update({f"ewma_{k}": float(v) for k, v in self.ewma.status().items()})
-        out.update({k: float(v) for k, v in batch.stats.items() if k not in out})
         return out
 
     def _stage0_grad_norm(self) -> float | None:

@@ -125,7 +125,10 @@ class EwmaConfig(BaseModel):
     beta_source: Literal["window", "lag", "fixed"] = "window"
     """Where the decay comes from: staleness window, measured mean lag, or a fixed beta."""
     window: float = Field(2.0, ge=0.0)
-    """Staleness window W for beta = W / (W + 2); the learner sets it to max_staleness."""
+    """Staleness window W for beta = W / (W + 2), in versions; the job sets it to max_staleness. The
+    EWMA folds the weights in after every optimizer step, so with S optimizer steps per version
+    (``learner.ppo_epochs * learner.ppo_mini_batches``) the learner uses W * S steps (and the
+    measured lag of the "lag" source, times S)."""
     initial_lag: float = Field(1.0, ge=0.0)
     """Mean lag assumed by the "lag" source until the first measurement arrives."""
     beta: float = Field(0.5, ge=0.0, lt=1.0)

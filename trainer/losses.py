@@ -247,10 +247,33 @@ def _check_clip(eps_low: float, eps_high: float, dual_clip: float | None) -> Non
         raise ValueError(f"dual_clip must be > 1 + eps_high, got dual_clip={dual_clip!r}")
 
 
-def _policy_metrics(log_r: Tensor, adv: Tensor, mask: Tensor, eps_low, eps_high, dual_clip) -> dict[str, Tensor]:
+def clipped_tokens(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float, dual_clip: float | None) -> Tensor:
+    """``[B, T]`` bool: tokens whose clipped surrogate is the constant branch, so they get no gradient.
+
+    A > 0 and r > 1 + eps_high, A < 0 and r < 1 - eps_low (Schulman et al. 2017, eq. 7), and with
+    the dual clip A < 0 and r > c (Ye et al. 2020). Example (eps 0.2, c 3): r 1.3 with A = 1,
+    r 0.7 with A = -1 and r 3.5 with A = -1 are clipped; r 1.3 with A = -1 is not.
+    """
+    out = ((ratio > 1 + eps_high) & (adv > 0)) | ((ratio < 1 - eps_low) & (adv < 0))
+    if dual_clip is not None:
+        out = out | ((ratio > dual_clip) & (adv < 0))
+    return out
+
+
+def _policy_metrics(
+    log_r: Tensor, adv: Tensor, mask: Tensor, eps_low, eps_high, dual_clip, weights: Tensor | None = None
+) -> dict[str, Tensor]:
+    """Clip fractions, KL and ratio stats; ``pg_weight`` and ``pg_weight_clipped`` are token means of
+    |w r A|, the size of each token's policy-gradient factor d(-w r A)/d(log pi), over all tokens and
+    over the clipped ones: their quotient is the share of the gradient weight the clip removed."""
     with torch.no_grad():
         r = log_r.detach().exp()
+        g = (r * adv).abs() if weights is None else (weights.detach() * r * adv).abs()
+        g = torch.where(mask, g, 0.0)
+        n = mask.sum().clamp(min=1)
         m = {
+            "pg_weight": g.sum() / n,
+            "pg_weight_clipped": torch.where(clipped_tokens(r, adv, eps_low, eps_high, dual_clip), g, 0.0).sum() / n,
             "clip_frac_low": _frac((r < 1 - eps_low) & (adv < 0), mask),
             "clip_frac_high": _frac((r > 1 + eps_high) & (adv > 0), mask),
             # k3 estimate of KL(ref || pi_theta) from tokens sampled near ref: (r - 1) - log r
@@ -295,7 +318,7 @@ def ppo_clip_loss(
     if weights is not None:
         per_token = per_token * weights.detach()
     loss = aggregate(per_token, mask, aggregation, global_token_count, global_seq_count)
-    return loss, _floats(_policy_metrics(log_r, adv, mask, eps_low, eps_high, dual_clip))
+    return loss, _floats(_policy_metrics(log_r, adv, mask, eps_low, eps_high, dual_clip, weights))
 
 
 def discrepancy_weights(
@@ -411,7 +434,7 @@ def gspo_loss(
     if weights is not None:
         per_token = per_token * weights.detach()
     loss = aggregate(per_token, mask, aggregation, global_token_count, global_seq_count)
-    metrics = _policy_metrics(log_s_tok, adv, mask, eps_low, eps_high, None)
+    metrics = _policy_metrics(log_s_tok, adv, mask, eps_low, eps_high, None, weights)
     metrics["approx_kl"] = torch.where(mask, torch.expm1(log_r) - log_r, 0.0).detach().sum() / mask.sum().clamp(min=1)
     return loss, _floats(metrics)
 
@@ -475,6 +498,7 @@ def compute_policy_loss(
     ewma_logprobs: Tensor | None = None,
     staleness: Tensor | None = None,
     ref_logprobs: Tensor | None = None,
+    recompute_logprobs: Tensor | None = None,
     global_token_count: float | Tensor | None = None,
     global_seq_count: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
@@ -484,8 +508,11 @@ def compute_policy_loss(
     or ``[B, T]``, loss_mask ``[B, T]``. ``old_logprobs`` (exact pi_old, NaN where missing) and
     ``exact_mask`` are required when ``cfg.oldlogit_route`` is set and ignored otherwise;
     ``ewma_logprobs`` when the proxy is "ewma"; ``staleness`` ``[B, T]`` for the linear proxies;
-    ``ref_logprobs`` (frozen reference model) when ``cfg.kl_coef > 0``. Metrics add
-    ``exact_token_fraction`` (0 without a route) and ``kl`` when the KL term is on.
+    ``ref_logprobs`` (frozen reference model) when ``cfg.kl_coef > 0``; ``recompute_logprobs``
+    ``[B, T]`` (the consuming version's log-probs, taken before the batch's first optimizer step)
+    from the second optimizer step on one batch, for "recompute" and the linear proxies (see
+    :func:`trainer.proximal.proximal_reference`). Metrics add ``exact_token_fraction`` (0 without a
+    route) and ``kl`` when the KL term is on.
     """
     mask = _as_bool(loss_mask)
     if cfg.oldlogit_route == "none":
@@ -494,7 +521,7 @@ def compute_policy_loss(
         raise ValueError(f"oldlogit_route={cfg.oldlogit_route!r} needs old_logprobs (NaN where missing)")
     prox = proximal_reference(
         cfg.proxy, logprobs, behav_logprobs, staleness=staleness, ewma_logprobs=ewma_logprobs,
-        old_logprobs=old_logprobs, exact_mask=exact_mask, loss_mask=mask,
+        old_logprobs=old_logprobs, exact_mask=exact_mask, loss_mask=mask, recompute_logprobs=recompute_logprobs,
     )  # fmt: skip
     exact = torch.zeros_like(mask) if old_logprobs is None else resolve_exact_mask(old_logprobs, exact_mask)
     weights, dmetrics = discrepancy_weights(

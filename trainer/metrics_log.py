@@ -41,6 +41,17 @@ class StepMetrics(BaseModel):
     """Groups whose rewards were all equal (advantages exactly 0)."""
     tokens_per_s: float = 0.0
     """Trained tokens per second of the learner step."""
+    optimizer_steps: int = Field(1, ge=0)
+    """Optimizer steps applied in the learner step (``learner.ppo_epochs * learner.ppo_mini_batches`` when none is skipped)."""
+    entropy: float = Field(0.0, ge=0)
+    """Mean entropy (nats) of the current policy's next-token distribution over the trained tokens, at
+    the sampling temperature, before each optimizer step; a fall towards 0 comes before a collapse."""
+    response_tokens_mean: float = Field(0.0, ge=0)
+    """Mean sampled tokens per trajectory of the batch."""
+    clip_frac_step_max: float = Field(0.0, ge=0)
+    """Largest share of trained tokens clipped (``clip_frac_low + clip_frac_high``) in one optimizer step."""
+    clip_grad_removed_frac: float = Field(0.0, ge=0, le=1)
+    """Share of the policy-gradient weight ``|w r A|`` that sat on clipped tokens (the clip removed it)."""
     reward_mean: float
     reward_max: float
     staleness_mean: float = Field(ge=0)

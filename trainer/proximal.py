@@ -17,6 +17,8 @@ import torch
 from torch import Tensor
 
 PROXIES = ("behav", "recompute", "linear_prox", "loglinear_prox", "ewma")
+RECOMPUTE_PROXIES = ("recompute", "linear_prox", "loglinear_prox")
+"""Proxies built from the consuming version's log-probs (taken once per batch with several optimizer steps)."""
 
 
 def at_least_fp32(x: Tensor) -> Tensor:
@@ -54,7 +56,11 @@ def staleness_alpha(staleness: Tensor) -> Tensor:
 
 
 def prox_recompute(logprobs: Tensor) -> Tensor:
-    """ref = logp at the current version, detached (the AReaL-style recompute baseline)."""
+    """ref = logp at the consuming version, detached (the AReaL-style recompute baseline).
+
+    With one optimizer step per rollout batch that is the current forward's own log-prob; with
+    several, the log-probs taken once under the weights the batch started from (the consuming
+    version), so the second and later mini-batches see a ratio away from 1."""
     return at_least_fp32(logprobs.detach())
 
 
@@ -118,6 +124,7 @@ def proximal_reference(
     old_logprobs: Tensor | None = None,
     exact_mask: Tensor | None = None,
     loss_mask: Tensor | None = None,
+    recompute_logprobs: Tensor | None = None,
 ) -> Tensor:
     """The reference ``prox_logprobs`` ``[B, T]`` the loss uses, detached.
 
@@ -127,8 +134,13 @@ def proximal_reference(
     values replace the proxy token by token (see :func:`resolve_exact_mask`); when they cover every
     token of ``loss_mask``, the proxy is not needed and its inputs may be None (the learner can skip
     the EWMA forward).
+
+    ``recompute_logprobs`` ``[B, T]``: the log-probs under the weights of the consuming version,
+    taken before the batch's first optimizer step; "recompute" and the linear proxies use it in
+    place of ``logprobs`` (needed from the second optimizer step on one batch). None: the current
+    ``logprobs`` are those weights' (one optimizer step per batch).
     """
-    lp = prox_recompute(logprobs)
+    lp = prox_recompute(logprobs if recompute_logprobs is None else recompute_logprobs)
     if old_logprobs is not None and loss_mask is not None:
         if bool((resolve_exact_mask(old_logprobs, exact_mask) | ~_as_bool(loss_mask)).all()):
             proxy = "recompute"  # placeholder for masked-out slots only

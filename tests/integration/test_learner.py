@@ -299,3 +299,80 @@ def test_world_size_2_ray_ranks_agree(tiny_model_path, make_trajs, ray_cluster):
         m["loss"], rel=1e-5
     )
     assert max_diff(weights(single), w0) < 1e-5
+
+
+# ---- several optimizer steps per rollout batch -------------------------------------------------
+
+
+def _params(core: LearnerCore) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in core.engine.module.named_parameters()}
+
+
+@pytest.mark.parametrize("mini_batches", [1, 2])
+def test_at_staleness_0_snapshot_and_recompute_train_identically(tiny_model_path, make_trajs, mini_batches):
+    """Version-0 tokens consumed at version 0: the exact old log-probs are the learner's own, and
+    the recompute reference is taken under the same weights, so loss, every optimizer step's ratios
+    and the weights after the step are the same to the bit, with one mini-batch or two."""
+    trajs = make_trajs(n=8, seed=5)
+    runs = []
+    for cfg in (loss_config("snapshot"), loss_config("decoupled_ppo", discrepancy_mask=True)):
+        core = LearnerCore(settings(tiny_model_path, loss=cfg, ppo_mini_batches=mini_batches, lr=1e-2))
+        old = None
+        if cfg.oldlogit_route != "none":
+            lp = core.logprobs(collate(trajs, consuming_version=0)).numpy()
+            old = [lp[i, : len(t.token_ids)].copy() for i, t in enumerate(trajs)]
+        m = core.train_step(trajs, old_logits=old)
+        runs.append((m, core.last_optimizer_steps, _params(core)))
+    (m_s, steps_s, w_s), (m_r, steps_r, w_r) = runs
+    assert m_s["exact_token_fraction"] == 1.0 and m_r["exact_token_fraction"] == 0.0
+    assert m_s["optimizer_steps"] == m_r["optimizer_steps"] == mini_batches
+    assert m_s["loss"] == m_r["loss"]
+    for a, b in zip(steps_s, steps_r, strict=True):
+        assert (a["loss"], a["ratio_max"], a["ratio_min"], a["clip_frac_high"]) == (
+            b["loss"], b["ratio_max"], b["ratio_min"], b["clip_frac_high"],
+        )  # fmt: skip
+    assert all(torch.equal(w_s[k], w_r[k]) for k in w_s)
+
+
+def test_two_mini_batches_recompute_ratio_departs_from_one_on_the_second_and_clips(tiny_model_path, make_trajs):
+    """Two optimizer steps on one batch with the recompute reference (lr 1e-2): the first step's
+    ratio is exactly 1; the second's is pi_after_step_1 / pi_version_0 on its rows. The expected
+    ratios come from a second learner trained on the first mini-batch alone (the same first
+    optimizer step) scoring the second mini-batch, compared with the version-0 log-probs."""
+    trajs = make_trajs(n=8, seed=6)
+    s = settings(tiny_model_path, loss=loss_config("decoupled_ppo"), ppo_mini_batches=2, lr=1e-2)
+    core = LearnerCore(s)
+    batch = collate(trajs, consuming_version=0)
+    first, second = batch.mini_batches(2)
+    before = core.logprobs(second)
+    m = core.train_batch(batch)
+    assert core.version == 1 and m["version"] == 1.0 and m["optimizer_steps"] == 2.0
+    one, two = core.last_optimizer_steps
+    assert one["ratio_max"] == 1.0 and one["ratio_min"] == 1.0 and one["clip_frac_high"] + one["clip_frac_low"] == 0.0
+
+    ref = LearnerCore(s.model_copy(update={"ppo_mini_batches": 1}))
+    assert ref.train_batch(first)["applied"] == 1.0
+    after = ref.logprobs(second)
+    mask, adv = second.loss_mask, second.advantages
+    r = torch.exp(after - before)[mask]
+    a = adv[mask]
+    expect_high = float(((r > 1.2) & (a > 0)).float().mean())
+    expect_low = float(((r < 0.8) & (a < 0)).float().mean())
+    assert expect_high + expect_low > 0.1  # one step at lr 1e-2 moves these tokens out of the band
+    assert two["clip_frac_high"] == pytest.approx(expect_high, abs=1e-6)
+    assert two["clip_frac_low"] == pytest.approx(expect_low, abs=1e-6)
+    assert two["ratio_max"] == pytest.approx(float(r.max()), rel=1e-4)
+    assert two["ratio_min"] == pytest.approx(float(r.min()), rel=1e-4)
+    assert m["clip_frac_step_max"] == pytest.approx(expect_high + expect_low, abs=1e-6)
+    assert m["clip_grad_removed_frac"] > 0 and m["recompute_forward_s"] > 0
+
+
+def test_ewma_folds_in_every_optimizer_step_with_the_window_in_steps(tiny_model_path, make_trajs):
+    """ppo_ewma, 2 mini-batches x 2 epochs: one version, four EWMA updates, and the window of 2
+    versions is 8 optimizer steps: beta = 8 / 10."""
+    core = LearnerCore(settings(tiny_model_path, ppo_mini_batches=2, ppo_epochs=2))
+    m = core.train_step(make_trajs(n=8, seed=7))
+    assert core.version == 1 and m["optimizer_steps"] == 4.0 and m["optimizer_steps_total"] == 4.0
+    assert m["ewma_updates"] == 4 and m["ewma_beta"] == pytest.approx(0.8)
+    assert m["tokens"] == 64 and m["micro_batches"] == 4.0  # one pass of 8 x 8 tokens; 1 micro-batch per step
+    assert m["entropy"] > 0 and m["response_tokens_mean"] == 8.0

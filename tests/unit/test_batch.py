@@ -194,3 +194,25 @@ def test_raw_batch_validates_shapes_and_fills_defaults():
             behav_logprobs=torch.zeros(2, 3),
             advantages=torch.zeros(2, 4),
         )
+
+
+def test_mini_batches_split_rows_contiguously_near_equal():
+    trajs = [traj(tid=f"t{i}", gid=f"g{i // 2}", versions=(0,) * (1 + i % 3), reward=float(i % 2)) for i in range(10)]
+    b = collate(trajs, consuming_version=0)
+    parts = b.mini_batches(3)
+    assert [p.size for p in parts] == [4, 3, 3]  # 10 = 4 + 3 + 3, row order kept
+    assert torch.equal(torch.cat([p.rewards for p in parts]), b.rewards)
+    # advantages were computed over the whole batch before the split: each row keeps its own
+    assert torch.equal(parts[1].seq_advantages, b.seq_advantages[4:7])
+    assert sum(p.n_tokens for p in parts) == b.n_tokens
+    assert parts[2].token_ids.shape[1] == 5  # trailing padding trimmed to the longest row (2 + 3)
+    assert b.mini_batches(1)[0] is b
+    assert torch.isnan(parts[0].recompute_logprobs).all()  # not taken until the learner takes it
+    for bad in (0, 11):
+        with pytest.raises(ValueError, match=f"learner.ppo_mini_batches: {bad} mini-batches for a batch of 10"):
+            b.mini_batches(bad)
+
+
+def test_collation_reports_response_lengths():
+    b = collate([traj(versions=(0, 0, 0)), traj(tid="u", versions=(0,))], consuming_version=0)
+    assert b.stats["response_tokens_mean"] == 2.0 and b.stats["response_tokens_max"] == 3.0

@@ -70,12 +70,26 @@ def test_overlong_filter_reaches_the_learner_settings():
     assert s.overlong_filter is True and s.grad_clip == 0.0 and s.model_path == "/m"
 
 
+def test_updates_per_batch_reach_the_learner_settings():
+    from trainer.job import learner_settings
+
+    s = learner_settings(load_config(), "/m")
+    assert (s.ppo_mini_batches, s.ppo_epochs) == (1, 1)
+    s = learner_settings(load_config(None, ["learner.ppo_mini_batches=4", "learner.ppo_epochs=2"]), "/m")
+    assert (s.ppo_mini_batches, s.ppo_epochs) == (4, 2)
+    with pytest.raises(pydantic.ValidationError, match="learner.ppo_epochs"):
+        load_config(None, ["learner.ppo_epochs=0"])
+
+
 def test_learner_settings_declare_shared_fields_as_the_config_does():
     from trainer.config import LearnerConfig
     from trainer.learner import LearnerSettings
 
     shared = sorted(set(LearnerConfig.model_fields) & set(LearnerSettings.model_fields))
-    assert shared == ["dtype", "grad_clip", "lr", "micro_batch_size", "overlong_filter", "weight_decay", "zero_stage"]
+    assert shared == [
+        "dtype", "grad_clip", "lr", "micro_batch_size", "overlong_filter", "ppo_epochs", "ppo_mini_batches",
+        "weight_decay", "zero_stage",
+    ]  # fmt: skip
     for name in shared:
         a, b = LearnerConfig.model_fields[name], LearnerSettings.model_fields[name]
         assert (a.default, a.annotation, a.metadata) == (b.default, b.annotation, b.metadata), name
@@ -103,6 +117,7 @@ def test_token_redacted_in_resolved_config_and_private_files(tmp_path):
         ("controller.buffer_capacity=4", "controller.buffer_capacity: 4 < one batch (4 groups x 4 samples)"),
         ("rollout.max_batch=2", "rollout.max_batch: 2 < sampling.n 4"),
         ("rollout.num_workers=0", "rollout.num_workers: 0 without controller.time_budget_s"),
+        ("learner.ppo_mini_batches=17", "learner.ppo_mini_batches: 17 > one batch (4 groups x 4 samples)"),
     ],
 )
 def test_configs_that_cannot_work_are_refused(override, message):

@@ -510,3 +510,23 @@ def test_route_without_old_logprobs_is_refused():
     extras.pop("old_logprobs")
     with pytest.raises(ValueError, match="old_logprobs"):
         compute_policy_loss(logp, mu, adv, mask, loss_config("snapshot"), **extras)
+
+
+def test_clipped_tokens_are_the_constant_branches():
+    from trainer.losses import clipped_tokens
+
+    r = t([[1.3, 0.7, 3.5, 1.3, 0.7]])
+    adv = t([[1.0, -1.0, -1.0, -1.0, 1.0]])
+    assert clipped_tokens(r, adv, 0.2, 0.2, 3.0).tolist() == [[True, True, True, False, False]]
+    assert clipped_tokens(r, adv, 0.2, 0.2, None).tolist() == [[True, True, False, False, False]]
+
+
+def test_share_of_gradient_weight_on_clipped_tokens():
+    """Token a: r = 1.5, A = +1 (clipped, |w r A| = 1.5); token b: r = 1, A = -1 (|w r A| = 1).
+    pg_weight = (1.5 + 1) / 2 = 1.25, pg_weight_clipped = 1.5 / 2 = 0.75: the clip removed 60%."""
+    logp = t([[LOG(0.6), LOG(0.5)]], grad=True)
+    prox = t([[LOG(0.4), LOG(0.5)]])
+    loss, m = ppo_clip_loss(logp, prox, t([[1.0, -1.0]]), torch.ones(1, 2))
+    loss.backward()
+    assert m["pg_weight"] == pytest.approx(1.25) and m["pg_weight_clipped"] == pytest.approx(0.75)
+    assert close(logp.grad, [[0.0, 0.5]])  # d(-r A / 2)/d logp = 0 (clipped), +1/2 for b

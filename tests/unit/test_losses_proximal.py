@@ -137,3 +137,41 @@ def test_proximal_reference_dispatch_and_errors():
         "ewma", logp, mu, old_logprobs=torch.tensor([[-0.5, NAN]]), loss_mask=torch.tensor([[1, 0]])
     )
     assert ref[0, 0].item() == -0.5
+
+
+def test_recompute_reference_taken_before_the_first_step_replaces_the_current_logprobs():
+    """From the second optimizer step on one batch, "recompute" and the linear proxies read the
+    consuming version's log-probs (taken before the first step), not the current ones."""
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)  # after one optimizer step
+    before = torch.tensor([[-1.5, -2.5]])  # the consuming version's, before any step
+    mu = torch.tensor([[-2.0, -3.0]])
+    k = torch.tensor([[2, 2]])  # alpha = 1/2
+    assert proximal_reference("recompute", logp, mu, recompute_logprobs=before).tolist() == [[-1.5, -2.5]]
+    # log-linear: mu + 1/2 (before - mu) = [-1.75, -2.75] (with the current logp it would be [-1.5, -2.5])
+    ref = proximal_reference("loglinear_prox", logp, mu, staleness=k, recompute_logprobs=before)
+    assert ref.tolist() == [[-1.75, -2.75]]
+    # the references that do not come from the current log-probs ignore it
+    assert proximal_reference("behav", logp, mu, recompute_logprobs=before).tolist() == [[-2.0, -3.0]]
+    ewma = torch.tensor([[-3.0, -4.0]])
+    assert proximal_reference("ewma", logp, mu, ewma_logprobs=ewma, recompute_logprobs=before).tolist() == [
+        [-3.0, -4.0]
+    ]
+
+
+def test_recompute_ratio_departs_from_one_and_clips_from_the_second_step():
+    """pi_theta 0.6, reference before the step 0.4 (= mu), A = 1, eps 0.2: r = 1.5 is clipped at 1.2,
+    loss -1.2 and no gradient. With the current log-prob as reference (one step per batch) r = 1,
+    the weight min(0.6 / 0.4, 5) = 1.5 and the loss -1.5 with gradient -1.5 (never clipped)."""
+    cfg = loss_config("decoupled_ppo")
+    mu, adv, mask = torch.tensor([[math.log(0.4)]]), torch.tensor([1.0]), torch.ones(1, 1)
+    logp = torch.tensor([[math.log(0.6)]], requires_grad=True)
+    loss, m = compute_policy_loss(logp, mu, adv, mask, cfg, recompute_logprobs=torch.tensor([[math.log(0.4)]]))
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.2) and logp.grad.item() == 0.0
+    assert m["clip_frac_high"] == 1.0 and m["ratio_max"] == pytest.approx(1.5)
+    assert m["pg_weight"] == pytest.approx(1.5) and m["pg_weight_clipped"] == pytest.approx(1.5)
+    logp = torch.tensor([[math.log(0.6)]], requires_grad=True)
+    loss, m = compute_policy_loss(logp, mu, adv, mask, cfg)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.5) and logp.grad.item() == pytest.approx(-1.5)
+    assert m["clip_frac_high"] == 0.0 and m["ratio_max"] == 1.0 and m["pg_weight_clipped"] == 0.0

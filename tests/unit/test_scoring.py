@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from modelkit.modelhub import load_causal_lm
@@ -32,3 +35,33 @@ def test_first_loss_position_is_the_first_trained_column():
     assert first_loss_position(mb) == 5
     object.__setattr__(mb, "loss_mask", torch.zeros_like(mask))
     assert first_loss_position(mb) == 1
+
+
+class _ConstantLogits(torch.nn.Module):
+    """A stand-in causal LM whose logits are the same at every position: ``[0, 0, 0, 0]`` then
+    ``[log 1, log 2, log 3, log 4]`` scaled by the position index (0 at position 0)."""
+
+    def forward(self, input_ids, attention_mask=None, logits_to_keep=0):
+        b, t = input_ids.shape
+        base = torch.log(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        logits = torch.arange(t, dtype=torch.float32)[None, :, None] * base  # [1, T, 4]
+        logits = logits.expand(b, t, 4)
+        if logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        return type("Out", (), {"logits": logits})()
+
+
+def test_entropy_of_each_position_by_hand():
+    """Position 1 is predicted from position 0's uniform logits: H = log 4 = 1.386294; position 2
+    from logits k * log[1, 2, 3, 4] with k = 1: p = [0.1, 0.2, 0.3, 0.4],
+    H = -(0.1 ln 0.1 + 0.2 ln 0.2 + 0.3 ln 0.3 + 0.4 ln 0.4) = 1.279854; token 3 there has log 0.4."""
+    from modelkit.scoring import sequence_logprobs_and_entropy
+
+    ids = torch.tensor([[0, 1, 3]])
+    lp, ent = sequence_logprobs_and_entropy(_ConstantLogits(), ids, torch.ones_like(ids), temperature=1.0)
+    torch.testing.assert_close(ent, torch.tensor([[0.0, 1.386294, 1.279854]]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(lp, torch.tensor([[0.0, -1.386294, math.log(0.4)]]), rtol=0, atol=1e-6)
+    assert torch.equal(lp, sequence_logprobs(_ConstantLogits(), ids, torch.ones_like(ids), 1.0))
+    # temperature 2 on the uniform row leaves it uniform; a padded position holds 0.0
+    lp, ent = sequence_logprobs_and_entropy(_ConstantLogits(), ids, torch.tensor([[1, 1, 0]]), temperature=2.0)
+    assert ent[0, 1].item() == pytest.approx(math.log(4)) and ent[0, 2].item() == 0.0 and lp[0, 2].item() == 0.0

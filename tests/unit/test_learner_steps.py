@@ -1,0 +1,55 @@
+"""combine_step_metrics: one learner step's metrics from its optimizer steps' (hand-worked)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from trainer.learner import combine_step_metrics
+
+
+def step(tokens, applied=1.0, **kw):
+    base = {"tokens": tokens, "applied": applied, "grad_norm": 1.0, "ewma_kept_frac": math.nan, "loss": 0.0}
+    return {**base, **kw}
+
+
+def test_token_weighted_means_extremes_sums_and_clip_shares():
+    a = step(10, loss=0.4, clip_frac_high=0.1, clip_frac_low=0.0, ratio_max=1.0, ratio_min=1.0, grad_norm=2.0,
+             forward_backward_s=1.5, micro_batches=2, pg_weight=1.0, pg_weight_clipped=0.0,
+             proxy_err_sum=0.5, proxy_err_tokens=10, ewma_reset=0.0)  # fmt: skip
+    b = step(30, loss=0.0, clip_frac_high=0.3, clip_frac_low=0.1, ratio_max=1.6, ratio_min=0.7, grad_norm=4.0,
+             forward_backward_s=2.5, micro_batches=2, pg_weight=2.0, pg_weight_clipped=1.0,
+             proxy_err_sum=1.5, proxy_err_tokens=30, ewma_reset=1.0)  # fmt: skip
+    out = combine_step_metrics([a, b])
+    assert out["loss"] == pytest.approx((0.4 * 10 + 0.0 * 30) / 40)  # 0.1
+    assert out["clip_frac_high"] == pytest.approx(0.25) and out["clip_frac_low"] == pytest.approx(0.075)
+    assert out["clip_frac_step_max"] == pytest.approx(0.4)  # step b: 0.3 + 0.1
+    assert (out["ratio_max"], out["ratio_min"]) == (1.6, 0.7)
+    assert out["grad_norm"] == 3.0 and out["grad_norm_max"] == 4.0
+    assert out["forward_backward_s"] == 4.0 and out["micro_batches"] == 4.0
+    # 30 x 1.0 / (10 x 1.0 + 30 x 2.0) = 30 / 70 of the gradient weight sat on clipped tokens
+    assert out["clip_grad_removed_frac"] == pytest.approx(3 / 7)
+    assert out["proxy_abs_err"] == pytest.approx(2.0 / 40) and out["proxy_err_tokens"] == 40
+    assert out["ewma_reset"] == 1.0 and math.isnan(out["ewma_kept_frac"])
+    assert (out["optimizer_steps"], out["optimizer_steps_total"]) == (2.0, 2.0)
+    assert "tokens" not in out and "applied" not in out and "proxy_err_sum" not in out
+
+
+def test_skipped_steps_leave_the_gradient_norm_out():
+    out = combine_step_metrics([step(8, applied=0.0, grad_norm=math.nan), step(8, grad_norm=5.0, ewma_kept_frac=0.9)])
+    assert out["grad_norm"] == 5.0 and out["optimizer_steps"] == 1.0 and out["ewma_kept_frac"] == 0.9
+    none = combine_step_metrics([step(8, applied=0.0, grad_norm=math.nan)])
+    assert math.isnan(none["grad_norm"]) and math.isnan(none["grad_norm_max"]) and none["optimizer_steps"] == 0.0
+    assert math.isnan(none["proxy_abs_err"]) and none["clip_grad_removed_frac"] == 0.0
+
+
+def test_a_single_step_passes_its_metrics_through():
+    out = combine_step_metrics([step(12, loss=-0.25, clip_frac_high=0.5, entropy=1.25)])
+    assert out["loss"] == -0.25 and out["clip_frac_high"] == 0.5 and out["entropy"] == 1.25
+    assert out["clip_frac_step_max"] == 0.5
+
+
+def test_steps_without_tokens_take_plain_means():
+    out = combine_step_metrics([step(0, entropy=1.0), step(0, entropy=2.0)])
+    assert out["entropy"] == 1.5
