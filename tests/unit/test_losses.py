@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from trainer.loss_config import METHODS, LossConfig, loss_config
-from trainer.losses import (
+from trainer.algorithm.loss_config import METHODS, LossConfig, loss_config
+from trainer.algorithm.losses import (
     aggregate,
     compute_policy_loss,
     decoupled_ppo_loss,
