@@ -36,10 +36,10 @@ endif
 	$(PY) -c "import torch, vllm, deepspeed, ray, transformers, tau2; print('torch', torch.__version__, '| vllm', vllm.__version__, '| deepspeed', deepspeed.__version__, '| ray', ray.__version__)"
 	# DeepSpeed's CPU comm op is JIT-built: build it here, once per venv, not at the first learner start
 ifeq ($(ENGINE),cpu)
-	$(PY) -m trainer.ds_ops
+	$(PY) -m trainer.learner.ds_ops
 endif
 	# the loopback-only bind interposer of private Ray clusters, built once per venv
-	$(PY) -c "from trainer.netguard import library_path; print('loopback bind interposer', library_path())"
+	$(PY) -c "from trainer.driver.netguard import library_path; print('loopback bind interposer', library_path())"
 	touch $(STAMP)
 
 model: install

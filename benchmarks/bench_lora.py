@@ -5,7 +5,7 @@ attention and MLP projection, side by side for every staleness window W:
 
 * memory held for old logits: full-weight snapshots (``OldLogitService``, W+1 full copies) vs
   adapter snapshots (the same service with ``adapter=``: one base + W+1 adapters) vs the PPO-EWMA
-  proxy (``trainer.ewma.EwmaProximal``: the full-weight average, or the adapter-only average);
+  proxy (``trainer.algorithm.ewma.EwmaProximal``: the full-weight average, or the adapter-only average);
   every number is ``bytes_held`` / ``nbytes`` of the real objects after W+1 publications;
 * publication, full vs adapter: bytes, and wall seconds of the learner's pack (cast + private copy
   + blake2b checksum, ``pack_weights`` / ``pack_adapter``), the transfer (pickle round trip of the
@@ -48,8 +48,8 @@ from modelkit.modelhub import load_causal_lm, make_tiny_model, prepare_smollm2  
 from modelkit.weights import pack_weights, unpack_weights  # noqa: E402
 from oldlogit_service import OldLogitService  # noqa: E402
 from protocol import AdapterSpec, OldLogitItem, OldLogitRequest  # noqa: E402
-from trainer.ewma import EwmaProximal  # noqa: E402
-from trainer.lora_config import DEFAULT_TARGET_MODULES  # noqa: E402
+from trainer.algorithm.ewma import EwmaProximal  # noqa: E402
+from trainer.learner.lora_config import DEFAULT_TARGET_MODULES  # noqa: E402
 
 TEMPERATURE = 1.0
 GOALS = {"adapter_snapshot_vs_ewma_at_W4_max": 1.1, "publication_speedup_min": 10.0}

@@ -2,7 +2,7 @@
 
 One run, same learner, same batch, for every staleness window W: the three exact routes of
 ``oldlogit_service`` (snapshot, old_logit_model, interrupt_sync) and the PPO-EWMA proxy (one extra
-fp32 copy + one extra forward, ``trainer.ewma.EwmaProximal`` when present). A step is simulated in
+fp32 copy + one extra forward, ``trainer.algorithm.ewma.EwmaProximal`` when present). A step is simulated in
 steady state (the snapshot store already holds [V - W, V]):
 
 * the learner takes a step (a fake in-place update; the learner's own cost is measured once, a real
@@ -64,7 +64,7 @@ TEMPERATURE = 1.0
 
 
 class _FallbackEwma:
-    """Used only when ``trainer.ewma`` is absent: an fp32 parameter copy, a lerp and a functional forward."""
+    """Used only when ``trainer.algorithm.ewma`` is absent: an fp32 parameter copy, a lerp and a functional forward."""
 
     def __init__(self, model: torch.nn.Module, window: int) -> None:
         self.beta = window / (window + 2.0)
@@ -90,13 +90,13 @@ class _FallbackEwma:
 
 def make_ewma(model: torch.nn.Module, window: int) -> tuple[Any, str]:
     try:
-        from trainer.ewma import EwmaProximal
-        from trainer.loss_config import EwmaConfig
+        from trainer.algorithm.ewma import EwmaProximal
+        from trainer.algorithm.loss_config import EwmaConfig
 
-        return EwmaProximal(model, EwmaConfig(window=window)), "trainer.ewma.EwmaProximal"
+        return EwmaProximal(model, EwmaConfig(window=window)), "trainer.algorithm.ewma.EwmaProximal"
     except Exception as e:  # noqa: BLE001 - the class is being written elsewhere; measure the same work directly
         print(
-            f"note: trainer.ewma.EwmaProximal unavailable ({e!r}); measuring an fp32 copy + forward directly",
+            f"note: trainer.algorithm.ewma.EwmaProximal unavailable ({e!r}); measuring an fp32 copy + forward directly",
             file=sys.stderr,
         )
         return _FallbackEwma(model, window), "fallback (fp32 copy + lerp + functional forward)"

@@ -144,7 +144,7 @@ trained tokens of the whole optimizer batch, ``grpo`` averages per-sequence toke
 
 def trl_config_kwargs(cfg, output_dir: str, *, cpu: bool = True, max_steps: int = 10**6) -> dict[str, Any]:
     """``trl.GRPOConfig`` keyword arguments that reproduce the vintage job config ``cfg`` (a
-    :class:`trainer.config.JobConfig`).
+    :class:`trainer.driver.config.JobConfig`).
 
     Per optimizer step both train ``controller.batch_groups`` prompts x ``sampling.n`` completions,
     in forward/backward chunks of ``learner.micro_batch_size`` (TRL: per-device batch = micro batch,
@@ -378,7 +378,7 @@ def vintage_state_dict(checkpoints: Path) -> dict[str, Any]:
     """
     import torch
 
-    from trainer.checkpoint import latest_tag
+    from trainer.learner.checkpoint import latest_tag
 
     tag = latest_tag(checkpoints)
     if tag is None:
@@ -431,7 +431,7 @@ def run_vintage(config: Path, overrides: list[str], budget_s: float, work: Path,
     Raises:
         RuntimeError: the run failed (exit code other than 0; the message names its log file).
     """
-    from trainer.metrics_log import read_metrics
+    from trainer.driver.metrics_log import read_metrics
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -506,8 +506,8 @@ def trl_child(spec_path: Path) -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from trainer.config import load_config
-    from trainer.environment import defaults_env
+    from trainer.driver.config import load_config
+    from trainer.driver.environment import defaults_env
 
     spec = json.loads(Path(spec_path).read_text())
     defaults_env()
@@ -613,9 +613,9 @@ def main(
             raise ModuleNotFoundError(
                 f"{mod} is not installed: `make bench-trl` installs the optional group (pip install -e '.[trl]')"
             )
-    from trainer.config import load_config
-    from trainer.environment import defaults_env
-    from trainer.job import resolve_model
+    from trainer.driver.config import load_config
+    from trainer.driver.environment import defaults_env
+    from trainer.driver.job import resolve_model
 
     defaults_env()
     budget_s = float(budget_s if budget_s is not None else (QUICK_BUDGET_S if quick else 600.0))

@@ -1,6 +1,6 @@
 """Methods x staleness x discrepancy, side by side, on the real pipeline.
 
-Every cell is one real job (``trainer.job.run_job``: vLLM rollout worker, DeepSpeed learner, the
+Every cell is one real job (``trainer.driver.job.run_job``: vLLM rollout worker, DeepSpeed learner, the
 old-logit service, the EWMA, the async controller) on the tiny random model and the procedural
 ``rollout.envs.toy:AlphabetEnv`` task (reward = fraction of reply characters in ``a``-``m``; the
 random model starts at ~0.42, the optimum is 1.0). One Ray session serves the whole grid.
@@ -80,7 +80,7 @@ METHODS: dict[str, str] = {
     "icepop": "icepop",
     "ppo": "ppo",
 }
-"""Label in the tables -> ``loss.method`` preset (``trainer.loss_config.METHODS``)."""
+"""Label in the tables -> ``loss.method`` preset (``trainer.algorithm.loss_config.METHODS``)."""
 
 PROBES: dict[str, str] = {
     "probe_recompute": "recompute",
@@ -330,9 +330,9 @@ def cell_record(cell: Cell, rows: list[dict[str, Any]], summary: dict[str, Any],
 
 def run_cell(cell: Cell, out_dir: Path, console: Console) -> dict[str, Any]:
     """Run one cell (or load it when ``cells/<name>.json`` says it finished) and return its record."""
-    from trainer.config import load_config
-    from trainer.job import run_job
-    from trainer.metrics_log import read_metrics
+    from trainer.driver.config import load_config
+    from trainer.driver.job import run_job
+    from trainer.driver.metrics_log import read_metrics
 
     path = out_dir / "cells" / f"{cell.name}.json"
     if path.is_file():
@@ -539,9 +539,9 @@ def run_grid(cells: list[Cell], out_dir: Path, console: Console, grid_name: str)
     The outputs cover every finished cell in ``out_dir`` (this grid's and earlier ones'), so grids
     run into one folder (``reduced``, then ``seeds``) make one table with the seeds pooled per row.
     """
-    from trainer.config import load_config
-    from trainer.environment import defaults_env
-    from trainer.job import ray_session
+    from trainer.driver.config import load_config
+    from trainer.driver.environment import defaults_env
+    from trainer.driver.job import ray_session
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -89,7 +89,7 @@ def bench_methods(
     """
     from benchmarks.methods import GRIDS
     from benchmarks.methods import main as methods_main
-    from trainer.netguard import reexec_with_loopback
+    from trainer.driver.netguard import reexec_with_loopback
 
     if grid not in GRIDS:
         raise typer.BadParameter(f"grid={grid!r} is not one of {', '.join(GRIDS)}", param_hint="--grid")
@@ -189,11 +189,11 @@ def eval_tau2(
     max_model_len: Annotated[int, typer.Option(min=16, help="With --model-path: context length, tokens.")] = 4096,
     out: Annotated[Path, typer.Option(help="JSON report: per-task results and totals.")] = Path("tau2-eval.json"),
 ) -> None:
-    """tau2-bench avg@k, pass@k and pass^k of a model (definitions: trainer/tau2_eval.py)."""
+    """tau2-bench avg@k, pass@k and pass^k of a model (definitions: rollout/tau2_eval.py)."""
     import contextlib
 
     from rollout.envs.tau2_bench import load_tasks
-    from trainer.tau2_eval import evaluate, serve_model
+    from rollout.tau2_eval import evaluate, serve_model
 
     if (base_url is None) == (model_path is None):
         raise typer.BadParameter("give exactly one of --base-url and --model-path", param_hint="--base-url")
@@ -252,7 +252,7 @@ def run(
     ] = None,
 ) -> None:
     """Run an async RL job (local Ray by default, or against --address)."""
-    from trainer.config import load_config, one_line, preflight
+    from trainer.driver.config import load_config, one_line, preflight
 
     overrides = list(set_ or [])
     if address:
@@ -266,10 +266,10 @@ def run(
     except (ValueError, OSError) as e:  # pydantic.ValidationError is a ValueError
         console.print(f"[red]config error:[/red] {one_line(e)}", soft_wrap=True)
         raise typer.Exit(2) from None
-    from trainer.job import run_job
+    from trainer.driver.job import run_job
 
     if not cfg.ray.address and cfg.ray.loopback_only:
-        from trainer.netguard import LoopbackUnavailable, reexec_with_loopback
+        from trainer.driver.netguard import LoopbackUnavailable, reexec_with_loopback
 
         try:
             reexec_with_loopback()  # once: the driver's own Ray port must be loopback-bound too
@@ -302,7 +302,7 @@ def failure_reason(summary_path: Path) -> str:
 def resume_path(run_dir: str, resume: str) -> str | None:
     """The checkpoint folder ``--resume`` names: ``resume`` itself, or for ``auto``
     ``<run_dir>/checkpoints`` when it holds a complete checkpoint (None: start fresh)."""
-    from trainer.checkpoint import latest_tag
+    from trainer.learner.checkpoint import latest_tag
 
     if resume != "auto":
         return resume

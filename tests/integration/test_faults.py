@@ -21,10 +21,10 @@ import httpx
 import psutil
 import pytest
 
-from trainer.checkpoint import latest_tag
-from trainer.config import load_config
-from trainer.job import run_job
-from trainer.metrics_log import read_metrics
+from trainer.driver.config import load_config
+from trainer.driver.job import run_job
+from trainer.driver.metrics_log import read_metrics
+from trainer.learner.checkpoint import latest_tag
 
 pytestmark = pytest.mark.integration
 

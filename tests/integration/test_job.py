@@ -19,9 +19,9 @@ import pytest
 
 from protocol import JobStatus
 from tests.tiny_job import TINY_JOB
-from trainer.config import load_config
-from trainer.job import run_job
-from trainer.metrics_log import read_metrics
+from trainer.driver.config import load_config
+from trainer.driver.job import run_job
+from trainer.driver.metrics_log import read_metrics
 
 pytestmark = pytest.mark.integration
 

@@ -17,9 +17,9 @@ from modelkit.modelhub import load_causal_lm
 from modelkit.scoring import sequence_logprobs
 from modelkit.weights import unpack_weights
 from protocol import Trajectory
-from trainer.batch import Batch, collate
+from trainer.algorithm.batch import Batch, collate
+from trainer.algorithm.loss_config import loss_config
 from trainer.learner import LearnerCore, LearnerGroup, LearnerSettings, free_port
-from trainer.loss_config import loss_config
 
 pytestmark = pytest.mark.integration
 
@@ -128,7 +128,7 @@ def test_nonfinite_loss_skips_step_keeps_version_and_weights(tiny_model_path, ma
 def test_nonfinite_gradient_with_finite_loss_skips_step(tiny_model_path, make_trajs, monkeypatch):
     """The guard also looks at gradients: sqrt(|0 * logp|) adds 0 to the loss but a NaN
     gradient (inf * 0); stage 0 has no DeepSpeed overflow check to fall back on."""
-    import trainer.learner as learner_mod
+    import trainer.learner.core as learner_mod
 
     real = learner_mod.compute_policy_loss
 
@@ -212,7 +212,7 @@ def test_ewma_forward_runs_only_where_a_token_needs_the_proxy(tiny_model_path, m
     """Two micro-batches per step, probe every 2 steps. All tokens exact: the EWMA forward runs on
     the first micro-batch at versions 0 and 2 (probes) and not at all at version 1 (no reset signal:
     NaN). A batch with tokens lacking exact old logits runs it on every micro-batch."""
-    from trainer.loss_config import EwmaConfig
+    from trainer.algorithm.loss_config import EwmaConfig
 
     core = LearnerCore(
         settings(tiny_model_path, loss=loss_config("snapshot"), micro_batch_size=2, ewma=EwmaConfig(probe_every=2))

@@ -17,10 +17,10 @@ from modelkit.modelhub import load_causal_lm
 from modelkit.scoring import sequence_logprobs
 from oldlogit_service import OldLogitService
 from protocol import OldLogitRequest, TokenStatus, Trajectory
-from trainer.batch import collate
+from trainer.algorithm.batch import collate
+from trainer.algorithm.loss_config import loss_config
 from trainer.learner import LearnerCore, LearnerSettings, free_port
-from trainer.lora_config import LoraSettings
-from trainer.loss_config import loss_config
+from trainer.learner.lora_config import LoraSettings
 
 pytestmark = pytest.mark.integration
 

@@ -38,7 +38,7 @@ import httpx
 import pytest
 
 from deploy.local_cluster import LocalRayHead
-from trainer.metrics_log import read_metrics
+from trainer.driver.metrics_log import read_metrics
 
 pytestmark = pytest.mark.integration
 

@@ -16,8 +16,8 @@ import pytest
 
 from protocol import NO_VERSION
 from rollout.envs import tau2_bench as tb
+from rollout.tau2_eval import evaluate, serve_model
 from tests.scripted_openai import ScriptedServer
-from trainer.tau2_eval import evaluate, serve_model
 
 pytestmark = pytest.mark.integration
 

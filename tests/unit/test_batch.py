@@ -1,4 +1,4 @@
-"""trainer.batch: collation, per-token staleness, masks, old logits, advantages, splits (hand-worked)."""
+"""trainer.algorithm.batch: collation, per-token staleness, masks, old logits, advantages, splits (hand-worked)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from protocol import OldLogitAnswer, TokenStatus, Trajectory
-from trainer.batch import Batch, collate, empty_batch, sequence_advantages, staleness_histogram
-from trainer.losses import aggregate
+from trainer.algorithm.batch import Batch, collate, empty_batch, sequence_advantages, staleness_histogram
+from trainer.algorithm.losses import aggregate
 
 NAN = float("nan")
 

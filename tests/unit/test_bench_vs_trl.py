@@ -17,7 +17,7 @@ from benchmarks.bench_vs_trl import (
     table_markdown,
     trl_config_kwargs,
 )
-from trainer.config import load_config
+from trainer.driver.config import load_config
 
 ENV = "rollout.envs.reasoning_gym_env:ReasoningGymEnv"
 KW = {"dataset": "basic_arithmetic", "level": "easy", "size": 2000}

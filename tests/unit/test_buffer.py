@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from protocol import Trajectory
-from trainer.buffer import TrajectoryBuffer, admission_capacity, sequence_staleness, token_staleness_histogram
+from trainer.driver.buffer import TrajectoryBuffer, admission_capacity, sequence_staleness, token_staleness_histogram
 
 
 def traj(tid, versions, group="g", prompt=2):

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from trainer.ds_ops import clear_stale_build_locks
+from trainer.learner.ds_ops import clear_stale_build_locks
 
 
 def _lock(folder, age_s):

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from protocol import EwmaStatus
-from trainer.ewma import EwmaProximal, beta_from_lag, beta_from_window
-from trainer.loss_config import EwmaConfig
-from trainer.losses import discrepancy_weights
+from trainer.algorithm.ewma import EwmaProximal, beta_from_lag, beta_from_window
+from trainer.algorithm.loss_config import EwmaConfig
+from trainer.algorithm.losses import discrepancy_weights
 
 
 class Scalar(nn.Module):

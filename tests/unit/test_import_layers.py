@@ -7,6 +7,10 @@ Layers, bottom to top::
 
 A package may import any package below it and none above; only the command line (``vintage_cli``)
 imports ``benchmarks``, and nothing imports ``vintage_cli``.
+
+Inside ``trainer`` the same rule holds between its sub-packages::
+
+    trainer.algorithm  <-  trainer.learner  <-  trainer.driver
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("protocol", "modelkit", "rollout", "oldlogit_service", "trainer", "deploy", "benchmarks", "vintage_cli")
+TRAINER_ROOMS = ("trainer.algorithm", "trainer.learner", "trainer.driver")
 
 
 def module_name(path: Path) -> str:
@@ -28,8 +33,10 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Every absolute module name ``path`` imports (relative imports resolved), at any nesting depth."""
+def imported_modules(path: Path, names: bool = False) -> set[str]:
+    """Every absolute module name ``path`` imports (relative imports resolved), at any nesting depth;
+    with ``names``, also ``module.name`` for each name of a ``from module import name`` (which may be
+    a submodule: ``from trainer import driver``)."""
     mod = module_name(path)
     package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
     out: set[str] = set()
@@ -43,6 +50,8 @@ def imported_modules(path: Path) -> set[str]:
             else:
                 target = node.module or ""
             out.add(target)
+            if names:
+                out.update(f"{target}.{a.name}" if target else a.name for a in node.names)
     return out
 
 
@@ -55,6 +64,23 @@ def package_graph() -> dict[str, set[str]]:
                 top = target.split(".")[0]
                 if top in PACKAGES and top != pkg:
                     graph[pkg].add(top)
+    return graph
+
+
+def room_of(module: str) -> str | None:
+    """The ``trainer`` sub-package a dotted module name belongs to, or None."""
+    return next((r for r in TRAINER_ROOMS if module == r or module.startswith(r + ".")), None)
+
+
+def trainer_room_graph() -> dict[str, set[str]]:
+    """``{trainer sub-package: {other trainer sub-packages its modules import}}``."""
+    graph: dict[str, set[str]] = {r: set() for r in TRAINER_ROOMS}
+    for room in TRAINER_ROOMS:
+        for f in sorted((ROOT / room.replace(".", "/")).rglob("*.py")):
+            for target in imported_modules(f, names=True):
+                other = room_of(target)
+                if other is not None and other != room:
+                    graph[room].add(other)
     return graph
 
 
@@ -102,6 +128,7 @@ def test_imports_are_resolved_from_source(tmp_path):
     saved, ROOT = ROOT, tmp_path
     try:
         assert imported_modules(f) == {"a.b", "pkg", "pkg.x", "c"}
+        assert imported_modules(f, names=True) == {"a.b", "pkg", "pkg.sib", "pkg.x", "pkg.x.y", "c", "c.d"}
     finally:
         ROOT = saved
 
@@ -140,6 +167,36 @@ def test_only_the_command_line_imports_benchmarks_and_nothing_imports_it():
     graph = package_graph()
     assert sorted(p for p in graph if "benchmarks" in graph[p]) == ["vintage_cli"]
     assert sorted(p for p in graph if "vintage_cli" in graph[p]) == []
+
+
+def test_every_trainer_module_is_in_a_sub_package():
+    """``trainer`` holds only its sub-packages (and its own ``__init__``), so the room checks see every module."""
+    loose = sorted(
+        str(f.relative_to(ROOT))
+        for f in (ROOT / "trainer").rglob("*.py")
+        if f != ROOT / "trainer" / "__init__.py" and room_of(module_name(f)) is None
+    )
+    assert loose == []
+
+
+def test_no_cycle_between_the_trainer_sub_packages():
+    graph = trainer_room_graph()
+    assert cycles(graph) == []
+    mutual = sorted((a, b) for a in graph for b in graph[a] if a in graph[b])
+    assert mutual == []
+
+
+@pytest.mark.parametrize(
+    "room, allowed",
+    [
+        ("trainer.algorithm", set()),
+        ("trainer.learner", {"trainer.algorithm"}),
+        ("trainer.driver", {"trainer.algorithm", "trainer.learner"}),
+    ],
+)
+def test_each_trainer_sub_package_imports_only_the_ones_below(room, allowed):
+    extra = trainer_room_graph()[room] - allowed
+    assert extra == set(), f"{room} imports from higher sub-packages: {sorted(extra)}"
 
 
 def test_the_test_fixtures_import_no_ray():

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from protocol import Trajectory
-from trainer.config import load_config
-from trainer.job import Job
+from trainer.driver.config import load_config
+from trainer.driver.job import Job
 
 
 def traj(tid, reward, purpose):
@@ -79,7 +79,7 @@ def test_eval_that_never_finishes_raises_naming_the_timeout():
 
 
 def test_end_reason_and_exit_code():
-    from trainer.job import end_reason
+    from trainer.driver.job import end_reason
     from vintage_cli.main import exit_code
 
     assert end_reason(5, 5, interrupted=False) == "completed"
@@ -97,7 +97,7 @@ def test_end_reason_and_exit_code():
 def test_failed_part_names_the_actor_role():
     import ray
 
-    from trainer.job import failed_part
+    from trainer.driver.job import failed_part
 
     err = ray.exceptions.RayActorError(error_msg="The actor died: class_name: RolloutWorkerActor")
     assert failed_part(err) == "rollout worker"
@@ -116,7 +116,7 @@ def test_resume_auto_finds_the_run_dirs_latest_checkpoint(tmp_path):
 
 
 def test_intake_refuses_aborted_and_out_of_vocabulary_trajectories():
-    from trainer.job import intake_refusal
+    from trainer.driver.job import intake_refusal
 
     ok = traj("a", 1.0, "train")  # token ids 0, 1, 2
     assert intake_refusal(ok, vocab_size=3) is None

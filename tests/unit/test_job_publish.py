@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 
-from trainer.config import load_config
-from trainer.job import Job
-from trainer.routes import NoRoute, ScorerRoute
+from trainer.driver.config import load_config
+from trainer.driver.job import Job
+from trainer.driver.routes import NoRoute, ScorerRoute
 
 
 class Learner:

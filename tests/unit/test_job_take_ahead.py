@@ -10,10 +10,10 @@ from collections import Counter
 import numpy as np
 
 from protocol import Trajectory
-from trainer.buffer import TrajectoryBuffer
-from trainer.config import load_config
-from trainer.job import Job
-from trainer.routes import NoRoute
+from trainer.driver.buffer import TrajectoryBuffer
+from trainer.driver.config import load_config
+from trainer.driver.job import Job
+from trainer.driver.routes import NoRoute
 
 
 def traj(tid, group, versions):
@@ -111,7 +111,7 @@ def test_no_batch_ahead_when_synchronous_or_at_the_last_version():
 
 
 def test_loop_per_step_and_ratio_to_the_learner():
-    from trainer.job import loop_per_step
+    from trainer.driver.job import loop_per_step
 
     assert loop_per_step(90.0, 75.0, 3) == {"loop_s_per_step": 30.0, "train_s_per_step": 25.0, "loop_over_learner": 1.2}
     assert loop_per_step(0.0, 0.0, 0) == {"loop_s_per_step": None, "train_s_per_step": None, "loop_over_learner": None}

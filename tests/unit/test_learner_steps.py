@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from trainer.learner import combine_step_metrics
+from trainer.learner.core import combine_step_metrics
 
 
 def step(tokens, applied=1.0, **kw):

@@ -24,9 +24,9 @@ from modelkit.scoring import sequence_logprobs
 from modelkit.weights import pack_weights
 from oldlogit_service import OldLogitService
 from protocol import AdapterSpec, OldLogitRequest, ProtocolError, TokenStatus, WeightManifest, adapter_key
-from trainer.config import load_config, one_line
-from trainer.ewma import EwmaProximal
-from trainer.loss_config import EwmaConfig
+from trainer.algorithm.ewma import EwmaProximal
+from trainer.algorithm.loss_config import EwmaConfig
+from trainer.driver.config import load_config, one_line
 
 T = 0.8
 Q = "model.layers.0.self_attn.q_proj"
@@ -166,7 +166,7 @@ def test_config_refusals_are_one_line_naming_field_and_value():
 
 def test_learner_settings_refuse_zero3_with_lora():
     from trainer.learner import LearnerSettings
-    from trainer.lora_config import LoraSettings
+    from trainer.learner.lora_config import LoraSettings
 
     with pytest.raises(pydantic.ValidationError, match=r"learner.zero_stage: 3 is not supported with lora.enabled"):
         LearnerSettings(model_path="x", zero_stage=3, lora=LoraSettings(enabled=True))

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from trainer.loss_config import METHODS, LossConfig, loss_config
-from trainer.losses import (
+from trainer.algorithm.loss_config import METHODS, LossConfig, loss_config
+from trainer.algorithm.losses import (
     aggregate,
     compute_policy_loss,
     decoupled_ppo_loss,
@@ -513,7 +513,7 @@ def test_route_without_old_logprobs_is_refused():
 
 
 def test_clipped_tokens_are_the_constant_branches():
-    from trainer.losses import clipped_tokens
+    from trainer.algorithm.losses import clipped_tokens
 
     r = t([[1.3, 0.7, 3.5, 1.3, 0.7]])
     adv = t([[1.0, -1.0, -1.0, -1.0, 1.0]])

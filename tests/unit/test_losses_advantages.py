@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trainer.advantages import (
+from trainer.algorithm.advantages import (
     generated_lengths,
     grpo_advantages,
     overlong_penalty,
@@ -14,7 +14,7 @@ from trainer.advantages import (
     truncation_mask,
     zero_variance_groups,
 )
-from trainer.losses import aggregate
+from trainer.algorithm.losses import aggregate
 
 
 def test_grpo_population_std():

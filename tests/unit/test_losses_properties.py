@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.loss_config import loss_config
-from trainer.losses import compute_policy_loss, discrepancy_ratio, staleness_ratio
+from trainer.algorithm.loss_config import loss_config
+from trainer.algorithm.losses import compute_policy_loss, discrepancy_ratio, staleness_ratio
 
 # |logp - mu| <= 20 keeps every exponent inside MAX_LOG_RATIO, where the identity is exact
 logprob = st.floats(min_value=-10.0, max_value=0.0, allow_nan=False)

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from trainer.loss_config import loss_config
-from trainer.losses import compute_policy_loss, decoupled_ppo_loss, ppo_clip_loss
-from trainer.proximal import (
+from trainer.algorithm.loss_config import loss_config
+from trainer.algorithm.losses import compute_policy_loss, decoupled_ppo_loss, ppo_clip_loss
+from trainer.algorithm.proximal import (
     mix_reference,
     prox_exact,
     prox_linear,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from trainer.metrics_log import MetricsLog, StepMetrics, read_metrics
+from trainer.driver.metrics_log import MetricsLog, StepMetrics, read_metrics
 
 LEARNER = {  # floats, as the learner sends them over Ray
     "version": 3.0,

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from trainer.buffer import TrajectoryBuffer
-from trainer.config import load_config
-from trainer.job import Job
-from trainer.pool import WORKER_DIED, WORKER_HUNG, hung_workers
-from trainer.server import StatusBoard
+from trainer.driver.buffer import TrajectoryBuffer
+from trainer.driver.config import load_config
+from trainer.driver.job import Job
+from trainer.driver.pool import WORKER_DIED, WORKER_HUNG, hung_workers
+from trainer.driver.server import StatusBoard
 
 
 def test_hung_rule_on_a_fake_clock():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.routes import NoRoute, ScorerRoute, SnapshotRoute, make_route
+from trainer.driver.routes import NoRoute, ScorerRoute, SnapshotRoute, make_route
 
 SERVICE = object()  # stands in for the old-logit service's actor handle
 

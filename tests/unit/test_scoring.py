@@ -9,7 +9,7 @@ import torch
 
 from modelkit.modelhub import load_causal_lm
 from modelkit.scoring import sequence_logprobs
-from trainer.batch import Batch
+from trainer.algorithm.batch import Batch
 from trainer.learner import first_loss_position
 
 

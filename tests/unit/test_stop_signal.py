@@ -7,13 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainer.job import StopSignal
+from trainer.driver.job import StopSignal
 
 REPO = Path(__file__).resolve().parents[2]
 
 TWICE = """
 import os, signal
-from trainer.job import StopSignal
+from trainer.driver.job import StopSignal
 stop = StopSignal()
 with stop.installed():
     os.kill(os.getpid(), signal.SIGTERM)

@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from trainer.tau2_eval import pass_at_k, pass_hat_k, summarize
+from rollout.tau2_eval import pass_at_k, pass_hat_k, summarize
 
 # 3 tasks x 4 trials: A solved 4/4, B 2/4, C 0/4.
 REWARDS = {"A": [1.0, 1.0, 1.0, 1.0], "B": [1.0, 0.0, 1.0, 0.0], "C": [0.0, 0.0, 0.0, 0.0]}
@@ -93,13 +93,13 @@ def test_cli_eval_tau2_needs_a_user_or_solo():
 def test_cli_eval_tau2_checks_tasks_before_serving_a_model(monkeypatch):
     from typer.testing import CliRunner
 
-    import trainer.tau2_eval
+    import rollout.tau2_eval
     from vintage_cli.main import app
 
     def must_not_serve(*a, **k):
         raise AssertionError("a model server was started before the arguments were checked")
 
-    monkeypatch.setattr(trainer.tau2_eval, "serve_model", must_not_serve)
+    monkeypatch.setattr(rollout.tau2_eval, "serve_model", must_not_serve)
     args = ["eval", "tau2", "--domain", "mock", "--model-path", "tiny", "--solo", "--task-id", "nope"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 2 and "task_ids: ['nope'] not in domain 'mock'" in res.output

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from protocol import NO_VERSION, OldLogitAnswer, TokenStatus, Trajectory
-from trainer.advantages import TRUNCATED_REASONS, grpo_advantages, rloo_advantages, zero_variance_groups
+from trainer.algorithm.advantages import TRUNCATED_REASONS, grpo_advantages, rloo_advantages, zero_variance_groups
 
 _ROW_TENSORS = (
     "token_ids", "attention_mask", "loss_mask", "sampled_mask", "behav_logprobs", "versions", "staleness",
@@ -173,7 +173,7 @@ def _group_index(group_ids: Sequence[str]) -> Tensor:
 def sequence_advantages(rewards: Tensor, group_ids: Sequence[str], estimator: str = "grpo") -> Tensor:
     """Per-sequence advantages ``[B]`` from outcome rewards ``[B]`` grouped by ``group_ids``.
 
-    "grpo": (r - mean_g) / max(std_g, 1e-3), population std (``trainer.advantages``); "rloo":
+    "grpo": (r - mean_g) / max(std_g, 1e-3), population std (``trainer.algorithm.advantages``); "rloo":
     leave-one-out baseline; "reinforce": the raw reward (gamma = 1, no baseline). Raises ValueError
     on an unknown estimator.
     """

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from trainer.learner import LearnerCore
+    from trainer.learner.core import LearnerCore
 
 STATE_FILE = "vintage_state.pt"
 LATEST_FILE = "vintage_latest"

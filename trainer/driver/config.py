@@ -17,8 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from protocol import SamplingParams
-from trainer.lora_config import LoraSettings, lora_zero_refusal
-from trainer.loss_config import EwmaConfig, LossConfig, kl_refusal, loss_config
+from trainer.algorithm.loss_config import EwmaConfig, LossConfig, kl_refusal, loss_config
+from trainer.learner.lora_config import LoraSettings, lora_zero_refusal
 
 
 class _Section(BaseModel):
@@ -204,7 +204,7 @@ class RayConfig(_Section):
     """Logical CPUs of the local cluster (``None``: enough for all actors)."""
     loopback_only: bool = True
     """Private cluster only: every Ray process (GCS, raylet, workers, the driver) listens on
-    loopback, with Ray token authentication (``trainer.netguard``). ``vintage run`` re-executes
+    loopback, with Ray token authentication (``trainer.driver.netguard``). ``vintage run`` re-executes
     itself once to load the bind interposer into the driver too. Needs a C compiler the first time."""
 
 
@@ -263,7 +263,7 @@ class JobConfig(_Section):
     lora: LoraSettings = Field(default_factory=LoraSettings)
     """Train a LoRA adapter on the frozen base (``enabled = true``); versions are then adapters end to end."""
     loss: LossConfig = Field(default_factory=lambda: loss_config("snapshot"))
-    """Loss method preset (``method = "snapshot"``) plus field overrides; see ``trainer.loss_config.METHODS``."""
+    """Loss method preset (``method = "snapshot"``) plus field overrides; see ``trainer.algorithm.loss_config.METHODS``."""
     ewma: EwmaConfig = Field(default_factory=EwmaConfig)
     oldlogit: OldLogitConfig = Field(default_factory=OldLogitConfig)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)

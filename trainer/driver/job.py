@@ -27,7 +27,7 @@
         checkpoint    every ``controller.checkpoint_every`` versions
     score held-out episodes (reward after), write summary, plots, checkpoint
 
-What differs per old-logit route lives in one object per route kind (:mod:`trainer.routes`).
+What differs per old-logit route lives in one object per route kind (:mod:`trainer.driver.routes`).
 
 Invariants: the learner's version rises by exactly one per applied step and is published whole to
 every consumer before the next version is published (consumers apply it in the background; the
@@ -64,13 +64,13 @@ from rich.console import Console
 
 from oldlogit_service.calls import PendingCall
 from protocol import EnvRef, EwmaStatus, RolloutRequest, Trajectory
-from trainer.buffer import TrajectoryBuffer, admission_capacity, token_staleness_histogram
-from trainer.config import JobConfig, one_line, write_private, write_resolved
-from trainer.ds_ops import clear_stale_build_locks
-from trainer.environment import ENV_VARS, defaults_env
-from trainer.metrics_log import MetricsLog, StepMetrics, plot_run
-from trainer.routes import make_route
-from trainer.server import ApiServer, StatusBoard
+from trainer.driver.buffer import TrajectoryBuffer, admission_capacity, token_staleness_histogram
+from trainer.driver.config import JobConfig, one_line, write_private, write_resolved
+from trainer.driver.environment import ENV_VARS, defaults_env
+from trainer.driver.metrics_log import MetricsLog, StepMetrics, plot_run
+from trainer.driver.routes import make_route
+from trainer.driver.server import ApiServer, StatusBoard
+from trainer.learner.ds_ops import clear_stale_build_locks
 
 
 @contextlib.contextmanager
@@ -80,11 +80,11 @@ def ray_session(cfg: JobConfig):
     The local cluster gets its own temp dir; Ray's memory monitor is off (it killed actors on a
     24 GiB box running several model copies) - size the job instead. With ``ray.loopback_only``
     every process it starts listens on loopback only, with token authentication
-    (:func:`trainer.netguard.private_cluster_env`); the driver's own port is covered when the
+    (:func:`trainer.driver.netguard.private_cluster_env`); the driver's own port is covered when the
     process was started with that environment (``vintage run`` re-executes itself so).
 
     Raises:
-        trainer.netguard.LoopbackUnavailable: ``ray.loopback_only`` and no C compiler to build the
+        trainer.driver.netguard.LoopbackUnavailable: ``ray.loopback_only`` and no C compiler to build the
             bind interposer.
     """
     if ray.is_initialized():
@@ -125,7 +125,7 @@ def ray_session(cfg: JobConfig):
 
 def _loopback_private_cluster() -> None:
     """Give the processes the private cluster will start the loopback-only environment."""
-    from trainer import netguard
+    from trainer.driver import netguard
 
     bound = netguard.active()  # this process itself was started with the interposer
     os.environ.update(netguard.private_cluster_env())
@@ -360,7 +360,7 @@ class Job:
     """The parts of one running job and the bookkeeping the loop needs (see the module docstring)."""
 
     agents = None
-    """The :class:`trainer.agent_runner.AgentRunner` when ``[agent]`` is set: it admits, collects and evaluates."""
+    """The :class:`trainer.driver.agent_runner.AgentRunner` when ``[agent]`` is set: it admits, collects and evaluates."""
     _applying: threading.Thread | None = None
     """The publication being applied in the background (:meth:`publish`)."""
     _apply_error: BaseException | None = None
@@ -368,8 +368,8 @@ class Job:
     def __init__(self, cfg: JobConfig, console: Console):
         from oldlogit_service.actor import OldLogitServer
         from rollout.engine import EngineConfig
+        from trainer.driver.pool import WorkerPool
         from trainer.learner import LearnerGroup
-        from trainer.pool import WorkerPool
 
         self.cfg, self.console = cfg, console
         self.run_dir = Path(cfg.logging.run_dir)
@@ -450,7 +450,7 @@ class Job:
         self.last_publish: dict[str, float] = {}
         self._held_back: list[Trajectory] = []  # training trajectories polled during an evaluation
         if cfg.agent is not None:
-            from trainer.agent_runner import AgentRunner
+            from trainer.driver.agent_runner import AgentRunner
 
             self.agents = AgentRunner.for_job(self)
             write_private(
@@ -603,7 +603,7 @@ class Job:
 
         The learner packs the version into the object store and is free again (the driver handles
         manifests and references only). The consumers then take it in the order the route decides
-        (:mod:`trainer.routes`): on the ``none`` and ``snapshot`` routes in the background, so the
+        (:mod:`trainer.driver.routes`): on the ``none`` and ``snapshot`` routes in the background, so the
         loop and the learner go on while each worker switches between two tokens; scorer routes
         keep the scorer in lockstep with the workers, so this call waits for them. One publication
         is applied at a time: this call, :meth:`evaluate` and :meth:`shutdown` first wait for the
@@ -700,7 +700,7 @@ class Job:
     def evaluate(self, tag: str) -> dict[str, float]:
         """Mean reward on held-out env seeds (disjoint from training), one sample each, same sampling.
 
-        With ``[agent]`` the agent runs on its held-out tasks instead (:meth:`trainer.agent_runner.AgentRunner.evaluate`).
+        With ``[agent]`` the agent runs on its held-out tasks instead (:meth:`trainer.driver.agent_runner.AgentRunner.evaluate`).
         Evaluation requests carry ``purpose="eval"``; training trajectories that finish meanwhile are
         held back for the next :meth:`collect`.
 

@@ -6,7 +6,7 @@
 
 One :meth:`LearnerCore.train_step` at learner version ``V``:
 
-1. collate the trajectories (:func:`trainer.batch.collate`): per-token staleness ``V - v_t``,
+1. collate the trajectories (:func:`trainer.algorithm.batch.collate`): per-token staleness ``V - v_t``,
    exact old log-probs where a route supplied them (NaN elsewhere), GRPO advantages over the whole
    batch; the batch is split into ``ppo_mini_batches`` mini-batches, taken ``ppo_epochs`` times,
    one optimizer step each (with one step, the batch itself); with several steps and a proxy built
@@ -18,7 +18,7 @@ One :meth:`LearnerCore.train_step` at learner version ``V``:
 3. per micro-batch: with the PPO-EWMA proxy a no-grad forward with the EWMA weights (only where a
    sampled token lacks exact old logits, plus a probe every ``ewma.probe_every`` versions that keeps
    the auto-reset signal and the proxy-error metric measured), the forward
-   of the current policy (log-probs and entropy), :func:`trainer.losses.compute_policy_loss` (exact
+   of the current policy (log-probs and entropy), :func:`trainer.algorithm.losses.compute_policy_loss` (exact
    reference where known, the configured proxy elsewhere), ``engine.backward``; gradient
    accumulation is driven by hand (``set_gradient_accumulation_boundary``), so the number of
    micro-batches may change per step;
@@ -63,23 +63,23 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from modelkit.scoring import sequence_logprobs, sequence_logprobs_and_entropy
 from modelkit.weights import PackedWeights, Transport, all_finite, pack_weights
 from protocol import OldLogitAnswer, Trajectory, WeightManifest
-from trainer.batch import Batch, collate
-from trainer.ewma import EwmaProximal
-from trainer.lora_config import LoraSettings, lora_zero_refusal
-from trainer.loss_config import EwmaConfig, LossConfig, kl_refusal, loss_config
-from trainer.losses import compute_policy_loss, discrepancy_ratio, icepop_mask
-from trainer.proximal import RECOMPUTE_PROXIES, proximal_reference
+from trainer.algorithm.batch import Batch, collate
+from trainer.algorithm.ewma import EwmaProximal
+from trainer.algorithm.loss_config import EwmaConfig, LossConfig, kl_refusal, loss_config
+from trainer.algorithm.losses import compute_policy_loss, discrepancy_ratio, icepop_mask
+from trainer.algorithm.proximal import RECOMPUTE_PROXIES, proximal_reference
+from trainer.learner.lora_config import LoraSettings, lora_zero_refusal
 
 
 class LearnerSettings(BaseModel):
-    """Everything one learner rank needs. Field names match ``trainer.config.LearnerConfig``."""
+    """Everything one learner rank needs. Field names match ``trainer.driver.config.LearnerConfig``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model_path: str
     """HF model folder (``modelkit.modelhub``); loaded in fp32 on CPU, cast by DeepSpeed for bf16."""
     zero_stage: int = Field(0, ge=0, le=3)
-    """DeepSpeed ZeRO stage; 0-3 all work on CPU with gloo (with LoRA: 0-2, see ``trainer.lora_config``)."""
+    """DeepSpeed ZeRO stage; 0-3 all work on CPU with gloo (with LoRA: 0-2, see ``trainer.learner.lora_config``)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype; bf16 keeps fp32 master weights in DeepSpeed's optimizer wrapper."""
     lr: float = Field(1e-5, gt=0.0)
@@ -101,7 +101,7 @@ class LearnerSettings(BaseModel):
     """Passes over one rollout batch; the learner takes ``ppo_epochs * ppo_mini_batches`` optimizer
     steps per batch and publishes one version."""
     loss: LossConfig = Field(default_factory=lambda: loss_config("ppo_ewma"))
-    """Correction method (``trainer.loss_config``); proxy "ewma" keeps an EWMA copy of the weights."""
+    """Correction method (``trainer.algorithm.loss_config``); proxy "ewma" keeps an EWMA copy of the weights."""
     ewma: EwmaConfig = Field(default_factory=EwmaConfig)
     """PPO-EWMA decay and reset threshold (used when ``loss.proxy == "ewma"``)."""
     temperature: float = Field(1.0, gt=0.0)
@@ -119,7 +119,7 @@ class LearnerSettings(BaseModel):
     dist_backend: str | None = None
     """torch.distributed backend; None: gloo on CPU, the accelerator's own otherwise."""
     lora: LoraSettings = Field(default_factory=LoraSettings)
-    """Train a LoRA adapter on the frozen base instead of every weight (``trainer.lora_config``)."""
+    """Train a LoRA adapter on the frozen base instead of every weight (``trainer.learner.lora_config``)."""
 
     @model_validator(mode="after")
     def _no_kl(self) -> LearnerSettings:
@@ -332,7 +332,7 @@ class LearnerCore:
         skipped_steps: optimizer steps refused by the non-finite guard (or DeepSpeed's overflow check).
         nonfinite_weight_steps: of those, steps whose update produced a non-finite weight or optimizer
             state (e.g. an infinite learning rate) and were rolled back.
-        ewma: the :class:`trainer.ewma.EwmaProximal`, or None when the proxy is not "ewma".
+        ewma: the :class:`trainer.algorithm.ewma.EwmaProximal`, or None when the proxy is not "ewma".
     """
 
     def __init__(self, settings: LearnerSettings, rank: int = 0, world_size: int = 1) -> None:
@@ -820,14 +820,14 @@ class LearnerCore:
         }  # fmt: skip
 
     def save_checkpoint(self, directory: str, extra: dict[str, Any] | None = None) -> str:
-        """See :func:`trainer.checkpoint.save_checkpoint` (every rank must call it)."""
-        from trainer.checkpoint import save_checkpoint
+        """See :func:`trainer.learner.checkpoint.save_checkpoint` (every rank must call it)."""
+        from trainer.learner.checkpoint import save_checkpoint
 
         return str(save_checkpoint(self, directory, extra=extra))
 
     def load_checkpoint(self, directory: str, tag: str | None = None) -> dict[str, Any]:
-        """See :func:`trainer.checkpoint.load_checkpoint` (every rank must call it); returns ``extra``."""
-        from trainer.checkpoint import load_checkpoint
+        """See :func:`trainer.learner.checkpoint.load_checkpoint` (every rank must call it); returns ``extra``."""
+        from trainer.learner.checkpoint import load_checkpoint
 
         return load_checkpoint(self, directory, tag=tag)
 

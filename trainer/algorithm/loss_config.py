@@ -1,7 +1,7 @@
 """Loss configuration and the named methods of the correction library. Imports no torch.
 
 A method is a preset of :class:`LossConfig` fields; :func:`loss_config` builds one by name with
-overrides. The learner passes the config to :func:`trainer.losses.compute_policy_loss`.
+overrides. The learner passes the config to :func:`trainer.algorithm.losses.compute_policy_loss`.
 
 | method           | reference for the clip (prox)      | discrepancy correction on prox/mu  |
 |------------------|------------------------------------|------------------------------------|
@@ -59,7 +59,7 @@ class LossConfig(BaseModel):
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
     """Loss denominator; token_mean divides by the global token count of the optimizer batch."""
     advantage: Literal["grpo", "rloo", "reinforce"] = "grpo"
-    """Advantage estimator applied to the rewards before the loss (see trainer.advantages)."""
+    """Advantage estimator applied to the rewards before the loss (see trainer.algorithm.advantages)."""
     kl_kind: Literal["k1", "k2", "k3", "k3_plus"] = "k3"
     """KL estimator against a frozen reference model (only used when kl_coef > 0)."""
     kl_coef: float = Field(0.0, ge=0.0)
@@ -112,7 +112,7 @@ def loss_config(method: str, **overrides: Any) -> LossConfig:
 
 
 class EwmaConfig(BaseModel):
-    """PPO-EWMA proximal model (trainer.ewma.EwmaProximal).
+    """PPO-EWMA proximal model (trainer.algorithm.ewma.EwmaProximal).
 
     Decay: the EWMA's mean lag is beta / (1 - beta) versions. "window" sets beta = W / (W + 2),
     a mean lag of W / 2, the mean staleness of tokens spread evenly over [0, W] (W = max_staleness);

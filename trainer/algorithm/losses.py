@@ -25,8 +25,8 @@ Conventions (each is tested in ``tests/unit/test_losses*.py``):
   instead of re-weighting the survivors (``mask_kept_fraction`` reports how much was rejected).
 - Every loss returns ``(loss, metrics)``: a scalar to minimise and a ``dict[str, float]``.
 
-Proximal references (which log-prob plays pi_old) live in :mod:`trainer.proximal`, advantages and
-length helpers in :mod:`trainer.advantages`, the named methods in :mod:`trainer.loss_config`;
+Proximal references (which log-prob plays pi_old) live in :mod:`trainer.algorithm.proximal`, advantages and
+length helpers in :mod:`trainer.algorithm.advantages`, the named methods in :mod:`trainer.algorithm.loss_config`;
 :func:`compute_policy_loss` ties them together for the learner.
 """
 
@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from trainer.proximal import at_least_fp32, proximal_reference, resolve_exact_mask
+from trainer.algorithm.proximal import at_least_fp32, proximal_reference, resolve_exact_mask
 
 if TYPE_CHECKING:
-    from trainer.loss_config import LossConfig
+    from trainer.algorithm.loss_config import LossConfig
 
 MAX_LOG_RATIO = 20.0
 """Bound on every exponent argument (nats): exp(20) ~ 4.9e8 is finite in fp32 and bf16."""
@@ -511,7 +511,7 @@ def compute_policy_loss(
     ``ref_logprobs`` (frozen reference model) when ``cfg.kl_coef > 0``; ``recompute_logprobs``
     ``[B, T]`` (the consuming version's log-probs, taken before the batch's first optimizer step)
     from the second optimizer step on one batch, for "recompute" and the linear proxies (see
-    :func:`trainer.proximal.proximal_reference`). Metrics add ``exact_token_fraction`` (0 without a
+    :func:`trainer.algorithm.proximal.proximal_reference`). Metrics add ``exact_token_fraction`` (0 without a
     route) and ``kl`` when the KL term is on.
     """
     mask = _as_bool(loss_mask)

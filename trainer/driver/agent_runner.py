@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from protocol import RolloutRequest, Trajectory
-from trainer.buffer import TrajectoryBuffer, admission_capacity
-from trainer.config import JobConfig
+from trainer.driver.buffer import TrajectoryBuffer, admission_capacity
+from trainer.driver.config import JobConfig
 
 
 def load_agent(path: str) -> Callable[..., Any]:
@@ -160,7 +160,7 @@ class AgentRunner:
             admission=self.admit,
             model_name=cfg.gateway.model_name,
         )
-        from trainer.server import BodyLimit
+        from trainer.driver.server import BodyLimit
 
         limit = cfg.gateway.max_body_bytes
         self.server = GatewayServer(
@@ -177,7 +177,7 @@ class AgentRunner:
 
     @classmethod
     def for_job(cls, job: Any) -> AgentRunner:
-        """The runner of a :class:`trainer.job.Job` (its pool, buffer, version and model)."""
+        """The runner of a :class:`trainer.driver.job.Job` (its pool, buffer, version and model)."""
         return cls(
             job.cfg,
             job.pool.submit,
@@ -198,7 +198,7 @@ class AgentRunner:
     def admit(self, n: int) -> bool:
         """Admit ``n`` new training sessions if the staleness rule allows them now (thread-safe).
 
-        The rule is :func:`trainer.buffer.admission_capacity` over admitted sessions not dropped: a
+        The rule is :func:`trainer.driver.buffer.admission_capacity` over admitted sessions not dropped: a
         session admitted at learner version ``V`` is consumed at most ``max_staleness`` versions later.
         """
         with self._lock:

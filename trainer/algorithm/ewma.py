@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from trainer.loss_config import EwmaConfig
+from trainer.algorithm.loss_config import EwmaConfig
 
 ParamSource = nn.Module | Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]
 
