@@ -41,6 +41,17 @@ Grids:
   a spread over three seeds on the ``reduced`` grid's core rows when run into the same folder.
 * ``lr``: recompute / snapshot / ppo_ewma at W = 4 with lr 3e-2 and 3e-3 (tagged rows ``[lr...]``).
 * ``eps``: snapshot / ppo_ewma at W = 4 with a wide clip band, eps_low 0.5 / eps_high 1.0.
+* ``paper``: the paper's regime (:data:`PAPER`: 4 optimizer steps per rollout batch, lr
+  :data:`PAPER_LR`), the 5 methods of :data:`PAPER_METHODS` at W = 2 and 4, bf16, seeds 0-2
+  (30 runs of 32 steps, rows tagged ``mb4``; ~2 hours here).
+* ``paper_lr``: recompute and snapshot at W = 2 in that regime with lr 1e-3, 3e-3, 1e-2: which
+  learning rate keeps one version mostly inside the clip band (the largest per-step clip fraction).
+* ``paper_real``: the same comparison on SmolLM2 and the demo's task (2 mini-batches of 8 per
+  16-sample batch, W = 2, 3 seeds, 20 steps; ~2.5 hours here).
+
+Per row: the final reward's mean with its 95% interval over seeds (Student's t), how many runs
+collapsed (ended below their first step's reward), the largest clipped fraction of one optimizer
+step and the share of the policy-gradient weight on clipped tokens.
 
 Every grid's table covers all finished cells in its ``out_dir``, so grids run into one folder pool.
 
@@ -183,6 +194,22 @@ CONFIRM: tuple[str, ...] = (
 """The confirmation run on the real model (the demo's settings: SmolLM2-135M-Instruct, easy
 basic_arithmetic, 2 prompts x 8 samples per step, lr 5e-5), applied over :data:`BASE`."""
 
+PAPER: tuple[str, ...] = ("learner.ppo_mini_batches=4", "learner.micro_batch_size=8")
+"""The paper's regime: several optimizer steps per rollout batch (4 mini-batches of one 32-sample
+batch), so the recompute reference is behind the current policy from the second step on and its
+clip acts, exact old logits stay the behaviour version's, and the EWMA moves every step."""
+
+PAPER_LR = "3e-3"
+"""Learning rate of the ``paper`` grid: per optimizer step 1/4 of the ``reduced`` grid's move per
+version takes one version ~4 steps of it; ``paper_lr`` measures the clip fraction it gives."""
+
+PAPER_METHODS = ("recompute", "snapshot", "ppo_ewma", "loglinear_prox", "icepop")
+"""Methods the paper compares: decoupled PPO (recompute), exact snapshot, PPO-EWMA, the log-linear
+proxy and IcePop's mask on the recompute reference."""
+
+PAPER_REAL_STEPS = 20
+"""Steps per ``paper_real`` run on SmolLM2 (the demo's task; ~25 s per step with 2 mini-batches here)."""
+
 CONFIRM_STEPS = 12
 """Steps per confirmation run: the demo's batch reward rises from ~0.4 to ~0.7 within ~12 steps."""
 
@@ -220,13 +247,34 @@ def grid(kind: str) -> list[Cell]:
             for lr in ("3e-2", "3e-3")
             for m in core
         ]
+    if kind == "paper":
+        extra = (*PAPER, f"learner.lr={PAPER_LR}")
+        return [
+            Cell(m, W, "bf16", s, REDUCED_STEPS, extra, tag="mb4")
+            for s in (0, 1, 2)
+            for W in (2, 4)
+            for m in PAPER_METHODS
+        ]
+    if kind == "paper_lr":
+        return [
+            Cell(m, 2, "bf16", 0, REDUCED_STEPS, (*PAPER, f"learner.lr={lr}"), tag=f"mb4-lr{lr}")
+            for lr in ("1e-3", "3e-3", "1e-2")
+            for m in ("recompute", "snapshot")
+        ]
+    if kind == "paper_real":
+        extra = (*CONFIRM, "learner.ppo_mini_batches=2", "learner.micro_batch_size=8")
+        return [
+            Cell(m, 2, "bf16", s, PAPER_REAL_STEPS, extra, model="smollm2", tag="mb2")
+            for s in (0, 1, 2)
+            for m in PAPER_METHODS
+        ]
     if kind == "eps":
         wide = ("loss.eps_low=0.5", "loss.eps_high=1.0")
         return [Cell(m, 4, "bf16", 0, REDUCED_STEPS, wide, tag="eps0.5-1.0") for m in ("snapshot", "ppo_ewma")]
     raise ValueError(f"grid: unknown kind {kind!r} ({', '.join(GRIDS)})")
 
 
-GRIDS = ("quick", "reduced", "seeds", "lr", "eps", "full", "confirm")
+GRIDS = ("quick", "reduced", "seeds", "lr", "eps", "full", "confirm", "paper", "paper_lr", "paper_real")
 REDUCED_STEPS = 32
 
 
@@ -265,6 +313,24 @@ def _mean(xs: list[float]) -> float:
     return float(np.mean(xs)) if xs else math.nan
 
 
+def collapsed(final_reward: float, first_reward: float) -> bool:
+    """A run collapsed when its final reward (mean batch reward of the last :data:`LAST_K` steps)
+    ended below its first step's batch reward: it ended worse than it began."""
+    return bool(math.isfinite(final_reward) and math.isfinite(first_reward) and final_reward < first_reward)
+
+
+def ci95(values: list[float]) -> float:
+    """Half-width of the 95% confidence interval of the mean of ``values``: t(0.975, n - 1) * sd / sqrt(n)
+    (Student's t, sample sd); NaN with fewer than 2 values. Example: 0.4, 0.6, 0.8 -> 4.303 * 0.2 /
+    sqrt(3) = 0.4968."""
+    from scipy.stats import t
+
+    xs = [x for x in values if math.isfinite(x)]
+    if len(xs) < 2:
+        return math.nan
+    return float(t.ppf(0.975, len(xs) - 1) * np.std(xs, ddof=1) / math.sqrt(len(xs)))
+
+
 def cell_record(cell: Cell, rows: list[dict[str, Any]], summary: dict[str, Any], poller: _Poller) -> dict[str, Any]:
     """Per-run numbers from ``metrics.jsonl`` rows and the job summary."""
     g = lambda k: [float(r.get(k, math.nan)) for r in rows]  # noqa: E731
@@ -295,6 +361,10 @@ def cell_record(cell: Cell, rows: list[dict[str, Any]], summary: dict[str, Any],
         "mask_kept_fraction_min": min((x for x in g("mask_kept_fraction") if math.isfinite(x)), default=math.nan),
         "clip_frac_low": _mean(g("clip_frac_low")),
         "clip_frac_high": _mean(g("clip_frac_high")),
+        "clip_frac_step_max": max((x for x in g("clip_frac_step_max") if math.isfinite(x)), default=math.nan),
+        "clip_grad_removed_frac": _mean(g("clip_grad_removed_frac")),
+        "entropy_last": _mean(g("entropy")[-LAST_K:]),
+        "collapsed": collapsed(_mean(reward[-LAST_K:]), reward[0] if reward else math.nan),
         "exact_token_fraction": float(summary.get("exact_token_fraction", math.nan)),
         "proxy_abs_err": _mean(g("proxy_abs_err")),
         "discrepancy_kl": _mean(g("discrepancy_kl")),
@@ -396,6 +466,10 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row = {"model": model, "tag": tag, "method": m, "W": W, "disc": d, "seeds": len(rs), "steps": rs[0]["steps"]}
         row["final_reward"] = float(np.mean(fr))
         row["final_reward_sd"] = float(np.std(fr, ddof=1)) if len(fr) > 1 else math.nan
+        row["final_reward_ci95"] = ci95(fr)
+        row["collapsed"] = sum(bool(r.get("collapsed", False)) for r in rs)
+        row["clip_frac_step_max"] = _mean([_nan(r.get("clip_frac_step_max")) for r in rs])
+        row["clip_grad_removed_frac"] = _mean([_nan(r.get("clip_grad_removed_frac")) for r in rs])
         row["reward_first"] = _mean([_nan(r["reward_first"]) for r in rs])
         for k in ("reward_before_heldout", "reward_after_heldout"):
             row[k] = _mean([_nan(r.get(k)) for r in rs])
@@ -418,8 +492,9 @@ def table_markdown(rows: list[dict[str, Any]]) -> str:
     head = (
         "| method | W | mismatch | seeds | reward start -> final (sd) | held-out before -> after | steps to "
         f"{REWARD_LEVEL} | mask kept (min) | clip low / high | exact | proxy err (nats) | EWMA resets | "
-        "old-logit MiB (snap + EWMA) | extra s/step | train s/step | wall s |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "old-logit MiB (snap + EWMA) | extra s/step | train s/step | wall s | final 95% CI | collapsed | "
+        "largest step clip | gradient clipped |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for r in rows:
@@ -436,7 +511,9 @@ def table_markdown(rows: list[dict[str, Any]]) -> str:
             f"{_f(r['mask_kept_fraction'])} ({_f(r['mask_kept_fraction_min'])}) | "
             f"{_f(r['clip_frac_low'])} / {_f(r['clip_frac_high'])} | {_f(r['exact_token_fraction'], '.2f')} | "
             f"{_f(r['proxy_abs_err'], '.4f')} | {_f(r['ewma_resets'], '.0f')} | {mib} | "
-            f"{_f(r['extra_s_per_step'], '.2f')} | {_f(r['train_s'], '.2f')} | {_f(r['wall_s'], '.0f')} |"
+            f"{_f(r['extra_s_per_step'], '.2f')} | {_f(r['train_s'], '.2f')} | {_f(r['wall_s'], '.0f')} | "
+            f"+-{_f(r.get('final_reward_ci95', math.nan))} | {r.get('collapsed', 0)}/{r['seeds']} | "
+            f"{_f(r.get('clip_frac_step_max', math.nan))} | {_f(r.get('clip_grad_removed_frac', math.nan))} |"
         )
     return head + "\n".join(lines) + "\n"
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
-from benchmarks.methods import GRIDS, Cell, aggregate, folder_records, grid, table_markdown
+from benchmarks.methods import GRIDS, Cell, aggregate, ci95, collapsed, folder_records, grid, table_markdown
 
 
 def record(method: str, W: int, seed: int, final: float, tag: str = "", state: str = "finished") -> dict:
@@ -53,7 +54,10 @@ def test_folder_records_keeps_finished_cells_only(tmp_path):
 
 def test_grids_have_unique_cell_names_and_unknown_kind_is_named():
     sizes = {k: len(grid(k)) for k in GRIDS}
-    assert sizes == {"quick": 7, "reduced": 22, "seeds": 18, "lr": 6, "eps": 2, "full": 204, "confirm": 3}
+    assert sizes == {
+        "quick": 7, "reduced": 22, "seeds": 18, "lr": 6, "eps": 2, "full": 204, "confirm": 3,
+        "paper": 30, "paper_lr": 6, "paper_real": 15,
+    }  # fmt: skip
     for k in GRIDS:
         names = [c.name for c in grid(k)]
         assert len(names) == len(set(names)), k
@@ -71,3 +75,28 @@ def test_cli_names_an_unknown_grid_and_runs_nothing(tmp_path):
     assert res.exit_code == 2
     assert "grid='bogus'" in res.output and "seeds" in res.output
     assert not (tmp_path / "m").exists()
+
+
+def test_interval_collapses_and_clip_columns_pool_over_seeds():
+    recs = [record("snapshot", 2, s, f, tag="mb4") for s, f in enumerate((0.4, 0.6, 0.8))]
+    for r, (c, hi, g) in zip(recs, ((False, 0.1, 0.2), (True, 0.3, 0.4), (False, 0.2, 0.0)), strict=True):
+        r |= {"collapsed": c, "clip_frac_step_max": hi, "clip_grad_removed_frac": g}
+    (row,) = aggregate(recs)
+    assert row["final_reward_ci95"] == pytest.approx(4.302653 * 0.2 / math.sqrt(3), rel=1e-6)  # 0.4968
+    assert row["collapsed"] == 1 and row["clip_frac_step_max"] == pytest.approx(0.2)
+    assert row["clip_grad_removed_frac"] == pytest.approx(0.2)
+    assert table_markdown([row]).rstrip().endswith("| +-0.497 | 1/3 | 0.200 | 0.200 |")
+    assert math.isnan(ci95([0.5])) and ci95([0.5, 0.5]) == 0.0
+
+
+def test_a_run_collapsed_when_it_ended_below_where_it_began():
+    assert collapsed(0.3, 0.4) and not collapsed(0.4, 0.4) and not collapsed(0.9, 0.4)
+    assert not collapsed(math.nan, 0.4)
+
+
+def test_paper_grid_takes_several_updates_per_batch():
+    cell = grid("paper")[0]
+    assert cell.name == "recompute-W2-bf16-s0-mb4"
+    o = cell.overrides(Path("/tmp/x"))
+    assert o[-3:] == ["learner.ppo_mini_batches=4", "learner.micro_batch_size=8", "learner.lr=3e-3"]
+    assert {c.method for c in grid("paper")} == {"recompute", "snapshot", "ppo_ewma", "loglinear_prox", "icepop"}
