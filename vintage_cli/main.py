@@ -80,7 +80,10 @@ def bench_methods(
     ),
     quick: Annotated[bool, typer.Option(help="The CI-sized smoke grid (same as --grid quick).")] = False,
     grid: Annotated[
-        str, typer.Option(help="Which grid: quick, reduced, seeds, lr, eps, full, confirm (see benchmarks/methods.py).")
+        str,
+        typer.Option(
+            help="Which grid: quick, reduced, seeds, lr, eps, full, confirm, paper, paper_lr, paper_real (see benchmarks/methods.py)."
+        ),
     ] = "full",
 ) -> None:
     """Methods x staleness x discrepancy on the real pipeline; writes results under --out.
