@@ -58,6 +58,21 @@ class StatusBoard:
             registry=r,
         )
         self.requests = Counter("vintage_http_requests", "HTTP requests served", ["endpoint"], registry=r)
+        self._gw_tools = Gauge(
+            "vintage_gateway_tool_calls",
+            "Tool calls in gateway replies, by result (parsed, unparsed)",
+            ["result"],
+            registry=r,
+        )
+        self._gw = {
+            "tool_call_errors": Gauge(
+                "vintage_gateway_tool_call_errors", "Gateway replies answered with a tool-call error note", registry=r
+            ),
+            "calls_pending": Gauge("vintage_gateway_calls_pending", "Gateway calls waiting for a worker", registry=r),
+        }
+        self._gw_unavailable = Gauge(
+            "vintage_gateway_unavailable", "Gateway calls answered 503, by reason", ["reason"], registry=r
+        )
 
     def update(self, **fields) -> JobStatus:
         """Replace some fields of the status and refresh the Prometheus gauges.
@@ -84,6 +99,13 @@ class StatusBoard:
             self._dropped.labels(reason).set(n)
         if s.exact_token_fraction is not None:
             self._exact.labels(s.oldlogit_route).set(s.exact_token_fraction)
+        if (gw := s.gateway) is not None:
+            self._gw_tools.labels("parsed").set(gw.tool_calls_parsed)
+            self._gw_tools.labels("unparsed").set(gw.unparsed_tool_calls)
+            for name, g in self._gw.items():
+                g.set(getattr(gw, name))
+            for reason, n in gw.unavailable.items():
+                self._gw_unavailable.labels(reason).set(n)
         return s
 
     def request_scale(self, n: int) -> None:
