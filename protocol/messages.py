@@ -613,13 +613,33 @@ class GatewayStatus(Message):
     tokens_sampled: int = Field(0, ge=0)
     splits: int = Field(0, ge=0)
     """Calls whose rendered prompt did not extend the session's previous ids (a new segment began)."""
+    tool_calls_parsed: int = Field(0, ge=0)
+    """``<tool_call>`` blocks in replies that parsed into a call (returned as ``tool_calls``, unless
+    their reply also held one that did not parse and was answered with an error note)."""
     unparsed_tool_calls: int = Field(0, ge=0)
+    """``<tool_call>`` blocks (or unclosed opening tags) in replies that did not parse."""
+    tool_call_errors: int = Field(0, ge=0)
+    """Replies answered with a tool-call error note (``gateway.tool_call_feedback``)."""
     truncated_sessions: int = Field(0, ge=0)
     """Sessions cut by ``max_session_tokens``."""
     errors: dict[str, int] = Field(default_factory=dict)
-    """Refused requests by HTTP status code."""
+    """Refused requests by HTTP status code, each counted once."""
+    unavailable: dict[str, int] = Field(default_factory=dict)
+    """Calls answered 503, by reason: ``not_taken`` (no worker took the call within
+    ``gateway.submit_timeout_s``), ``timeout`` (no result within ``gateway.call_timeout_s``),
+    ``poll_failed``, ``aborted`` (the worker aborted the generation)."""
+    calls_pending: int = Field(0, ge=0)
+    """Calls waiting now for a worker to take them or for their result."""
+    resubmissions: int = Field(0, ge=0)
+    """Submissions repeated because no worker took the call (every worker late, or none running)."""
+    late_results_discarded: int = Field(0, ge=0)
+    """Results that arrived after their call had been answered 503; never trained on."""
     overhead_ms_mean: float = Field(0.0, ge=0.0)
-    """Mean time per call spent in the gateway outside generation (render, stitch, respond), ms."""
+    """Mean time per served call spent in the gateway's own work (render, stitch, respond), from
+    the session's turn to the answer, generation excluded, ms."""
+    turn_wait_ms_mean: float = Field(0.0, ge=0.0)
+    """Mean time per served call spent waiting for the session's earlier calls to finish (calls of
+    one session are served one at a time, in order), ms."""
 
 
 class JobStatus(Message):

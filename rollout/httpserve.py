@@ -2,14 +2,18 @@
 
 ``port=0`` binds a free port (see :attr:`ThreadedServer.port`); the socket is bound before the
 thread starts, so the URL is known at once and two servers never race for one port.
+:class:`BodyLimit` bounds request bodies in size and in time for both servers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -69,3 +73,73 @@ class ThreadedServer:
         self._server.should_exit = True
         self._thread.join(timeout=5)
         self._sock.close()
+
+
+class BodyLimit:
+    """ASGI middleware bounding every request body in size and in the time its sender may take.
+
+    A declared ``Content-Length`` above ``max_bytes`` is answered 413 before anything is read. Any
+    other body is read here first, counted as it arrives and refused at ``max_bytes`` (413), or
+    408 when its next chunk does not arrive within ``read_timeout_s`` seconds; the application then
+    receives the whole body at once. Header sizes are bounded by the server (uvicorn's
+    ``h11_max_incomplete_event_size``).
+
+    ``error_body(status, message) -> dict`` is the JSON of a refusal, called once per refusal; the
+    default is FastAPI's ``{"detail": message}`` (the gateway answers in the OpenAI error shape).
+    """
+
+    def __init__(
+        self,
+        app: Callable,
+        max_bytes: int,
+        read_timeout_s: float,
+        error_body: Callable[[int, str], dict] | None = None,
+    ):
+        self.app, self.max_bytes, self.read_timeout_s = app, max_bytes, read_timeout_s
+        self.error_body = error_body or (lambda status, message: {"detail": message})
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await self._refuse(
+                send, 413, f"request body: Content-Length {declared.decode()[:20]} > limit {self.max_bytes} bytes"
+            )
+            return
+        body, more = bytearray(), True
+        while more:
+            try:
+                msg = await asyncio.wait_for(receive(), self.read_timeout_s)
+            except TimeoutError:
+                await self._refuse(send, 408, f"request body: nothing received for {self.read_timeout_s} s")
+                return
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > self.max_bytes:
+                await self._refuse(send, 413, f"request body: more than {self.max_bytes} bytes")
+                return
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # the app waits for a disconnect after the body
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Callable, status: int, message: str) -> None:
+        body = json.dumps(self.error_body(status, message)).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"connection", b"close")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})

@@ -20,13 +20,24 @@ Rules:
   messages repeat the session's previous messages and the reply exactly as returned is rendered
   by appending the close of the reply and the new messages to the previous ids, as the in-process
   agent loop does (:class:`rollout.agent.TemplateChatFormat`); any other call is rendered whole;
-* tools, tool calls and tool results use the text format of :mod:`rollout.gateway.tools`;
+* tools, tool calls and tool results use the text format of :mod:`rollout.gateway.tools`. With
+  ``tool_call_feedback`` (the default) a reply holding a ``<tool_call>`` that does not parse is
+  answered as text: ``content`` is the sampled text followed by a tool-call error note saying why,
+  no ``tool_calls`` (none of the reply's calls is returned, as vLLM's Hermes tool parser does) and
+  ``vintage.tool_call_errors`` lists the reasons. The sampled tokens stay as sampled and are
+  trained on as sampled; the note is never sampled: when the agent sends the reply back, it is
+  rendered after the reply as a ``tool`` turn (context, mask 0), so the model reads it on its next
+  turn. Without it, the calls that parsed are returned and the rest stays in ``content``;
 * refused requests get OpenAI-style error JSON ``{"error": {"message", "type", "param", "code"}}``
   naming the field, and record nothing: bad JSON or fields (400), sampling the learner cannot
   reproduce (``top_p < 1``, ``top_k``, penalties, ``logit_bias``, ``temperature = 0`` or another
   temperature than the training one in a training session: 400), ``n > 1`` (400), a prompt that
   leaves no room in the context (400), a wrong key (401), an unknown session (404), an ended
-  session (409), no admission (429);
+  session (409), a body too slow (408) or too large (413, with ``max_body_bytes``), no admission
+  (429), and 503 with ``Retry-After`` when no worker can serve the call: none took it within the
+  backend's ``submit_timeout_s``, no result came within its ``call_timeout_s``, polling the
+  workers failed, or the worker aborted the generation (:mod:`rollout.gateway.backend`; counted
+  by reason in ``unavailable``);
 * an open session is never refused for staleness; ``max_session_tokens`` caps one trajectory's
   length: a call that would cross it gets its budget cut, and a call with no room left is answered
   with finish reason ``length`` and nothing sampled; the session is then reported truncated.
@@ -52,10 +63,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from protocol import GatewayStatus, SamplingParams, Trajectory
-from rollout.gateway.backend import WorkerBackend
+from rollout.gateway.backend import Unavailable, WorkerBackend
 from rollout.gateway.session import Session
-from rollout.gateway.tools import normalized, parse_tool_calls, render_messages
-from rollout.httpserve import ThreadedServer, is_loopback_host
+from rollout.gateway.tools import (
+    normalized,
+    parse_tool_calls,
+    render_message,
+    tool_error_text,
+    with_error_note,
+    with_tools,
+)
+from rollout.httpserve import BodyLimit, ThreadedServer, is_loopback_host
 
 GREEDY_TEMPERATURE = 1e-3
 """Temperature that stands in for ``temperature = 0`` outside training sessions (the engine needs T > 0)."""
@@ -68,7 +86,9 @@ class ApiError(Exception):
         400: "invalid_request_error",
         401: "authentication_error",
         404: "not_found_error",
+        408: "timeout_error",
         409: "conflict_error",
+        413: "invalid_request_error",
         429: "rate_limit_error",
         503: "service_unavailable",
     }
@@ -77,8 +97,9 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.headers = status, message, param, headers or {}
 
-    def response(self) -> JSONResponse:
-        body = {
+    def body(self) -> dict:
+        """``{"error": {"message", "type", "param", "code"}}`` (OpenAI's shape; ``code`` is the HTTP status)."""
+        return {
             "error": {
                 "message": self.message,
                 "type": self.TYPES.get(self.status, "api_error"),
@@ -86,7 +107,9 @@ class ApiError(Exception):
                 "code": self.status,
             }
         }
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 # --- request bodies -------------------------------------------------------------------------------
@@ -198,10 +221,14 @@ class _Stats:
     untracked: int = 0
     tokens: int = 0
     splits: int = 0
+    parsed: int = 0
     unparsed: int = 0
+    tool_errors: int = 0
     truncated: int = 0
     errors: Counter = field(default_factory=Counter)
+    unavailable: Counter = field(default_factory=Counter)
     overhead_s: float = 0.0
+    turn_wait_s: float = 0.0
 
 
 class Gateway:
@@ -219,7 +246,10 @@ class Gateway:
         admission: ``admit(n) -> bool``, the staleness admission rule for ``n`` new sessions
             (``None`` admits everything); it must record what it admits.
         model_name: the id ``/v1/models`` lists (any ``model`` value is accepted in calls).
-        retry_after_s: ``Retry-After`` seconds sent with a 429.
+        retry_after_s: ``Retry-After`` seconds sent with a 429 or a 503.
+        tool_call_feedback: answer a reply holding an unparseable ``<tool_call>`` with an error
+            note (see the module docstring); False leaves it as text.
+        clock: seconds, for the per-call time split (``overhead_ms_mean``, ``turn_wait_ms_mean``).
     """
 
     def __init__(
@@ -234,6 +264,8 @@ class Gateway:
         admission: Callable[[int], bool] | None = None,
         model_name: str = "vintage",
         retry_after_s: int = 1,
+        tool_call_feedback: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         self.backend, self.chat, self.max_model_len = backend, chat, max_model_len
         if admin_token is not None and len(admin_token) < 16:
@@ -244,6 +276,7 @@ class Gateway:
         self.train_temperature, self.default_max_tokens = train_temperature, default_max_tokens
         self.max_session_tokens = max_session_tokens
         self.admission, self.model_name, self.retry_after_s = admission, model_name, retry_after_s
+        self.tool_call_feedback, self.clock = tool_call_feedback, clock
         self.base_url = ""
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
@@ -263,8 +296,7 @@ class Gateway:
         """
         if admit and train and self.admission is not None and not self.admission(1):
             with self._lock:
-                self.stats.refused += 1
-                self.stats.errors["429"] += 1
+                self.stats.refused += 1  # errors["429"] is counted where the answer is sent
             raise ApiError(
                 429,
                 "sessions: the staleness admission rule admits no new session now; retry later",
@@ -367,7 +399,7 @@ class Gateway:
         return out
 
     def status(self) -> GatewayStatus:
-        st = self.stats
+        st, b = self.stats, self.backend
         with self._lock:
             n_open = sum(1 for s in self._sessions.values() if s.state == "open")
             return GatewayStatus(
@@ -383,11 +415,25 @@ class Gateway:
                 untracked_calls=st.untracked,
                 tokens_sampled=st.tokens,
                 splits=st.splits,
+                tool_calls_parsed=st.parsed,
                 unparsed_tool_calls=st.unparsed,
+                tool_call_errors=st.tool_errors,
                 truncated_sessions=st.truncated,
-                errors={k: v for k, v in st.errors.items()},
+                errors=dict(st.errors),
+                unavailable=dict(st.unavailable),
+                calls_pending=b.pending,
+                resubmissions=b.resubmissions,
+                late_results_discarded=b.late_discarded,
                 overhead_ms_mean=1e3 * st.overhead_s / st.calls if st.calls else 0.0,
+                turn_wait_ms_mean=1e3 * st.turn_wait_s / st.calls if st.calls else 0.0,
             )
+
+    def refusal(self, status: int, message: str) -> dict:
+        """The OpenAI-shaped body of a request refused before it reached a route (a body too large
+        or too slow, :class:`rollout.httpserve.BodyLimit`), counted in ``errors``."""
+        with self._lock:
+            self.stats.errors[str(status)] += 1
+        return ApiError(status, message, "body").body()
 
     # --- calls -------------------------------------------------------------------------------------
 
@@ -466,20 +512,21 @@ class Gateway:
                 if isinstance(c["function"]["arguments"], dict):
                     msgs[i]["tool_calls"][j]["function"]["arguments"] = json.dumps(c["function"]["arguments"])
         try:
-            plain = render_messages(msgs, tools, req.tool_choice)
+            per = [render_message(m, i) for i, m in enumerate(msgs)]  # one or two template messages each
+            plain = with_tools([x for p in per for x in p], tools, req.tool_choice)
             key = [("tools", json.dumps(tools, sort_keys=True), json.dumps(req.tool_choice, sort_keys=True))]
             key += [normalized(m) for m in msgs]
         except ValueError as e:
             raise ApiError(400, str(e), str(e).split(":")[0]) from None
         names = {t["function"]["name"] for t in tools} if tools and req.tool_choice != "none" else None
-        offset = len(plain) - len(msgs)
 
         def render(sess: Session | None) -> list[int]:
             seg = sess.current if sess is not None else None
             h = sess.history if sess is not None else None
             if seg is not None and h is not None and len(key) > len(h) and key[: len(h)] == h:
                 try:
-                    new = plain[len(h) - 1 + offset :]
+                    reply = len(h) - 2  # index of the reply as returned: its note, if any, then the new messages
+                    new = per[reply][1:] + [x for p in per[reply + 1 :] for x in p]
                     return (
                         seg.token_ids
                         + self.chat.close_ids(sess.last_ids, sess.last_finish)
@@ -510,9 +557,10 @@ class Gateway:
         return await self._serve(req, s, lambda sess: ids, temperature, stop, kind="text", stream=bool(req.stream))
 
     async def _serve(self, req, s, render, temperature, stop, kind, names=None, key=None, stream=False) -> Any:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         lock = self._call_lock(s)
         async with lock:
+            t_turn = self.clock()  # the session's earlier calls are done: the gateway's own work starts
             prompt = render(s)
             if len(prompt) >= self.max_model_len:
                 raise ApiError(
@@ -536,7 +584,7 @@ class Gateway:
                 sampling = SamplingParams(
                     temperature=temperature, max_tokens=budget, n=1, seed=req.seed, stop_token_ids=stop_ids
                 )
-                g0 = time.perf_counter()
+                g0 = self.clock()
                 try:
                     t = await self.backend.generate(
                         f"gw-{uuid.uuid4().hex}",
@@ -547,9 +595,11 @@ class Gateway:
                     )
                 except ValueError as e:
                     raise ApiError(400, str(e), "messages") from None
-                gen_s = time.perf_counter() - g0
+                except Unavailable as e:
+                    raise self._unavailable(e.reason, str(e)) from None
+                gen_s = self.clock() - g0
                 if t.finish_reason == "abort":
-                    raise ApiError(503, f"generation aborted: {t.info.get('error', 'worker stopped')}")
+                    raise self._unavailable("aborted", f"generation aborted: {t.info.get('error', 'worker stopped')}")
                 p = t.prompt_len
                 ids, mu = t.token_ids[p:].tolist(), t.behav_logprobs[p:].tolist()
                 vers, finish, version = t.versions[p:].tolist(), t.finish_reason, t.policy_version
@@ -562,6 +612,10 @@ class Gateway:
             parsed = parse_tool_calls(text, names, f"call_{call_id}") if names is not None else None
             content = parsed.content if parsed else text
             calls = parsed.tool_calls if parsed else []
+            errors = parsed.errors if parsed else []
+            feedback = bool(errors) and self.tool_call_feedback
+            if feedback:  # answered as text: the note follows the sampled text, no call is returned
+                content, calls = with_error_note(text, tool_error_text(errors)), []
             with self._lock:
                 if s is not None and s.state != "open":
                     raise ApiError(409, f"session_id: {s.session_id!r} ended during the call", "session_id")
@@ -579,10 +633,15 @@ class Gateway:
                     self.stats.untracked += 1
                 self.stats.calls += 1
                 self.stats.tokens += len(ids)
-                self.stats.unparsed += parsed.unparsed if parsed else 0
-                self.stats.overhead_s += max(0.0, time.perf_counter() - t0 - gen_s)
+                self.stats.parsed += len(parsed.tool_calls) if parsed else 0
+                self.stats.unparsed += len(errors)
+                self.stats.tool_errors += int(feedback)
+                self.stats.turn_wait_s += t_turn - t0
+                self.stats.overhead_s += max(0.0, self.clock() - t_turn - gen_s)
         reason = "tool_calls" if calls and finish == "stop" else finish
         extra = {"session_id": s.session_id if s else None, "call_id": call_id, "versions": vers}
+        if errors:
+            extra["tool_call_errors"] = errors
         lp = self._logprobs(ids, mu, kind) if req.logprobs else None
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
         base = {"id": f"chatcmpl-{call_id}", "created": int(time.time()), "model": req.model or self.model_name}
@@ -596,6 +655,12 @@ class Gateway:
         choice = {"index": 0, "message": msg, "logprobs": lp, "finish_reason": reason}
         body = {**base, "object": "chat.completion", "choices": [choice], "usage": usage, "vintage": extra}
         return _stream_chat(body) if stream else body
+
+    def _unavailable(self, reason: str, message: str) -> ApiError:
+        """A 503 naming why no worker serves the call (counted by ``reason``), with ``Retry-After``."""
+        with self._lock:
+            self.stats.unavailable[reason] += 1
+        return ApiError(503, message, None, {"Retry-After": str(self.retry_after_s)})
 
     def _call_lock(self, s: Session | None) -> asyncio.Lock:
         if s is None:
@@ -819,17 +884,27 @@ def _stream_text(body: dict) -> StreamingResponse:
 class GatewayServer(ThreadedServer):
     """uvicorn serving a :class:`Gateway` in a daemon thread; ``port=0`` binds a free port.
 
-    ``wrap(app) -> app`` adds ASGI middleware (the job bounds request bodies with it). Headers are
-    limited to 16 KiB. On a host other than loopback ``/v1/status`` requires the admin token too
-    (every other endpoint always requires a key).
+    ``max_body_bytes`` bounds request bodies (:class:`rollout.httpserve.BodyLimit`: 413 above it,
+    408 when the next chunk takes longer than ``read_timeout_s`` seconds), answered in the OpenAI
+    error shape and counted in ``errors``; ``None`` leaves bodies unbounded. ``wrap(app) -> app``
+    adds other ASGI middleware. Headers are limited to 16 KiB. On a host other than loopback
+    ``/v1/status`` requires the admin token too (every other endpoint always requires a key).
     """
 
     def __init__(
-        self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0, wrap: Callable[[Any], Any] | None = None
+        self,
+        gateway: Gateway,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        wrap: Callable[[Any], Any] | None = None,
+        max_body_bytes: int | None = None,
+        read_timeout_s: float = 30.0,
     ):
         self.gateway = gateway
         gateway.token_for_reads = not is_loopback_host(host)
         app = gateway.app() if wrap is None else wrap(gateway.app())
+        if max_body_bytes is not None:
+            app = BodyLimit(app, max_body_bytes, read_timeout_s, error_body=gateway.refusal)
         super().__init__(
             app, host, port, "vintage-gateway", timeout_keep_alive=30, h11_max_incomplete_event_size=16 * 1024
         )

@@ -13,6 +13,20 @@ their mu and versions.
 ``trainer.driver.pool.WorkerPool`` of Ray actors. A dispatcher thread polls while
 calls are pending and hands each trajectory to the call waiting for its id; trajectories of other
 requests are kept in :attr:`WorkerBackend.foreign` for their owner.
+
+Every wait is bounded:
+
+* a call ``submit`` did not take (it returned fewer samples than asked: the pool sends nothing
+  while every worker is late, or when none is running) is submitted again, after 0.05 s, then
+  twice as long each time up to 1 s, for at most ``submit_timeout_s`` seconds; past that it fails
+  with :class:`Unavailable` ``not_taken``. The dispatcher polls meanwhile, which is what takes in
+  the late workers' answers and frees them;
+* a taken call waits at most ``call_timeout_s`` seconds for its trajectory (a worker that died
+  or hung with it never delivers), then fails with :class:`Unavailable` ``timeout``;
+* a call that ends in any way (result, failure, timeout, cancellation) leaves the pending list at
+  once, so the dispatcher stops polling when no call is left. The result of a taken call that
+  ended without it is discarded when it arrives (counted in :attr:`WorkerBackend.late_discarded`),
+  never handed over as foreign.
 """
 
 from __future__ import annotations
@@ -20,20 +34,45 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from protocol import RolloutRequest, SamplingParams, Trajectory
+
+RESUBMIT_FIRST_S, RESUBMIT_MAX_S = 0.05, 1.0
+"""Pause before the first resubmission of a call no worker took, and the longest pause (seconds);
+the pause doubles in between."""
+
+ABANDONED_KEPT = 65536
+"""Ids of ended calls whose result may still arrive that are remembered (the oldest are forgotten first)."""
+
+
+class Unavailable(RuntimeError):
+    """The backend cannot serve a call now (the gateway answers HTTP 503).
+
+    ``reason``: ``not_taken`` (no worker took it within ``submit_timeout_s``), ``timeout`` (no
+    result within ``call_timeout_s``) or ``poll_failed`` (polling the workers raised).
+    """
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 class WorkerBackend:
     """Async ``generate(prompt_ids, sampling)`` over a rollout worker (see the module docstring).
 
     Args:
-        submit: ``submit(list[RolloutRequest]) -> int`` of a worker core or pool.
+        submit: ``submit(list[RolloutRequest]) -> int`` of a worker core or pool (samples taken).
         poll: ``poll() -> list[Trajectory]`` of the same.
         version: the serving policy version (admission and ``admitted_version``).
         poll_interval_s: dispatcher sleep between polls while calls are pending.
+        submit_timeout_s: how long a call no worker took is submitted again, seconds.
+        call_timeout_s: longest wait for a taken call's trajectory, seconds.
+
+    Raises:
+        ValueError: a timeout that is not positive (the message names the ``gateway`` setting).
     """
 
     def __init__(
@@ -42,13 +81,25 @@ class WorkerBackend:
         poll: Callable[[], list[Trajectory]],
         version: Callable[[], int],
         poll_interval_s: float = 0.002,
+        submit_timeout_s: float = 30.0,
+        call_timeout_s: float = 600.0,
     ):
+        for name, v in (("submit_timeout_s", submit_timeout_s), ("call_timeout_s", call_timeout_s)):
+            if not v > 0:
+                raise ValueError(f"gateway.{name}: must be > 0, got {v!r}")
         self._submit, self._poll, self.version = submit, poll, version
         self.poll_interval_s = poll_interval_s
+        self.submit_timeout_s, self.call_timeout_s = submit_timeout_s, call_timeout_s
+        self._lock = threading.Lock()
         self._waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._abandoned: OrderedDict[str, None] = OrderedDict()
         self._has_work = threading.Event()
         self._stop = threading.Event()
         self.foreign: list[Trajectory] = []
+        self.resubmissions = 0
+        """Submissions repeated because no worker took the call."""
+        self.late_discarded = 0
+        """Trajectories that arrived after their call had ended (timed out or failed); not used."""
         self._thread = threading.Thread(target=self._dispatch, name="vintage-gateway-poll", daemon=True)
         self._thread.start()
 
@@ -57,6 +108,12 @@ class WorkerBackend:
         """Backend over an in-process :class:`rollout.worker.RolloutWorkerCore`."""
         return cls(core.submit, core.poll, lambda: core.version, **kw)
 
+    @property
+    def pending(self) -> int:
+        """Calls waiting now (to be taken by a worker, or for their trajectory)."""
+        with self._lock:
+            return len(self._waiting)
+
     async def generate(
         self, request_id: str, group_id: str, prompt_ids: list[int], sampling: SamplingParams, admitted_version: int
     ) -> Trajectory:
@@ -64,6 +121,8 @@ class WorkerBackend:
 
         Raises:
             ValueError: the worker refused the request (the message names the field).
+            Unavailable: no worker took it within ``submit_timeout_s``, no result within
+                ``call_timeout_s``, or polling the workers failed.
         """
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
@@ -74,40 +133,89 @@ class WorkerBackend:
             sampling=sampling,
             admitted_version=admitted_version,
         )
-        self._waiting[request_id] = (loop, fut)
-        try:
-            await asyncio.to_thread(self._submit, [req])
-        except Exception:
-            self._waiting.pop(request_id, None)
-            raise
+        with self._lock:
+            self._waiting[request_id] = (loop, fut)
         self._has_work.set()
-        return await fut
+        taken = False
+        try:
+            taken = await self._submit_until_taken(req, fut)
+            try:
+                return await asyncio.wait_for(fut, self.call_timeout_s)
+            except TimeoutError:
+                raise Unavailable(
+                    "timeout",
+                    f"no result within gateway.call_timeout_s = {self.call_timeout_s:g} s "
+                    "(the worker holding the call may have died or hung); retry",
+                ) from None
+        finally:
+            with self._lock:
+                if self._waiting.pop(request_id, None) is not None and taken:
+                    self._abandon(request_id)
+
+    async def _submit_until_taken(self, req: RolloutRequest, fut: asyncio.Future) -> bool:
+        """Submit ``req`` until a worker takes it, for at most ``submit_timeout_s`` (see the module
+        docstring); True once taken, False when ``fut`` failed first (polling failed)."""
+        deadline = time.monotonic() + self.submit_timeout_s
+        pause = RESUBMIT_FIRST_S
+        while await asyncio.to_thread(self._submit, [req]) < req.sampling.n:
+            if fut.done():
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Unavailable(
+                    "not_taken",
+                    f"no rollout worker took the call within gateway.submit_timeout_s = {self.submit_timeout_s:g} s "
+                    "(every worker is late or none is running); retry later",
+                )
+            with self._lock:
+                self.resubmissions += 1
+            await asyncio.sleep(min(pause, left))
+            pause = min(2 * pause, RESUBMIT_MAX_S)
+        return True
+
+    def _abandon(self, request_id: str) -> None:
+        """Remember that ``request_id``'s result, if it ever arrives, has no caller (lock held)."""
+        self._abandoned[request_id] = None
+        while len(self._abandoned) > ABANDONED_KEPT:
+            self._abandoned.popitem(last=False)
 
     def _dispatch(self) -> None:
         while not self._stop.is_set():
-            if not self._waiting:
+            with self._lock:
+                idle = not self._waiting
+            if idle:
                 self._has_work.wait(0.05)
                 self._has_work.clear()
                 continue
             try:
                 got = self._poll()
             except Exception as e:  # fail the waiting calls rather than hang them
-                for loop, fut in list(self._waiting.values()):
-                    loop.call_soon_threadsafe(_fail, fut, RuntimeError(f"worker poll failed: {e!r}"))
-                self._waiting.clear()
+                with self._lock:
+                    failed, self._waiting = self._waiting, {}
+                    for rid in failed:
+                        self._abandon(rid)
+                err = f"polling the rollout workers failed: {e!r}"[:500]
+                for loop, fut in failed.values():
+                    loop.call_soon_threadsafe(_fail, fut, Unavailable("poll_failed", err))
                 continue
             for t in got:
-                w = self._waiting.pop(t.trajectory_id, None)
-                if w is None:
-                    self.foreign.append(t)
-                else:
+                with self._lock:
+                    w = self._waiting.pop(t.trajectory_id, None)
+                    if w is None:
+                        if t.trajectory_id in self._abandoned:
+                            del self._abandoned[t.trajectory_id]
+                            self.late_discarded += 1
+                        else:
+                            self.foreign.append(t)
+                if w is not None:
                     w[0].call_soon_threadsafe(_resolve, w[1], t)
             if not got:
                 time.sleep(self.poll_interval_s)
 
     def take_foreign(self) -> list[Trajectory]:
         """Trajectories polled here that belong to no gateway call (requests submitted by others)."""
-        out, self.foreign = self.foreign, []
+        with self._lock:
+            out, self.foreign = self.foreign, []
         return out
 
     def close(self) -> None:

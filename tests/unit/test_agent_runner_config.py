@@ -22,6 +22,16 @@ def test_agent_section_defaults_and_bad_path():
         JobConfig.model_validate({"agent": {"path": "a.b:c", "concurrency": 0}})
 
 
+def test_gateway_waits_and_tool_call_feedback_settings():
+    g = JobConfig().gateway
+    assert (g.tool_call_feedback, g.submit_timeout_s, g.call_timeout_s) == (True, 30.0, 600.0)
+    g = load_config(None, ["gateway.tool_call_feedback=false", "gateway.submit_timeout_s=2.5"]).gateway
+    assert (g.tool_call_feedback, g.submit_timeout_s) == (False, 2.5)
+    for field in ("submit_timeout_s", "call_timeout_s"):
+        with pytest.raises(pydantic.ValidationError, match=f"gateway.{field}"):
+            load_config(None, [f"gateway.{field}=0"])
+
+
 def test_shipped_agent_config_loads():
     cfg = load_config("deploy/configs/agent-retail.toml")
     assert cfg.agent.path == "rollout.agents.retail:run" and cfg.model.path == "smollm2"

@@ -15,6 +15,9 @@ from rollout.gateway.tools import (
     parse_tool_calls,
     render_messages,
     render_tool_calls,
+    split_error_note,
+    tool_error_text,
+    with_error_note,
 )
 
 TOOL = {"type": "function", "function": {"name": "get_order", "parameters": {"type": "object"}}}
@@ -50,7 +53,45 @@ def test_unparseable_calls_stay_content_and_are_counted():
     )
     got = parse_tool_calls(text, {"get_order"})
     assert got.tool_calls == [] and got.content == text
-    assert got.unparsed == 4  # bad JSON, unknown tool, non-object arguments, unclosed tag
+    assert got.unparsed == 4 and got.errors == [
+        "tool call 1: not JSON (Expecting property name enclosed in double quotes at position 1)",
+        "tool call 2: unknown function 'drop_table' (offered: get_order)",
+        "tool call 3: \"arguments\" of 'get_order' must be a JSON object, got an array",
+        "tool call 4: <tool_call> is not closed by </tool_call>",
+    ]
+    # the other shapes a block can break, one line each; k counts parsed blocks too
+    more = (
+        '<tool_call>{"name": "get_order", "arguments": {}}</tool_call>'
+        "<tool_call>[1, 2]</tool_call>"
+        '<tool_call>{"name": 7}</tool_call>'
+        '<tool_call>{"name": "get_order", "arguments": "{oops"}</tool_call>'
+    )
+    got = parse_tool_calls(more, {"get_order"})
+    assert [c["function"]["name"] for c in got.tool_calls] == ["get_order"]
+    assert got.errors == [
+        'tool call 2: expected a JSON object with "name" and "arguments", got an array',
+        'tool call 3: "name" must be a string, got a number',
+        "tool call 4: \"arguments\" of 'get_order': not JSON (Expecting property name enclosed in double quotes at position 1)",
+    ]
+
+
+def test_an_error_note_round_trips_and_renders_as_a_tool_turn():
+    note = tool_error_text(["tool call 1: not JSON (Expecting value at position 0)"])
+    assert note == (
+        "None of the tool calls in this reply was run: tool call 1: not JSON (Expecting value at position 0). "
+        'Write each call as <tool_call>{"name": <function name>, "arguments": {<arguments as JSON>}}</tool_call>.'
+    )
+    content = with_error_note("<tool_call>x</tool_call>", note)
+    assert content == f"<tool_call>x</tool_call>\n\n<tool_call_error>\n{note}\n</tool_call_error>"
+    assert split_error_note(content) == ("<tool_call>x</tool_call>", note)
+    assert split_error_note("plain text") == ("plain text", None)
+    asst = {"role": "assistant", "content": content}
+    assert render_messages([asst], None) == [
+        {"role": "assistant", "content": "<tool_call>x</tool_call>"},
+        {"role": "tool", "content": note},
+    ]
+    # only an assistant reply carries a note; the same text from the user is plain content
+    assert render_messages([{"role": "user", "content": content}], None) == [{"role": "user", "content": content}]
 
 
 def test_render_messages_puts_tools_in_the_system_message_and_calls_in_content():

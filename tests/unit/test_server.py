@@ -4,7 +4,7 @@ import httpx
 import pydantic
 import pytest
 
-from protocol import JobStatus, WorkerStatus
+from protocol import GatewayStatus, JobStatus, WorkerStatus
 from trainer.driver.server import ApiServer, StatusBoard
 
 TOKEN = "s3cret-0123456789abcdef"
@@ -41,6 +41,24 @@ def test_status_reports_version_histogram_and_counters(server):
     assert "vintage_learner_version 7.0" in text
     assert 'vintage_trajectories_dropped{reason="stale"} 2.0' in text
     assert 'vintage_exact_token_fraction{oldlogit_route="snapshot"} 0.6' in text
+
+
+def test_gateway_counters_reach_prometheus(server):
+    board, srv = server
+    gw = GatewayStatus(
+        tool_calls_parsed=5, unparsed_tool_calls=2, tool_call_errors=1, calls_pending=3, unavailable={"not_taken": 4}
+    )
+    board.update(gateway=gw)
+    text = httpx.get(f"{srv.url}/metrics").text
+    for line in (
+        'vintage_gateway_tool_calls{result="parsed"} 5.0',
+        'vintage_gateway_tool_calls{result="unparsed"} 2.0',
+        "vintage_gateway_tool_call_errors 1.0",
+        "vintage_gateway_calls_pending 3.0",
+        'vintage_gateway_unavailable{reason="not_taken"} 4.0',
+    ):
+        assert line in text, line
+    assert JobStatus.model_validate(httpx.get(f"{srv.url}/v1/status").json()).gateway == gw
 
 
 def test_mutating_endpoints_need_the_token(server):

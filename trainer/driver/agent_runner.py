@@ -148,24 +148,23 @@ class AgentRunner:
         self._lock = threading.Lock()
         self.admitted = buffer.submitted  # sessions admitted so far (a resumed job continues its count)
         self._undrained = 0
-        self.backend = WorkerBackend(submit, poll, version)
+        g = cfg.gateway
+        self.backend = WorkerBackend(
+            submit, poll, version, submit_timeout_s=g.submit_timeout_s, call_timeout_s=g.call_timeout_s
+        )
         self.gateway = Gateway(
             self.backend,
             TemplateChatFormat(AutoTokenizer.from_pretrained(str(model_path))),
             max_model_len,
-            admin_token=cfg.gateway.token.get_secret_value() if cfg.gateway.token else None,
+            admin_token=g.token.get_secret_value() if g.token else None,
             train_temperature=s.temperature,
-            default_max_tokens=cfg.gateway.max_tokens or s.max_tokens,
-            max_session_tokens=cfg.gateway.max_session_tokens,
+            default_max_tokens=g.max_tokens or s.max_tokens,
+            max_session_tokens=g.max_session_tokens,
             admission=self.admit,
-            model_name=cfg.gateway.model_name,
+            model_name=g.model_name,
+            tool_call_feedback=g.tool_call_feedback,
         )
-        from trainer.driver.server import BodyLimit
-
-        limit = cfg.gateway.max_body_bytes
-        self.server = GatewayServer(
-            self.gateway, cfg.gateway.host, cfg.gateway.port, wrap=lambda app: BodyLimit(app, limit, 30.0)
-        ).start()
+        self.server = GatewayServer(self.gateway, g.host, g.port, max_body_bytes=g.max_body_bytes).start()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="vintage-agents", daemon=True)
         self._thread.start()

@@ -251,6 +251,16 @@ class GatewayConfig(_Section):
     """Completion budget of a call that gives none; ``None``: ``rollout.sampling.max_tokens``."""
     model_name: str = "vintage"
     """Model id listed by ``GET /v1/models`` (calls may name any model)."""
+    tool_call_feedback: bool = True
+    """Answer a reply holding a ``<tool_call>`` that does not parse as text with an error note after it
+    (no ``tool_calls``; the model reads the note as a ``tool`` turn when the agent sends the reply back; the
+    sampled tokens are trained on as sampled). ``false``: return the calls that parsed, leave the rest as text."""
+    submit_timeout_s: float = Field(30.0, gt=0.0)
+    """How long a call no rollout worker takes (every worker late, or none running) is submitted again,
+    seconds; then it is answered 503 (``unavailable.not_taken``)."""
+    call_timeout_s: float = Field(600.0, gt=0.0)
+    """Longest wait for a taken call's result, seconds (its worker may have died or hung); then it is answered
+    503 (``unavailable.timeout``) and its result, should it come later, is discarded."""
 
 
 class JobConfig(_Section):

@@ -7,19 +7,16 @@ require ``Authorization: Bearer <token>`` and only record the request; the drive
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import json
 import secrets
 import threading
-from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from protocol import JobStatus, ScaleRequest, ScaleResponse, WorkerStatus
-from rollout.httpserve import ThreadedServer, is_loopback_host
+from rollout.httpserve import BodyLimit, ThreadedServer, is_loopback_host
 
 
 class StatusBoard:
@@ -61,6 +58,21 @@ class StatusBoard:
             registry=r,
         )
         self.requests = Counter("vintage_http_requests", "HTTP requests served", ["endpoint"], registry=r)
+        self._gw_tools = Gauge(
+            "vintage_gateway_tool_calls",
+            "Tool calls in gateway replies, by result (parsed, unparsed)",
+            ["result"],
+            registry=r,
+        )
+        self._gw = {
+            "tool_call_errors": Gauge(
+                "vintage_gateway_tool_call_errors", "Gateway replies answered with a tool-call error note", registry=r
+            ),
+            "calls_pending": Gauge("vintage_gateway_calls_pending", "Gateway calls waiting for a worker", registry=r),
+        }
+        self._gw_unavailable = Gauge(
+            "vintage_gateway_unavailable", "Gateway calls answered 503, by reason", ["reason"], registry=r
+        )
 
     def update(self, **fields) -> JobStatus:
         """Replace some fields of the status and refresh the Prometheus gauges.
@@ -87,6 +99,13 @@ class StatusBoard:
             self._dropped.labels(reason).set(n)
         if s.exact_token_fraction is not None:
             self._exact.labels(s.oldlogit_route).set(s.exact_token_fraction)
+        if (gw := s.gateway) is not None:
+            self._gw_tools.labels("parsed").set(gw.tool_calls_parsed)
+            self._gw_tools.labels("unparsed").set(gw.unparsed_tool_calls)
+            for name, g in self._gw.items():
+                g.set(getattr(gw, name))
+            for reason, n in gw.unavailable.items():
+                self._gw_unavailable.labels(reason).set(n)
         return s
 
     def request_scale(self, n: int) -> None:
@@ -110,67 +129,6 @@ class StatusBoard:
 
 MIN_TOKEN_CHARS = 16
 """Shortest bearer token accepted (a generated one has 32 characters)."""
-
-
-class BodyLimit:
-    """ASGI middleware bounding every request body in size and in the time its sender may take.
-
-    A declared ``Content-Length`` above ``max_bytes`` is answered 413 before anything is read. Any
-    other body is read here first, counted as it arrives and refused at ``max_bytes`` (413), or
-    408 when its next chunk does not arrive within ``read_timeout_s`` seconds; the application then
-    receives the whole body at once. Header sizes are bounded by the server (uvicorn's
-    ``h11_max_incomplete_event_size``).
-    """
-
-    def __init__(self, app: Callable, max_bytes: int, read_timeout_s: float):
-        self.app, self.max_bytes, self.read_timeout_s = app, max_bytes, read_timeout_s
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            await _plain(
-                send, 413, f"request body: Content-Length {declared.decode()[:20]} > limit {self.max_bytes} bytes"
-            )
-            return
-        body, more = bytearray(), True
-        while more:
-            try:
-                msg = await asyncio.wait_for(receive(), self.read_timeout_s)
-            except TimeoutError:
-                await _plain(send, 408, f"request body: nothing received for {self.read_timeout_s} s")
-                return
-            if msg["type"] == "http.disconnect":
-                return
-            body += msg.get("body", b"")
-            more = msg.get("more_body", False)
-            if len(body) > self.max_bytes:
-                await _plain(send, 413, f"request body: more than {self.max_bytes} bytes")
-                return
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if replayed:
-                return await receive()  # the app waits for a disconnect after the body
-            replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
-
-        await self.app(scope, replay, send)
-
-
-async def _plain(send: Callable, status: int, detail: str) -> None:
-    body = json.dumps({"detail": detail}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"connection", b"close")],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
 
 
 def build_app(
