@@ -96,6 +96,7 @@ def save_adapter(
         lora_dropout=dropout,
         bias="none",
         task_type="CAUSAL_LM",
+        inference_mode=True,  # as peft's own save_pretrained records it
         base_model_name_or_path=str(base),
     ).save_pretrained(str(out))
     tensors = {k: adapter[k].detach().contiguous() for k in sorted(adapter)}

@@ -333,8 +333,11 @@ def export(
 ) -> None:
     """Write a checkpointed version as a Hugging Face folder (safetensors, config, tokenizer,
     generation config); with LoRA, a peft adapter folder (or --merge: a merged full model)."""
+    from transformers.utils import logging as hf_logging
+
     from trainer.driver.export import ExportError, export_run, parse_version
 
+    hf_logging.disable_progress_bar()  # the one-line report below says what was written
     try:
         record = export_run(run_dir, out, parse_version(version), merge=merge, overwrite=overwrite)
     except (ExportError, OSError, ValueError) as e:
