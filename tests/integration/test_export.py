@@ -12,83 +12,23 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from modelkit.modelhub import load_causal_lm
 from modelkit.scoring import sequence_logprobs
-from protocol import Trajectory
-from trainer.algorithm.batch import Batch, collate
-from trainer.driver.config import load_config, write_resolved
+from tests.export_run import TEMPERATURE, fixed_tokens, trained_run, trajectory_maker
 from trainer.driver.export import RECORD_FILE, export_run
-from trainer.driver.job import learner_settings
-from trainer.learner import LearnerCore, free_port
 
 pytestmark = pytest.mark.integration
 
-TEMPERATURE = 0.8
 MERGED_ATOL = 1e-5  # fp32 rounding of one merged matmul vs two (measured: 9.5e-7 nats)
 
 
 @pytest.fixture(scope="module")
 def make_trajs(tiny_model_path):
-    model = load_causal_lm(tiny_model_path)
-
-    def make(n=4, length=12, prompt=4, seed=0):
-        rng = np.random.default_rng(seed)
-        out = []
-        for i in range(n):
-            ids = rng.integers(3, 2000, length)
-            ones = torch.ones(1, length, dtype=torch.long)
-            with torch.no_grad():
-                lp = sequence_logprobs(model, torch.tensor(ids)[None], ones, TEMPERATURE)
-            mask = np.zeros(length, np.int8)
-            mask[prompt:] = 1
-            mu = np.where(mask == 1, np.minimum(lp[0].numpy() + rng.normal(0, 0.05, length), 0.0), 0.0)
-            out.append(Trajectory(
-                trajectory_id=f"t{seed}-{i}", group_id=f"g{i // 2}", token_ids=ids, loss_mask=mask,
-                behav_logprobs=mu.astype(np.float32), versions=np.where(mask == 1, 0, -1), policy_version=0,
-                prompt_len=prompt, finish_reason="stop", reward=float(i % 2),
-            ))  # fmt: skip
-        return out
-
-    return make
-
-
-def fixed_tokens(make_trajs, version: int) -> Batch:
-    """Three right-padded rows (lengths 9, 12, 6): the tokens both sides score."""
-    trajs = make_trajs(n=3, seed=99)
-    cut = [9, 12, 6]
-    rows = [t.model_copy(update={
-        "token_ids": t.token_ids[:c], "loss_mask": t.loss_mask[:c], "behav_logprobs": t.behav_logprobs[:c],
-        "versions": t.versions[:c],
-    }) for t, c in zip(trajs, cut, strict=True)]  # fmt: skip
-    return collate(rows, consuming_version=version, temperature=TEMPERATURE, pad_token_id=2)
-
-
-def trained_run(tmp_path, make_trajs, *overrides: str):
-    """A run folder as the job leaves it (``config.resolved.json``, ``checkpoints/v1``, ``v2``) and
-    the learner's log-probs of :func:`fixed_tokens` at each checkpointed version."""
-    run_dir = tmp_path / "run"
-    cfg = load_config(None, [
-        'model.path="tiny"', f'logging.run_dir="{run_dir}"', f"rollout.sampling.temperature={TEMPERATURE}",
-        "learner.micro_batch_size=4", *overrides,
-    ])  # fmt: skip
-    write_resolved(cfg, run_dir)
-    from modelkit.modelhub import model_folder
-
-    settings = learner_settings(cfg, model_folder(cfg.model.path, cfg.model.tiny_seed))
-    core = LearnerCore(settings.model_copy(update={"master_port": free_port()}))
-    logprobs = {}
-    for v in (1, 2):
-        m = core.train_step(make_trajs(seed=v))
-        assert m["applied"] == 1.0 and core.version == v
-        logprobs[v] = core.logprobs(fixed_tokens(make_trajs, v))
-        core.save_checkpoint(str(run_dir / "checkpoints"), {"buffer": {}, "run_segment": 0})  # as Job.checkpoint
-    return run_dir, core, logprobs
+    return trajectory_maker(tiny_model_path)
 
 
 def exported_logprobs(model, make_trajs, version: int) -> torch.Tensor:
