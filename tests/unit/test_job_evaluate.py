@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from protocol import Trajectory
+from trainer.driver.buffer import TrajectoryBuffer
 from trainer.driver.config import load_config
-from trainer.driver.job import Job
+from trainer.driver.sources import EnvSource
 
 
 def traj(tid, reward, purpose):
@@ -49,10 +50,8 @@ class Pool:
 
 
 def job(pool, *overrides):
-    j = Job.__new__(Job)  # the parts a real Job starts are not needed for evaluation
-    j.cfg = load_config(None, ["env.eval_prompts=2", "env.train_seeds=10", *overrides])
-    j.pool, j.version, j.times, j._held_back = pool, 3, Counter(), []
-    return j
+    cfg = load_config(None, ["env.eval_prompts=2", "env.train_seeds=10", *overrides])  # the env loop at version 3
+    return EnvSource(cfg, pool, TrajectoryBuffer(capacity=16, max_staleness=1), lambda: 3, Counter())
 
 
 def test_eval_requests_are_tagged_and_training_trajectories_held_back():

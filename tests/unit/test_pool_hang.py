@@ -4,6 +4,8 @@ status note when the pool reports hung and dead workers (a scripted pool stands 
 
 from __future__ import annotations
 
+from collections import Counter
+
 from rich.console import Console
 
 from trainer.driver.buffer import TrajectoryBuffer
@@ -11,6 +13,7 @@ from trainer.driver.config import load_config
 from trainer.driver.job import Job
 from trainer.driver.pool import WORKER_DIED, WORKER_HUNG, hung_workers
 from trainer.driver.server import StatusBoard
+from trainer.driver.sources import EnvSource
 
 
 def test_hung_rule_on_a_fake_clock():
@@ -62,6 +65,7 @@ def test_hung_and_dead_workers_are_dropped_with_their_reason_and_replaced():
     j.cfg = load_config(None, ["rollout.max_restarts=3", "rollout.hang_timeout_s=30"])
     j.pool, j.console, j.workers_wanted, j.restarts = Pool(), Console(quiet=True), 3, 0
     j.buffer = TrajectoryBuffer(capacity=64, max_staleness=1)
+    j.source = EnvSource(j.cfg, j.pool, j.buffer, lambda: 0, Counter())
     j.buffer.note_submitted(16)
     board = StatusBoard()
     j.replace_dead_workers(board)

@@ -63,13 +63,14 @@ import ray
 from rich.console import Console
 
 from oldlogit_service.calls import PendingCall
-from protocol import EnvRef, EwmaStatus, RolloutRequest, Trajectory
-from trainer.driver.buffer import TrajectoryBuffer, admission_capacity, token_staleness_histogram
+from protocol import EwmaStatus, Trajectory
+from trainer.driver.buffer import TrajectoryBuffer, token_staleness_histogram
 from trainer.driver.config import JobConfig, one_line, write_private, write_resolved
 from trainer.driver.environment import ENV_VARS, defaults_env
 from trainer.driver.metrics_log import MetricsLog, StepMetrics, plot_run
 from trainer.driver.routes import make_route
 from trainer.driver.server import ApiServer, StatusBoard
+from trainer.driver.sources import AgentSource, EnvSource, TrajectorySource
 from trainer.learner.ds_ops import clear_stale_build_locks
 
 
@@ -256,23 +257,6 @@ def resolve_model(cfg: JobConfig) -> Path:
     return p
 
 
-def make_requests(
-    cfg: JobConfig, seeds: list[int], prefix: str, version: int, n: int | None = None
-) -> list[RolloutRequest]:
-    """One request (a group of ``sampling.n`` samples) per env seed."""
-    sampling = cfg.rollout.sampling if n is None else cfg.rollout.sampling.model_copy(update={"n": n})
-    return [
-        RolloutRequest(
-            request_id=f"{prefix}{s}",
-            group_id=f"{prefix}{s}",
-            env=EnvRef(path=cfg.env.path, kwargs=cfg.env.kwargs, seed=s),
-            sampling=sampling,
-            admitted_version=version,
-        )
-        for s in seeds
-    ]
-
-
 def perturbed(manifest, payload: dict, std: float, seed: int):
     """``payload`` with every floating tensor multiplied by ``1 + N(0, std)`` (re-packed, new checksum)."""
     import torch
@@ -359,8 +343,8 @@ class TrainStep:
 class Job:
     """The parts of one running job and the bookkeeping the loop needs (see the module docstring)."""
 
-    agents = None
-    """The :class:`trainer.driver.agent_runner.AgentRunner` when ``[agent]`` is set: it admits, collects and evaluates."""
+    source: TrajectorySource
+    """Where training trajectories come from (:mod:`trainer.driver.sources`): it admits, collects and evaluates."""
     _applying: threading.Thread | None = None
     """The publication being applied in the background (:meth:`publish`)."""
     _apply_error: BaseException | None = None
@@ -442,59 +426,37 @@ class Job:
             self.version = self.learner.version()
             self.run_segment = int(extra.get("run_segment", 0)) + 1
             console.print(f"resumed from {c.resume_from} at version {self.version} (run segment {self.run_segment})")
-        self.seeds = iter(range(self.buffer.submitted, 10**9))
         self.times = Counter()
         self.train_steps = self.taken_ahead = 0
         self.first_launch: float | None = None  # perf_counter at the first learner step's launch
         self.tokens_exact = self.tokens_total = 0
         self.last_publish: dict[str, float] = {}
-        self._held_back: list[Trajectory] = []  # training trajectories polled during an evaluation
         if cfg.agent is not None:
             from trainer.driver.agent_runner import AgentRunner
 
-            self.agents = AgentRunner.for_job(self)
+            runner = AgentRunner.for_job(self)
             write_private(
-                self.run_dir / "gateway.json",
-                json.dumps({"url": self.agents.url, "token": self.agents.gateway.admin_token}),
+                self.run_dir / "gateway.json", json.dumps({"url": runner.url, "token": runner.gateway.admin_token})
             )
             console.print(
-                f"agent gateway: [bold]{self.agents.url}/v1[/bold]  (admin token in {self.run_dir / 'gateway.json'})"
+                f"agent gateway: [bold]{runner.url}/v1[/bold]  (admin token in {self.run_dir / 'gateway.json'})"
             )
+            self.source = AgentSource(runner)
+        else:
+            self.source = EnvSource(cfg, self.pool, self.buffer, lambda: self.version, self.times)
 
     # -- the parts of one iteration (the loop in :func:`_loop` calls them in order) -----------
 
     def top_up(self) -> None:
-        """Admit: submit as many new groups as the staleness admission rule allows."""
-        if self.agents is not None:
-            self.agents.top_up()
-            return
-        room = admission_capacity(
-            self.version, self.cfg.controller.max_staleness, self.batch_size, self.buffer.scheduled
-        )
-        groups = room // self.group_size
-        if groups and len(self.pool):
-            seeds = [next(self.seeds) % self.cfg.env.train_seeds for _ in range(groups)]
-            reqs = make_requests(self.cfg, seeds, f"v{self.version}-", self.version)
-            # request ids must be unique: the seed may repeat, the submission counter does not
-            reqs = [
-                r.model_copy(
-                    update={
-                        "request_id": f"{r.request_id}-{self.buffer.submitted + i}",
-                        "group_id": f"{r.group_id}-{self.buffer.submitted + i}",
-                    }
-                )
-                for i, r in enumerate(reqs)
-            ]
-            self.buffer.note_submitted(self.pool.submit(reqs))
+        """Admit: the source submits as much new work as the staleness admission rule allows."""
+        self.source.top_up()
 
     def collect(self, timer: str = "old_logits") -> None:
         """Move finished training trajectories into the buffer (the route attaches exact pi_old first).
 
-        Training trajectories polled while an evaluation waited are collected here too. The seconds
-        the route spends attaching go to ``times[timer]``.
+        The seconds the route spends attaching go to ``times[timer]``.
         """
-        polled = self.agents.poll() if self.agents is not None else self.pool.poll()
-        got, self._held_back = self._held_back + polled, []
+        got = self.source.poll()
         t0 = time.perf_counter()
         got = self.route.attach(got, self.cfg.rollout.sampling.temperature)
         self.times[timer] += time.perf_counter() - t0
@@ -698,45 +660,14 @@ class Job:
         return self._oldlogit_status
 
     def evaluate(self, tag: str) -> dict[str, float]:
-        """Mean reward on held-out env seeds (disjoint from training), one sample each, same sampling.
-
-        With ``[agent]`` the agent runs on its held-out tasks instead (:meth:`trainer.driver.agent_runner.AgentRunner.evaluate`).
-        Evaluation requests carry ``purpose="eval"``; training trajectories that finish meanwhile are
-        held back for the next :meth:`collect`.
+        """Held-out scores at the current version, from the source (:meth:`TrajectorySource.evaluate`:
+        env seeds, or the agent's held-out tasks); evaluation trajectories are never trained on.
 
         Raises:
-            TimeoutError: not every evaluation episode finished within ``env.eval_timeout_s`` (a rollout
-                worker failed or hung); the message names the field and the count received.
+            TimeoutError: the env loop's episodes did not all finish within ``env.eval_timeout_s``.
         """
         self.wait_published()  # every worker serves the version being evaluated
-        if self.agents is not None:
-            return self.agents.evaluate(tag)
-        k = self.cfg.env.eval_prompts
-        if k == 0 or not len(self.pool):
-            return {}
-        t0 = time.perf_counter()
-        seeds = list(range(self.cfg.env.train_seeds, self.cfg.env.train_seeds + k))
-        reqs = [
-            r.model_copy(update={"purpose": "eval"})
-            for r in make_requests(self.cfg, seeds, f"eval-{tag}-", self.version, n=1)
-        ]
-        pending = list(reqs)  # requests no worker took yet (every worker busy with a late call)
-        timeout = self.cfg.env.eval_timeout_s
-        got: list[Trajectory] = []
-        while len(got) < len(reqs):
-            if pending:  # one sample per request, taken in order
-                pending = pending[self.pool.submit(pending) :]
-            if time.perf_counter() - t0 > timeout:
-                raise TimeoutError(
-                    f"env.eval_timeout_s: held-out evaluation {tag!r} got {len(got)} of {len(reqs)} episodes "
-                    f"in {timeout:g} s (a rollout worker failed or hung)"
-                )
-            for t in self.pool.poll():
-                (got if t.purpose == "eval" else self._held_back).append(t)
-            time.sleep(0.2)
-        self.times["eval"] += time.perf_counter() - t0
-        r = [t.reward for t in got]
-        return {"reward": float(np.mean(r)), "success_rate": float(np.mean([x > 0.5 for x in r])), "episodes": len(r)}
+        return self.source.evaluate(tag)
 
     def checkpoint(self) -> str:
         """Learner state (weights, optimizer, version, EWMA) plus the buffer accounting."""
@@ -753,9 +684,8 @@ class Job:
         deaths = self.pool.take_deaths()
         if not deaths:
             return
-        if self.agents is None:  # agent sessions account for their own calls
-            for lost, reason in deaths.values():
-                self.buffer.note_lost(lost, reason)
+        for lost, reason in deaths.values():
+            self.source.note_worker_loss(lost, reason)
         have = len(self.pool) + len(self.pool.starting)
         add = min(self.workers_wanted - have, self.cfg.rollout.max_restarts - self.restarts)
         if add > 0:
@@ -832,7 +762,7 @@ class Job:
             oldlogit=st,
             last_publish_s=self.last_publish.get("seconds"),
             last_publish_unix=self.last_publish.get("unix"),
-            gateway=self.agents.gateway.status() if self.agents is not None else None,
+            gateway=self.source.status(),
         )
         if m is not None:
             f.update(
@@ -856,9 +786,8 @@ class Job:
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):
             self.wait_published()
-        if self.agents is not None:
-            with contextlib.suppress(Exception):
-                self.agents.close()
+        with contextlib.suppress(Exception):
+            self.source.close()
         with contextlib.suppress(Exception):
             self.pool.shutdown()
         with contextlib.suppress(Exception):
@@ -986,6 +915,7 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
     job.collect()  # training trajectories that finished during the evaluation
     job.checkpoint()
     console.print(f"run ended: {reason} at version {job.version}")
+    source_status = job.source.status()
     return {
         "state": "finished",
         "end_reason": reason,
@@ -1014,5 +944,5 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
         "oldlogit_route": job.route.name,
         **job.route.service_record(),
         "method": cfg.loss.method,
-        "gateway": job.agents.gateway.status().model_dump() if job.agents is not None else None,
+        "gateway": source_status.model_dump() if source_status is not None else None,
     }

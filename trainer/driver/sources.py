@@ -1,0 +1,222 @@
+"""Trajectory sources: where the driver's training trajectories come from.
+
+The loop asks its source, chosen once when the job is assembled, the same things whatever the kind:
+
+==========================  ===================================  ==================================
+operation                   :class:`EnvSource` (the built-in     :class:`AgentSource` (agents
+                            env loop over the worker pool)       through the gateway)
+==========================  ===================================  ==================================
+``top_up``                  submits groups of env seeds          starts agent episodes (sessions)
+``poll``                    the pool's finished trajectories     ended sessions' trajectories
+``evaluate``                held-out env seeds, one sample each  the agent on held-out tasks
+``note_worker_loss``        drops the samples (worker's reason)  nothing: the sessions account
+``status``                  None                                 the gateway's sessions and calls
+``close``                   nothing (the job stops the pool)     stops the agents and the gateway
+==========================  ===================================  ==================================
+
+Invariants: admission follows the staleness rule
+(:func:`trainer.driver.buffer.admission_capacity`); every trajectory a source admits is noted
+submitted on the job's buffer and ends polled, dropped with a reason, or in flight (the buffer's
+accounting, :meth:`TrajectoryBuffer.accounting_ok`); ``poll`` never returns an evaluation
+trajectory. The driver loop is the only caller.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from protocol import EnvRef, GatewayStatus, RolloutRequest, Trajectory
+from trainer.driver.buffer import TrajectoryBuffer, admission_capacity
+from trainer.driver.config import JobConfig
+
+if TYPE_CHECKING:
+    from trainer.driver.agent_runner import AgentRunner
+    from trainer.driver.pool import WorkerPool
+
+
+class TrajectorySource(Protocol):
+    """What the driver loop needs from a source of training trajectories (see the module docstring)."""
+
+    def top_up(self) -> None:
+        """Admit as much new work as the staleness admission rule allows now."""
+
+    def poll(self) -> list[Trajectory]:
+        """Training trajectories finished since the last call (accounting kept)."""
+
+    def evaluate(self, tag: str) -> dict[str, float]:
+        """Held-out scores (``reward``, ``success_rate``, ``episodes``, ...); ``{}`` when there is nothing
+        to evaluate. ``tag`` names the evaluation (``"before"``, ``"after"``)."""
+
+    def note_worker_loss(self, samples: int, reason: str) -> None:
+        """``samples`` in flight on a rollout worker that died or hung (``reason``: ``worker_died``,
+        ``worker_hung``) are lost."""
+
+    def status(self) -> GatewayStatus | None:
+        """The source's own ``/v1/status`` record (``JobStatus.gateway``); None when it has none."""
+
+    def close(self) -> None:
+        """Stop what the source started (the job stops the worker pool itself)."""
+
+
+def make_requests(
+    cfg: JobConfig, seeds: list[int], prefix: str, version: int, n: int | None = None
+) -> list[RolloutRequest]:
+    """One request (a group of ``sampling.n`` samples, or ``n``) per env seed."""
+    sampling = cfg.rollout.sampling if n is None else cfg.rollout.sampling.model_copy(update={"n": n})
+    return [
+        RolloutRequest(
+            request_id=f"{prefix}{s}",
+            group_id=f"{prefix}{s}",
+            env=EnvRef(path=cfg.env.path, kwargs=cfg.env.kwargs, seed=s),
+            sampling=sampling,
+            admitted_version=version,
+        )
+        for s in seeds
+    ]
+
+
+class EnvSource:
+    """The built-in environment loop: groups of ``rollout.sampling.n`` samples of one env seed,
+    submitted to the rollout workers and polled back from them.
+
+    Training seeds run through ``0 .. env.train_seeds - 1`` in turn (a resumed job continues from its
+    submission count); held-out seeds are the ``env.eval_prompts`` after them. Training trajectories
+    that finish while an evaluation waits are held back and returned by the next :meth:`poll`.
+
+    Args:
+        cfg: the job config.
+        pool: the rollout workers (``submit``, ``poll``, ``len``).
+        buffer: the job's trajectory buffer (admission and accounting).
+        version: the learner's current version.
+        times: the job's time split; an evaluation adds its seconds to ``times["eval"]``.
+    """
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        pool: WorkerPool,
+        buffer: TrajectoryBuffer,
+        version: Callable[[], int],
+        times: Counter,
+    ):
+        self.cfg, self.pool, self.buffer, self.version, self.times = cfg, pool, buffer, version, times
+        s = cfg.rollout.sampling
+        self.group_size, self.batch_size = s.n, cfg.controller.batch_groups * s.n
+        self.seeds = iter(range(buffer.submitted, 10**9))
+        self._held_back: list[Trajectory] = []  # training trajectories polled during an evaluation
+
+    def top_up(self) -> None:
+        """Submit as many new groups as the staleness admission rule allows (none without a worker)."""
+        v = self.version()
+        room = admission_capacity(v, self.cfg.controller.max_staleness, self.batch_size, self.buffer.scheduled)
+        groups = room // self.group_size
+        if groups and len(self.pool):
+            seeds = [next(self.seeds) % self.cfg.env.train_seeds for _ in range(groups)]
+            reqs = make_requests(self.cfg, seeds, f"v{v}-", v)
+            # request ids must be unique: the seed may repeat, the submission counter does not
+            reqs = [
+                r.model_copy(
+                    update={
+                        "request_id": f"{r.request_id}-{self.buffer.submitted + i}",
+                        "group_id": f"{r.group_id}-{self.buffer.submitted + i}",
+                    }
+                )
+                for i, r in enumerate(reqs)
+            ]
+            self.buffer.note_submitted(self.pool.submit(reqs))
+
+    def poll(self) -> list[Trajectory]:
+        """Those held back during an evaluation, then the pool's finished trajectories."""
+        polled = self.pool.poll()
+        got, self._held_back = self._held_back + polled, []
+        return got
+
+    def evaluate(self, tag: str) -> dict[str, float]:
+        """Mean reward and success rate (reward > 0.5) on the held-out env seeds (disjoint from
+        training), one sample each, same sampling; ``{}`` without held-out seeds or workers.
+
+        Requests carry ``purpose="eval"``; training trajectories that finish meanwhile are held back
+        for the next :meth:`poll`.
+
+        Raises:
+            TimeoutError: not every evaluation episode finished within ``env.eval_timeout_s`` (a rollout
+                worker failed or hung); the message names the field and the count received.
+        """
+        k = self.cfg.env.eval_prompts
+        if k == 0 or not len(self.pool):
+            return {}
+        t0 = time.perf_counter()
+        seeds = list(range(self.cfg.env.train_seeds, self.cfg.env.train_seeds + k))
+        reqs = [
+            r.model_copy(update={"purpose": "eval"})
+            for r in make_requests(self.cfg, seeds, f"eval-{tag}-", self.version(), n=1)
+        ]
+        pending = list(reqs)  # requests no worker took yet (every worker busy with a late call)
+        timeout = self.cfg.env.eval_timeout_s
+        got: list[Trajectory] = []
+        while len(got) < len(reqs):
+            if pending:  # one sample per request, taken in order
+                pending = pending[self.pool.submit(pending) :]
+            if time.perf_counter() - t0 > timeout:
+                raise TimeoutError(
+                    f"env.eval_timeout_s: held-out evaluation {tag!r} got {len(got)} of {len(reqs)} episodes "
+                    f"in {timeout:g} s (a rollout worker failed or hung)"
+                )
+            for t in self.pool.poll():
+                (got if t.purpose == "eval" else self._held_back).append(t)
+            time.sleep(0.2)
+        self.times["eval"] += time.perf_counter() - t0
+        r = [t.reward for t in got]
+        return {"reward": float(np.mean(r)), "success_rate": float(np.mean([x > 0.5 for x in r])), "episodes": len(r)}
+
+    def note_worker_loss(self, samples: int, reason: str) -> None:
+        """Each sample was one submitted trajectory: dropped with the worker's reason."""
+        self.buffer.note_lost(samples, reason)
+
+    def status(self) -> GatewayStatus | None:
+        """None: nothing of its own to report."""
+        return None
+
+    def close(self) -> None:
+        """Nothing of its own to stop."""
+
+
+class AgentSource:
+    """Agents through the OpenAI-compatible gateway: the :class:`trainer.driver.agent_runner.AgentRunner`
+    of the job's ``[agent]`` section admits, collects and evaluates (see its module docstring).
+
+    A session's calls run on the rollout workers; a call lost with its worker fails the episode (an
+    agent error or timeout), whose session is then dropped with that reason, so the lost samples
+    are not counted again here.
+    """
+
+    def __init__(self, runner: AgentRunner):
+        self.runner = runner
+
+    def top_up(self) -> None:
+        """Start as many new task groups as admission and ``agent.concurrency`` allow."""
+        self.runner.top_up()
+
+    def poll(self) -> list[Trajectory]:
+        """Trajectories of the training sessions ended since the last call (:meth:`AgentRunner.poll`)."""
+        return self.runner.poll()
+
+    def evaluate(self, tag: str) -> dict[str, float]:
+        """The agent on its held-out tasks (:meth:`AgentRunner.evaluate`)."""
+        return self.runner.evaluate(tag)
+
+    def note_worker_loss(self, samples: int, reason: str) -> None:
+        """Nothing: the sessions whose calls were lost account for them."""
+
+    def status(self) -> GatewayStatus | None:
+        """The gateway's sessions, calls and their accounting."""
+        return self.runner.gateway.status()
+
+    def close(self) -> None:
+        """Cancel running episodes, stop the gateway and the agents' loop."""
+        self.runner.close()
