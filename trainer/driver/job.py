@@ -23,7 +23,7 @@
         publish       ``Job.await_old_logits`` (the service answers the next batch before it takes
                       the new version: one call at a time), ``route.before_publish`` (scorer routes
                       collect first), then ``Job.publish``
-        log           ``Job.step_metrics`` -> ``metrics.jsonl``, TensorBoard, ``/v1/status``
+        log           ``Job.step_report`` -> ``metrics.jsonl``, TensorBoard, ``/v1/status``
         checkpoint    every ``controller.checkpoint_every`` versions
     score held-out episodes (reward after), write summary, plots, checkpoint
 
@@ -63,7 +63,7 @@ import ray
 from rich.console import Console
 
 from oldlogit_service.calls import PendingCall
-from protocol import EwmaStatus, Trajectory
+from protocol import EwmaStatus, OldLogitServiceStatus, Trajectory
 from trainer.driver.buffer import TrajectoryBuffer, token_staleness_histogram
 from trainer.driver.config import JobConfig, one_line, write_private, write_resolved
 from trainer.driver.environment import ENV_VARS, defaults_env
@@ -322,6 +322,15 @@ class TakenBatch:
     """Seconds the driver waited for the answer; None until it has waited (:meth:`Job.await_old_logits`)."""
 
 
+@dataclass(frozen=True)
+class StepReport:
+    """What one step reports: its ``metrics.jsonl`` row and the old-logit service's status read for
+    it (``/v1/status`` ``oldlogit`` after the step; None without a service)."""
+
+    metrics: StepMetrics
+    oldlogit: OldLogitServiceStatus | None
+
+
 @dataclass
 class TrainStep:
     """One launched learner step."""
@@ -393,7 +402,6 @@ class Job:
                         f"old-logit service: not started within controller.start_timeout_s = {c.start_timeout_s} s"
                     ) from None
         self.route = make_route(cfg.oldlogit_route, oldlogit, cfg.oldlogit.restart_timeout_s)
-        self._oldlogit_status = None  # the service's status at the last step (:meth:`oldlogit_status`)
         engine = EngineConfig(
             kind=cfg.rollout.engine,
             model_path=str(self.model_path),
@@ -612,10 +620,12 @@ class Job:
         if err is not None:
             raise err
 
-    def step_metrics(self, batch: list[Trajectory], m: dict[str, Any]) -> StepMetrics:
-        """The learner's metrics ``m`` plus the batch's rewards and staleness, the last publication,
-        the old-logit service's restarts and outages so far (:meth:`ServiceCalls.record`) and the
-        buffer's drop counts: one row of ``metrics.jsonl``. Adds to the job's exact-token totals.
+    def step_report(self, batch: list[Trajectory], m: dict[str, Any]) -> StepReport:
+        """The step's row of ``metrics.jsonl`` - the learner's metrics ``m`` plus the batch's rewards
+        and staleness, the last publication, the old-logit service's restarts and outages so far
+        (:meth:`ServiceCalls.record`) and the buffer's drop counts - and the service's status, read
+        first so that a new service process counts as a restart in the row. Adds to the job's
+        exact-token totals.
 
         Raises:
             pydantic.ValidationError: the learner's metrics lack a field every step has.
@@ -624,13 +634,13 @@ class Job:
         """
         hist = token_staleness_histogram(batch, int(m["consumed_version"]))
         n = sum(hist.values())
-        self.oldlogit_status()  # counts a restart of the service before the row is written
+        oldlogit = self.oldlogit_status()  # counts a restart of the service before the row is written
         service = self.route.service_record()
         rewards = [t.reward for t in batch]
         exact = float(m.get("exact_token_fraction", 0.0))
         self.tokens_exact += exact * m["tokens"]
         self.tokens_total += m["tokens"]
-        return StepMetrics(
+        row = StepMetrics(
             **{
                 **m,
                 "reward_mean": float(np.mean(rewards)),
@@ -646,6 +656,7 @@ class Job:
                 **{f"dropped_{k}": v for k, v in self.buffer.dropped.items()},
             }
         )
+        return StepReport(row, oldlogit)
 
     def oldlogit_status(self):
         """The old-logit service's :class:`protocol.OldLogitServiceStatus` now (None without one); a
@@ -656,8 +667,7 @@ class Job:
                 ``oldlogit.restart_timeout_s``.
         """
         calls = self.route.calls
-        self._oldlogit_status = calls.status() if calls is not None else None
-        return self._oldlogit_status
+        return calls.status() if calls is not None else None
 
     def evaluate(self, tag: str) -> dict[str, float]:
         """Held-out scores at the current version, from the source (:meth:`TrajectorySource.evaluate`:
@@ -744,10 +754,9 @@ class Job:
         starting = len(self.pool.starting)
         return f"{len(self.pool)} of {self.workers_wanted} running" + (f", {starting} starting" if starting else "")
 
-    def status_fields(self, m: StepMetrics | None) -> dict[str, Any]:
-        """The ``/v1/status`` fields now; those of the last step ``m`` when given (the old-logit
-        service's status then is the one :meth:`step_metrics` read)."""
-        st = self._oldlogit_status if m is not None else self.oldlogit_status()
+    def status_fields(self, oldlogit: OldLogitServiceStatus | None, m: StepMetrics | None = None) -> dict[str, Any]:
+        """The ``/v1/status`` fields now, with the old-logit service's status ``oldlogit``; with the
+        last step's row ``m``, its batch's fields too."""
         f = dict(
             learner_version=self.version,
             run_segment=self.run_segment,
@@ -759,7 +768,7 @@ class Job:
             consumed=self.buffer.consumed,
             in_flight=self.buffer.in_flight,
             dropped=dict(self.buffer.dropped),
-            oldlogit=st,
+            oldlogit=oldlogit,
             last_publish_s=self.last_publish.get("seconds"),
             last_publish_unix=self.last_publish.get("unix"),
             gateway=self.source.status(),
@@ -865,7 +874,7 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
         job.publish()
     before = job.evaluate("before")
     console.print(f"held-out reward before training: {before}")
-    board.update(state="running", **job.status_fields(None))
+    board.update(state="running", **job.status_fields(job.oldlogit_status()))
     deadline = t_start + cfg.controller.time_budget_s if cfg.controller.time_budget_s else None
     t_loop = time.perf_counter()
     m = None
@@ -894,11 +903,12 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
             job.await_old_logits(nxt)  # the service answers the next batch before it takes the new version
             job.route.before_publish(job.collect)  # scorer routes: score finished work at the outgoing version
             job.publish()  # the new version to every consumer
-        m = job.step_metrics(taken.trajectories, learned)  # typed: one name per concept
+        report = job.step_report(taken.trajectories, learned)  # typed: one name per concept
+        m = report.metrics
         log.log(job.version, m)
         if cfg.controller.checkpoint_every and job.version % cfg.controller.checkpoint_every == 0:
             job.checkpoint()
-        board.update(**job.status_fields(m))
+        board.update(**job.status_fields(report.oldlogit, m))
         console.print(
             f"step {m.consumed_version}->{job.version}  reward {m.reward_mean:.3f}  staleness mean {m.staleness_mean:.2f} "
             f"max {m.staleness_max}  exact {m.exact_token_fraction:.2f}  kept {m.mask_kept_fraction if m.mask_kept_fraction is not None else float('nan'):.2f}  "
