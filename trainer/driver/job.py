@@ -47,10 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
-import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -66,84 +62,13 @@ from oldlogit_service.calls import PendingCall
 from protocol import EwmaStatus, OldLogitServiceStatus, Trajectory
 from trainer.driver.buffer import TrajectoryBuffer, token_staleness_histogram
 from trainer.driver.config import JobConfig, one_line, write_private, write_resolved
-from trainer.driver.environment import ENV_VARS, defaults_env
+from trainer.driver.environment import defaults_env
 from trainer.driver.metrics_log import MetricsLog, StepMetrics, plot_run
 from trainer.driver.routes import make_route
-from trainer.driver.server import ApiServer, StatusBoard
+from trainer.driver.server import StatusBoard
+from trainer.driver.session import StopSignal, ray_session, start_status_server
 from trainer.driver.sources import AgentSource, EnvSource, TrajectorySource
 from trainer.learner.ds_ops import clear_stale_build_locks
-
-
-@contextlib.contextmanager
-def ray_session(cfg: JobConfig):
-    """Connect to ``cfg.ray.address``, or start a private local cluster stopped on exit.
-
-    The local cluster gets its own temp dir; Ray's memory monitor is off (it killed actors on a
-    24 GiB box running several model copies) - size the job instead. With ``ray.loopback_only``
-    every process it starts listens on loopback only, with token authentication
-    (:func:`trainer.driver.netguard.private_cluster_env`); the driver's own port is covered when the
-    process was started with that environment (``vintage run`` re-executes itself so).
-
-    Raises:
-        trainer.driver.netguard.LoopbackUnavailable: ``ray.loopback_only`` and no C compiler to build the
-            bind interposer.
-    """
-    if ray.is_initialized():
-        yield
-        return
-    if not cfg.ray.address and cfg.ray.loopback_only:
-        _loopback_private_cluster()
-    env = {"env_vars": {k: os.environ[k] for k in ENV_VARS if k in os.environ}}
-    if cfg.ray.address:
-        ray.init(address=cfg.ray.address, runtime_env=env, log_to_driver=True)
-    else:
-        need = (
-            cfg.rollout.num_workers * cfg.rollout.num_cpus
-            + cfg.learner.world_size * cfg.learner.num_cpus
-            + cfg.oldlogit.num_cpus
-        )
-        custom: Counter = Counter()  # declare the groups' custom resources on the single local node
-        for group, count in (
-            (cfg.rollout, cfg.rollout.num_workers),
-            (cfg.learner, cfg.learner.world_size),
-            (cfg.oldlogit, 1),
-        ):
-            for k, v in group.resources.items():
-                custom[k] += v * max(count, 1) * (4 if group is cfg.rollout else 1)  # room to scale workers up
-        ray.init(
-            resources=dict(custom) or None,
-            num_cpus=cfg.ray.num_cpus or max(2, int(np.ceil(need)) + 2),
-            include_dashboard=False,
-            _temp_dir=tempfile.mkdtemp(prefix="vintage-ray-"),
-            runtime_env=env,
-            log_to_driver=True,
-        )
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
-def _loopback_private_cluster() -> None:
-    """Give the processes the private cluster will start the loopback-only environment."""
-    from trainer.driver import netguard
-
-    bound = netguard.active()  # this process itself was started with the interposer
-    os.environ.update(netguard.private_cluster_env())
-    # Ray read these when it was imported: the node address must be loopback for this start, and
-    # this process must see token authentication like the processes it starts
-    import ray._private.ray_constants as ray_constants
-    from ray._raylet import AuthenticationTokenLoader, Config
-
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
-    if not bound:
-        print(
-            "warning: ray.loopback_only: this driver process was not started with the bind interposer; "
-            "its own Ray port listens on every interface (start jobs with `vintage run`)",
-            file=sys.stderr,
-        )
 
 
 def loop_per_step(loop_s: float, train_s: float, steps: int) -> dict[str, float | None]:
@@ -162,37 +87,6 @@ def loop_per_step(loop_s: float, train_s: float, steps: int) -> dict[str, float 
         "train_s_per_step": train_s / steps,
         "loop_over_learner": loop_s / train_s,
     }
-
-
-class StopSignal:
-    """SIGINT / SIGTERM ask the loop to stop; a second signal exits at once.
-
-    The first signal sets :attr:`requested`: the loop leaves after the current step, the job
-    checkpoints, stops every actor and writes ``summary.json`` (``end_reason = "interrupted"``).
-    A second signal ends the process immediately with status 130. Handlers are installed only in
-    the main thread (a job run from another thread keeps the process's handlers).
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested:
-            os._exit(130)
-        self.requested = True
-        print(f"\n{signal.Signals(signum).name}: stopping after this step (again to exit at once)", file=sys.stderr)
-
-    @contextlib.contextmanager
-    def installed(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield self
-            return
-        old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield self
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
 
 
 def end_reason(version: int, total_steps: int, interrupted: bool) -> str:
@@ -818,25 +712,7 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
     write_resolved(cfg, run_dir)
     t_start = time.perf_counter()
     board = StatusBoard()
-    server = None
-    if cfg.server.enabled:
-        token = cfg.server.token.get_secret_value() if cfg.server.token else None
-        server = ApiServer(
-            board,
-            cfg.server.host,
-            cfg.server.port,
-            token,
-            docs=cfg.server.docs,
-            max_body_bytes=cfg.server.max_body_bytes,
-            max_workers=cfg.rollout.max_workers,
-        ).start()
-        write_private(run_dir / "token", server.token)
-        if server.token_for_reads:
-            console.print(
-                f"[yellow]server.host={cfg.server.host} is not loopback: every endpoint requires the token[/yellow]"
-            )
-        (run_dir / "server.json").write_text(json.dumps({"url": server.url}))
-        console.print(f"status API: [bold]{server.url}/v1/status[/bold]  (bearer token in {run_dir / 'token'})")
+    server = start_status_server(cfg, board, console)  # None without [server]
     log = MetricsLog(run_dir, tensorboard=cfg.logging.tensorboard)
     summary: dict[str, Any] = {"state": "failed", "end_reason": "failed: start-up"}
     stop = StopSignal()
