@@ -1,0 +1,223 @@
+"""Assembly: start the parts of one job, in order, and hand them to :class:`trainer.driver.parts.Job`.
+
+    model folder      ``model.path`` (``smollm2``, ``tiny`` or a folder) and its ``vocab_size``
+    learner           :class:`trainer.learner.LearnerGroup`, one rank per ``learner.world_size``
+    old-logit service :class:`oldlogit_service.actor.OldLogitServer`, unless the route is ``none``,
+                      wrapped in its route object (:func:`trainer.driver.routes.make_route`)
+    rollout workers   :class:`trainer.driver.pool.WorkerPool` at ``rollout.num_workers``
+    resume            ``controller.resume_from``: the learner's state and the buffer's accounting
+    trajectory source agents through the gateway with ``[agent]``, else the env loop over the workers
+                      (:mod:`trainer.driver.sources`)
+
+Every part is chosen here once, from the config; the loop never asks which kind it holds. Every
+consumer starts from the model folder (version 0); a resumed job publishes its version before the
+first step (:func:`trainer.driver.job._loop`). A part that does not start stops the assembly with
+an error naming it; the parts already started stop with the job's Ray session.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ray
+from rich.console import Console
+
+from trainer.driver.buffer import TrajectoryBuffer
+from trainer.driver.config import JobConfig, write_private
+from trainer.driver.parts import Job
+from trainer.driver.routes import NoRoute, make_route
+from trainer.driver.sources import AgentSource, EnvSource, TrajectorySource
+from trainer.learner.ds_ops import clear_stale_build_locks
+
+if TYPE_CHECKING:
+    from trainer.driver.pool import WorkerPool
+    from trainer.learner import LearnerGroup, LearnerSettings
+
+
+def start_job(cfg: JobConfig, console: Console) -> Job:
+    """The parts of the job ``cfg`` started in order (see the module docstring), resumed from
+    ``controller.resume_from`` when set.
+
+    Raises:
+        FileNotFoundError: ``model.path`` is not an HF model folder.
+        pydantic.ValidationError: the learner settings refuse the combination.
+        TimeoutError: the learner or the old-logit service did not start within
+            ``controller.start_timeout_s``.
+    """
+    c = cfg.controller
+    model_path = resolve_model(cfg)
+    vocab_size = int(json.loads((model_path / "config.json").read_text())["vocab_size"])
+    buffer = TrajectoryBuffer(capacity=c.buffer_capacity, max_staleness=c.max_staleness)
+    learner = start_learner(cfg, learner_settings(cfg, model_path), console)
+    route = make_route(
+        cfg.oldlogit_route, start_oldlogit_service(cfg, model_path, console), cfg.oldlogit.restart_timeout_s
+    )
+    pool = start_workers(cfg, model_path, route, console)
+    version = run_segment = 0
+    if c.resume_from:
+        extra = learner.load_checkpoint(c.resume_from)
+        buffer.load_state_dict(extra.get("buffer", {"submitted": 0, "consumed": 0, "dropped": {}}))
+        version, run_segment = learner.version(), int(extra.get("run_segment", 0)) + 1
+        console.print(f"resumed from {c.resume_from} at version {version} (run segment {run_segment})")
+    return Job(
+        cfg,
+        console,
+        model_path=model_path,
+        vocab_size=vocab_size,
+        learner=learner,
+        route=route,
+        pool=pool,
+        buffer=buffer,
+        version=version,
+        run_segment=run_segment,
+        source=lambda job: start_source(job, console),
+    )
+
+
+def resolve_model(cfg: JobConfig) -> Path:
+    """The HF folder for ``model.path`` (``smollm2``, ``tiny`` or a folder).
+
+    Raises:
+        FileNotFoundError: a folder without ``config.json``.
+    """
+    from modelkit.modelhub import make_tiny_model, prepare_smollm2
+
+    if cfg.model.path == "smollm2":
+        return prepare_smollm2()
+    if cfg.model.path == "tiny":
+        return make_tiny_model(cfg.model.tiny_seed)
+    p = Path(cfg.model.path).expanduser()
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"model.path: {p} is not an HF model folder (no config.json)")
+    return p
+
+
+def learner_settings(cfg: JobConfig, model_path: Path) -> LearnerSettings:
+    """The :class:`trainer.learner.LearnerSettings` of ``cfg`` for the model folder ``model_path``.
+
+    The EWMA window is at least ``controller.max_staleness`` (the oldest consumable version).
+
+    Raises:
+        pydantic.ValidationError: the settings refuse the combination (e.g. ``loss.kl_coef > 0``).
+    """
+    from trainer.learner import LearnerSettings
+
+    c, s = cfg.controller, cfg.rollout.sampling
+    ewma = cfg.ewma.model_copy(update={"window": max(cfg.ewma.window, c.max_staleness)})
+    return LearnerSettings(
+        model_path=str(model_path),
+        zero_stage=cfg.learner.zero_stage,
+        dtype=cfg.learner.dtype,
+        lr=cfg.learner.lr,
+        weight_decay=cfg.learner.weight_decay,
+        grad_clip=cfg.learner.grad_clip,
+        overlong_filter=cfg.learner.overlong_filter,
+        micro_batch_size=cfg.learner.micro_batch_size,
+        ppo_mini_batches=cfg.learner.ppo_mini_batches,
+        ppo_epochs=cfg.learner.ppo_epochs,
+        loss=cfg.loss,
+        ewma=ewma,
+        temperature=s.temperature,
+        max_token_staleness=c.max_token_staleness,
+        seed=c.seed,
+        lora=cfg.lora,
+    )
+
+
+def start_learner(cfg: JobConfig, settings: LearnerSettings, console: Console) -> LearnerGroup:
+    """The learner's ranks, started (a stale DeepSpeed build lock left by a killed build is removed
+    first: it would hang the start).
+
+    Raises:
+        TimeoutError: a rank did not start within ``controller.start_timeout_s``.
+    """
+    from trainer.learner import LearnerGroup
+
+    for lock in clear_stale_build_locks():
+        console.print(f"removed a stale DeepSpeed build lock: {lock}")
+    with console.status("starting learner ..."):
+        return LearnerGroup(
+            settings,
+            world_size=cfg.learner.world_size,
+            start_timeout_s=cfg.controller.start_timeout_s,
+            **cfg.learner.actor_options(),
+        )
+
+
+def start_oldlogit_service(cfg: JobConfig, model_path: Path, console: Console) -> Any:
+    """The old-logit service's Ray handle, started and ready; None on the ``none`` route.
+
+    Raises:
+        TimeoutError: not ready within ``controller.start_timeout_s`` (the actor is killed).
+    """
+    from oldlogit_service.actor import OldLogitServer
+
+    if cfg.oldlogit_route == "none":
+        return None
+    c = cfg.controller
+    with console.status(f"starting old-logit service ({cfg.oldlogit_route}) ..."):
+        restarts = cfg.oldlogit.max_restarts
+        oldlogit = OldLogitServer.options(
+            **cfg.oldlogit.actor_options(), max_restarts=restarts, max_task_retries=restarts
+        ).remote(
+            str(model_path),
+            route=cfg.oldlogit_route,
+            max_staleness=c.max_staleness,
+            memory_budget_bytes=cfg.oldlogit.memory_budget_bytes,
+            adapter=cfg.lora.spec() if cfg.lora.enabled else None,
+        )
+        try:
+            ray.get(oldlogit.ready.remote(), timeout=c.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(oldlogit)
+            raise TimeoutError(
+                f"old-logit service: not started within controller.start_timeout_s = {c.start_timeout_s} s"
+            ) from None
+    return oldlogit
+
+
+def start_workers(cfg: JobConfig, model_path: Path, route: NoRoute, console: Console) -> WorkerPool:
+    """The rollout worker pool at ``rollout.num_workers`` workers, each serving the model folder
+    (version 0); on ``interrupt_sync`` the workers score their prefixes with the route's service.
+    A worker not started within ``rollout.start_timeout_s`` is given up (the pool holds fewer)."""
+    from rollout.engine import EngineConfig
+    from trainer.driver.pool import WorkerPool
+
+    engine = EngineConfig(
+        kind=cfg.rollout.engine,
+        model_path=str(model_path),
+        dtype=cfg.rollout.dtype,
+        kv_cache_gib=cfg.rollout.kv_cache_gib,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        max_num_seqs=cfg.rollout.max_batch,
+        max_model_len=cfg.rollout.max_model_len,
+        seed=cfg.controller.seed,
+    )
+    pool = WorkerPool(
+        engine,
+        actor_options=cfg.rollout.actor_options(),
+        max_in_flight=cfg.rollout.max_batch,
+        oldlogit=route.worker_scorer,
+        oldlogit_restart_timeout_s=cfg.oldlogit.restart_timeout_s,
+        start_timeout_s=cfg.rollout.start_timeout_s,
+        hang_timeout_s=cfg.rollout.hang_timeout_s,
+    )
+    with console.status(f"starting {cfg.rollout.num_workers} rollout worker(s) ..."):
+        pool.scale_to(cfg.rollout.num_workers)
+    return pool
+
+
+def start_source(job: Job, console: Console) -> TrajectorySource:
+    """The job's trajectory source: with ``[agent]``, agents through the gateway (its URL and admin
+    token go to ``<run_dir>/gateway.json``, owner-only, and the URL to the console); otherwise the
+    env loop over the job's rollout workers."""
+    if job.cfg.agent is None:
+        return EnvSource(job.cfg, job.pool, job.buffer, lambda: job.version, job.times)
+    from trainer.driver.agent_runner import AgentRunner
+
+    runner = AgentRunner.for_job(job)
+    write_private(job.run_dir / "gateway.json", json.dumps({"url": runner.url, "token": runner.gateway.admin_token}))
+    console.print(f"agent gateway: [bold]{runner.url}/v1[/bold]  (admin token in {job.run_dir / 'gateway.json'})")
+    return AgentSource(runner)
