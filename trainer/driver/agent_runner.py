@@ -1,6 +1,7 @@
 """Runs OpenAI-API agents against the gateway and hands their sessions to the training loop.
 
-The job's loop calls three things, the same seam it uses for the built-in environment loop:
+The job holds it as its trajectory source under ``[agent]`` (:class:`trainer.driver.sources.AgentSource`);
+the loop reaches three things through it:
 
 * :meth:`AgentRunner.top_up` - admit new episodes under the staleness admission rule (whole groups
   of ``rollout.sampling.n`` episodes of one task, up to ``agent.concurrency`` running);
@@ -176,7 +177,7 @@ class AgentRunner:
 
     @classmethod
     def for_job(cls, job: Any) -> AgentRunner:
-        """The runner of a :class:`trainer.driver.job.Job` (its pool, buffer, version and model)."""
+        """The runner of a :class:`trainer.driver.parts.Job` (its pool, buffer, version and model)."""
         return cls(
             job.cfg,
             job.pool.submit,

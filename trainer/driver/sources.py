@@ -9,7 +9,7 @@ operation                   :class:`EnvSource` (the built-in     :class:`AgentSo
 ``top_up``                  submits groups of env seeds          starts agent episodes (sessions)
 ``poll``                    the pool's finished trajectories     ended sessions' trajectories
 ``evaluate``                held-out env seeds, one sample each  the agent on held-out tasks
-``note_worker_loss``        drops the samples (worker's reason)  nothing: the sessions account
+``note_worker_loss``        drops the samples (worker's reason)  nothing: sessions end on their own
 ``status``                  None                                 the gateway's sessions and calls
 ``close``                   nothing (the job stops the pool)     stops the agents and the gateway
 ==========================  ===================================  ==================================
@@ -190,9 +190,9 @@ class AgentSource:
     """Agents through the OpenAI-compatible gateway: the :class:`trainer.driver.agent_runner.AgentRunner`
     of the job's ``[agent]`` section admits, collects and evaluates (see its module docstring).
 
-    A session's calls run on the rollout workers; a call lost with its worker fails the episode (an
-    agent error or timeout), whose session is then dropped with that reason, so the lost samples
-    are not counted again here.
+    The buffer counts sessions (a split session's segments too), not samples: a sample lost with its
+    rollout worker is a call of some session, and that session still ends, emitted or dropped with
+    a reason, so the lost samples are not counted here.
     """
 
     def __init__(self, runner: AgentRunner):
@@ -211,7 +211,7 @@ class AgentSource:
         return self.runner.evaluate(tag)
 
     def note_worker_loss(self, samples: int, reason: str) -> None:
-        """Nothing: the sessions whose calls were lost account for them."""
+        """Nothing: the sessions whose calls were lost end on their own (see the class docstring)."""
 
     def status(self) -> GatewayStatus | None:
         """The gateway's sessions, calls and their accounting."""
