@@ -318,6 +318,7 @@ def learner_settings(cfg: JobConfig, model_path: Path):
         loss=cfg.loss,
         ewma=ewma,
         temperature=s.temperature,
+        logprob_chunk_bytes=cfg.learner.logprob_chunk_bytes,
         max_token_staleness=c.max_token_staleness,
         seed=c.seed,
         lora=cfg.lora,
