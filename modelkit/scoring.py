@@ -113,7 +113,8 @@ def _full(
         logits = model(input_ids=token_ids, attention_mask=attention_mask).logits  # [B, T, V]
     else:  # logits of positions first-1 .. T-1 only: [B, T - first + 1, V]
         logits = model(input_ids=token_ids, attention_mask=attention_mask, logits_to_keep=T - first + 1).logits
-    return _token_logprobs(logits[:, :-1], token_ids[:, first:], temperature, entropy)
+    log_p = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # [B, T - first, V]
+    return _token_logprobs(log_p, token_ids[:, first:], entropy)
 
 
 def _chunked(
@@ -145,8 +146,10 @@ def _chunked(
 
     def chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         # a contiguous [B, c, H] block: on a strided view the CPU matmul's rounding depended on
-        # where the weight sits in memory, so two copies of the same weights disagreed by ~1e-6
-        return _token_logprobs(head(h.contiguous()), t, temperature, entropy)
+        # where the weight sits in memory, so two copies of the same weights disagreed by ~1e-6.
+        # One expression, so the projection's output is freed once divided by the temperature.
+        log_p = torch.log_softmax(head(h.contiguous()).float() / temperature, dim=-1)  # [B, c, V]
+        return _token_logprobs(log_p, t, entropy)
 
     lps, ents = [], []
     for s in range(0, max(T - first, 1), step):  # one (empty) chunk when no position is wanted
@@ -158,16 +161,15 @@ def _chunked(
 
 
 def _token_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool
+    log_p: torch.Tensor, targets: torch.Tensor, entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``([batch, n] log-probs of targets, [batch, n] entropies or None)`` from ``[batch, n, vocab]``
-    logits predicting ``[batch, n]`` targets: ``log_softmax(fp32 logits / T)``, then the gather."""
-    log_p = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, n, V]
+    """``([batch, n] log-probs of targets, [batch, n] entropies or None)`` from the ``[batch, n,
+    vocab]`` fp32 ``log_softmax(logits / T)`` predicting ``[batch, n]`` targets."""
     lp = log_p.gather(-1, targets[..., None]).squeeze(-1)  # [B, n]
     ent = None
     if entropy:
-        with torch.no_grad():
-            ent = -(log_p.exp() * log_p).sum(-1)  # [B, n]
+        with torch.no_grad():  # p * log p in place: one [B, n, V] temporary instead of two
+            ent = -log_p.exp().mul_(log_p).sum(-1)  # [B, n]
     return lp, ent
 
 
