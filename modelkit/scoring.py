@@ -1,47 +1,83 @@
-"""Learner-side scoring: per-token log-probs of given sequences under a model (learner numerics)."""
+"""Learner-side scoring: per-token log-probs of given sequences under a model (learner numerics).
+
+Two paths give the same numbers (the temperature applied to fp32 logits, then ``log_softmax``):
+
+* **chunked** (default, ``chunk_bytes > 0``): the model body runs once and returns its final,
+  post-norm hidden states ``[batch, seq, hidden]`` (HF ``output_hidden_states`` with only the last
+  layer recorded, ``logits_to_keep=1``); the output projection, the temperature, the log-softmax
+  and the gather then run over chunks of positions. One chunk's fp32 logits ``[batch, chunk, vocab]``
+  take at most ``chunk_bytes``; under autograd each chunk sits inside
+  ``torch.utils.checkpoint`` (non-reentrant), so backward recomputes the chunk's logits instead of
+  keeping them. No ``[batch, seq, vocab]`` tensor exists in the forward or in the saved graph; the
+  price is one extra output projection and log-softmax per chunk in backward.
+* **full** (``chunk_bytes=0``): HF's own forward materialises the ``[batch, seq, vocab]``
+  logits, and autograd keeps the log-softmax of them for backward.
+
+The chunked path needs ``model.get_output_embeddings()`` (the output projection as a callable) and
+the HF config (``num_hidden_layers``, ``vocab_size``) of the causal LM, read from the model itself,
+from ``model.module`` (a DeepSpeed engine or DDP wrapper: the call still goes through the wrapper,
+whose forward registers its backward hooks on the returned hidden states) or through a peft
+model's attribute forwarding. Both paths run under ZeRO-3: the output projection is a submodule
+call, whose hooks gather its weight each time it runs, in the forward and in the recomputation.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+"""Bytes of one chunk's fp32 logits ``[batch, chunk, vocab]`` on the chunked path (64 MiB: 42
+positions of a micro-batch of 8 over SmolLM2's 49,152 tokens). The chunk's working set is about
+three times that (logits, log-softmax, and with entropy the probabilities)."""
 
 
 def sequence_logprobs(
-    model: torch.nn.Module,
+    model: Any,
     token_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     temperature: float,
     first: int = 1,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> torch.Tensor:
     """Log-prob of each token given its prefix, with the sampling temperature applied.
 
     Args:
-        model: an HF causal LM (returns ``.logits`` of shape ``[batch, seq, vocab]``).
+        model: an HF causal LM, a DeepSpeed engine or a peft model wrapping one, or a callable with
+            the HF keyword interface that offers ``config`` and ``get_output_embeddings()``.
         token_ids: ``[batch, seq]`` int64, right-padded.
         attention_mask: ``[batch, seq]`` 1 on real tokens.
-        temperature: sampling temperature (> 0); logits are divided by it before log_softmax,
+        temperature: sampling temperature (> 0); fp32 logits are divided by it before log_softmax,
             exactly as the engine samples.
         first: the first position whose log-prob is wanted (>= 1). The output projection and the
-            log-softmax over the vocabulary run only from position ``first - 1`` on (HF
-            ``logits_to_keep``), so a caller that reads only completion tokens skips the prompt's
-            vocabulary-sized logits; positions before ``first`` hold 0.0.
+            log-softmax over the vocabulary run only from position ``first - 1`` on, so a caller
+            that reads only completion tokens skips the prompt's vocabulary-sized logits;
+            positions before ``first`` hold 0.0.
+        chunk_bytes: the largest fp32 ``[batch, chunk, vocab]`` logits tensor of the chunked path,
+            bytes (at least one position per chunk); 0: the full-logit path.
 
     Returns:
         ``[batch, seq]`` float32 log-probs in nats; position 0 (no prefix) and padding hold 0.0.
         Gradients flow when the caller has them enabled.
 
     Raises:
-        ValueError: ``temperature`` is not > 0.
+        ValueError: ``temperature`` is not > 0, or ``chunk_bytes`` is negative.
     """
-    return sequence_logprobs_and_entropy(model, token_ids, attention_mask, temperature, first, entropy=False)[0]
+    return sequence_logprobs_and_entropy(
+        model, token_ids, attention_mask, temperature, first, entropy=False, chunk_bytes=chunk_bytes
+    )[0]
 
 
 def sequence_logprobs_and_entropy(
-    model: torch.nn.Module,
+    model: Any,
     token_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     temperature: float,
     first: int = 1,
     entropy: bool = True,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`sequence_logprobs` and, with ``entropy``, the entropy of each position's next-token
     distribution ``H_t = -sum_v p_v log p_v`` (nats, at the sampling temperature, no gradient).
@@ -52,19 +88,93 @@ def sequence_logprobs_and_entropy(
     """
     if not temperature > 0:
         raise ValueError(f"temperature: must be > 0 for log-prob ratios, got {temperature}")
+    if chunk_bytes < 0:
+        raise ValueError(f"chunk_bytes: must be >= 0 (0: the full-logit path), got {chunk_bytes}")
     T = token_ids.shape[1]
     first = min(max(1, int(first)), T)
+    if chunk_bytes == 0:
+        lp, ent = _full(model, token_ids, attention_mask, temperature, first, entropy)
+    else:
+        lp, ent = _chunked(model, token_ids, attention_mask, temperature, first, entropy, chunk_bytes)
+    real = attention_mask[:, first:].to(torch.float32)
+    pad = lp.new_zeros((lp.shape[0], first))
+    if ent is not None:
+        ent = torch.cat([pad, ent * real], dim=1)
+    return torch.cat([pad, lp * real], dim=1), ent
+
+
+def _full(
+    model: Any, token_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, first: int, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``([batch, seq - first] log-probs, entropies or None)`` of tokens ``first ..`` from the whole
+    ``[batch, seq - first + 1, vocab]`` logits of HF's forward."""
+    T = token_ids.shape[1]
     if first == 1:
         logits = model(input_ids=token_ids, attention_mask=attention_mask).logits  # [B, T, V]
     else:  # logits of positions first-1 .. T-1 only: [B, T - first + 1, V]
         logits = model(input_ids=token_ids, attention_mask=attention_mask, logits_to_keep=T - first + 1).logits
-    logits = logits[:, :-1].float() / temperature  # predicts tokens first..T-1
-    log_p = torch.log_softmax(logits, dim=-1)  # [B, T-first, V]
-    real = attention_mask[:, first:].to(torch.float32)
-    lp = log_p.gather(-1, token_ids[:, first:, None]).squeeze(-1) * real  # [B, T-first]
-    pad = lp.new_zeros((lp.shape[0], first))
+    log_p = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # [B, T - first, V]
+    return _token_logprobs(log_p, token_ids[:, first:], entropy)
+
+
+def _chunked(
+    model: Any,
+    token_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    first: int,
+    entropy: bool,
+    chunk_bytes: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_full`'s result from the final hidden states, ``chunk_bytes`` of logits at a time."""
+    lm = _causal_lm(model)
+    config = lm.config
+    B, T = token_ids.shape
+    # only the last decoder layer is recorded, and HF replaces it by the post-norm last hidden
+    # state; logits_to_keep=1 leaves HF's own projection a [B, 1, V] remnant
+    out = model(
+        input_ids=token_ids,
+        attention_mask=attention_mask,
+        output_hidden_states=[config.num_hidden_layers - 1],
+        logits_to_keep=1,
+    )
+    hidden = out.hidden_states[-1][:, first - 1 : T - 1]  # [B, T - first, H]: predicts tokens first..T-1
+    targets = token_ids[:, first:]  # [B, T - first]
+    head = lm.get_output_embeddings()
+    step = max(1, int(chunk_bytes) // (B * int(config.vocab_size) * 4))
+    recompute = torch.is_grad_enabled() and hidden.requires_grad
+
+    def chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # a contiguous [B, c, H] block: on a strided view the CPU matmul's rounding depended on
+        # where the weight sits in memory, so two copies of the same weights disagreed by ~1e-6.
+        # One expression, so the projection's output is freed once divided by the temperature.
+        log_p = torch.log_softmax(head(h.contiguous()).float() / temperature, dim=-1)  # [B, c, V]
+        return _token_logprobs(log_p, t, entropy)
+
+    lps, ents = [], []
+    for s in range(0, max(T - first, 1), step):  # one (empty) chunk when no position is wanted
+        h, t = hidden[:, s : s + step], targets[:, s : s + step]
+        lp, ent = checkpoint(chunk, h, t, use_reentrant=False) if recompute else chunk(h, t)
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps, dim=1), torch.cat(ents, dim=1) if entropy else None
+
+
+def _token_logprobs(
+    log_p: torch.Tensor, targets: torch.Tensor, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``([batch, n] log-probs of targets, [batch, n] entropies or None)`` from the ``[batch, n,
+    vocab]`` fp32 ``log_softmax(logits / T)`` predicting ``[batch, n]`` targets."""
+    lp = log_p.gather(-1, targets[..., None]).squeeze(-1)  # [B, n]
     ent = None
     if entropy:
-        with torch.no_grad():
-            ent = torch.cat([pad, -(log_p.exp() * log_p).sum(-1) * real], dim=1)
-    return torch.cat([pad, lp], dim=1), ent
+        with torch.no_grad():  # p * log p in place: one [B, n, V] temporary instead of two
+            ent = -log_p.exp().mul_(log_p).sum(-1)  # [B, n]
+    return lp, ent
+
+
+def _causal_lm(model: Any) -> Any:
+    """The object that holds the HF config and output projection: ``model.module`` for a DeepSpeed
+    engine (whose own ``config`` is DeepSpeed's), else ``model`` (peft forwards both attributes)."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, torch.nn.Module) else model

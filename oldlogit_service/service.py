@@ -107,6 +107,22 @@ class _Bound:
     def __call__(self, **kwargs: Any) -> Any:
         return torch.func.functional_call(self.model, self.weights, (), kwargs, tie_weights=True, strict=False)
 
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    def get_output_embeddings(self) -> Any:
+        """The output projection with these weights: ``[..., hidden] -> [..., vocab]`` (what
+        :func:`modelkit.scoring.sequence_logprobs` applies chunk by chunk).
+
+        Raises:
+            KeyError: the weights lack one of the projection's parameters (the template's own are
+                emptied, so they never stand in)."""
+        head = self.model.get_output_embeddings()
+        name = next(n for n, m in self.model.named_modules() if m is head)
+        params = {k: self.weights[f"{name}.{k}"] for k, _ in head.named_parameters()}
+        return lambda h: torch.func.functional_call(head, params, (h,))
+
 
 class OldLogitService:
     """Versioned old-logit server (plain class; :data:`oldlogit_service.actor.OldLogitServer` wraps it).

@@ -116,6 +116,19 @@ def bench_publish(
     )
 
 
+@bench_app.command("memory")
+def bench_memory(
+    model: Annotated[str, typer.Option(help="tiny (the tiny random Llama) or real (SmolLM2-135M).")] = "tiny",
+    batch: Annotated[int, typer.Option(min=1, help="Sequences in the micro-batch.")] = 4,
+    seq: Annotated[int, typer.Option(min=2, help="Tokens per sequence.")] = 1024,
+    out: Annotated[Path, typer.Option(help="JSON results file.")] = Path("runs/bench/memory.json"),
+) -> None:
+    """Peak memory of one micro-batch's log-probs (train and no-grad scoring), full logits vs chunked."""
+    from benchmarks.bench_memory import main as memory_main
+
+    memory_main(["--model", model, "--batch", str(batch), "--seq", str(seq), "--out", str(out)])
+
+
 @bench_app.command("trl")
 def bench_trl(
     budget_s: Annotated[

@@ -87,8 +87,8 @@ def test_learner_settings_declare_shared_fields_as_the_config_does():
 
     shared = sorted(set(LearnerConfig.model_fields) & set(LearnerSettings.model_fields))
     assert shared == [
-        "dtype", "grad_clip", "lr", "micro_batch_size", "overlong_filter", "ppo_epochs", "ppo_mini_batches",
-        "weight_decay", "zero_stage",
+        "dtype", "grad_clip", "logprob_chunk_bytes", "lr", "micro_batch_size", "overlong_filter", "ppo_epochs",
+        "ppo_mini_batches", "weight_decay", "zero_stage",
     ]  # fmt: skip
     for name in shared:
         a, b = LearnerConfig.model_fields[name], LearnerSettings.model_fields[name]

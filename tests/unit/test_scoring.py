@@ -1,4 +1,5 @@
-"""sequence_logprobs from a first position equals the full computation there, and 0.0 before it."""
+"""sequence_logprobs: a first position equals the full computation there (0.0 before it); the
+chunked path (the default) equals the full-logit path in values, entropies and gradients."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import math
 import pytest
 import torch
 
+from modelkit.lora import wrap_lora
 from modelkit.modelhub import load_causal_lm
-from modelkit.scoring import sequence_logprobs
+from modelkit.scoring import DEFAULT_CHUNK_BYTES, sequence_logprobs, sequence_logprobs_and_entropy
+from protocol import AdapterSpec
 from trainer.algorithm.batch import Batch
 from trainer.learner import first_loss_position
 
@@ -26,6 +29,9 @@ def test_logprobs_from_a_first_position_match_the_full_forward(tiny_model_path):
     assert torch.equal(part[:, :5], torch.zeros(2, 5))
     torch.testing.assert_close(part[:, 5:], full[:, 5:], rtol=0, atol=1e-5)
     assert torch.equal(part[1, 7:], torch.zeros(2))  # padding stays 0.0
+    with torch.no_grad():
+        whole = sequence_logprobs(model, ids, attn, temperature=0.7, first=5, chunk_bytes=0)
+    torch.testing.assert_close(part, whole, rtol=0, atol=1e-5)
 
 
 def test_first_loss_position_is_the_first_trained_column():
@@ -39,29 +45,131 @@ def test_first_loss_position_is_the_first_trained_column():
 
 class _ConstantLogits(torch.nn.Module):
     """A stand-in causal LM whose logits are the same at every position: ``[0, 0, 0, 0]`` then
-    ``[log 1, log 2, log 3, log 4]`` scaled by the position index (0 at position 0)."""
+    ``[log 1, log 2, log 3, log 4]`` scaled by the position index (0 at position 0). Its hidden
+    state at position t is ``[t]`` and its output projection the column ``log [1, 2, 3, 4]``, so
+    both the full-logit and the chunked path run on it."""
 
-    def forward(self, input_ids, attention_mask=None, logits_to_keep=0):
+    config = type("Config", (), {"num_hidden_layers": 1, "vocab_size": 4})()
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(1, 4, bias=False)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.log(torch.tensor([[1.0], [2.0], [3.0], [4.0]])))
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, attention_mask=None, logits_to_keep=0, output_hidden_states=None):
         b, t = input_ids.shape
-        base = torch.log(torch.tensor([1.0, 2.0, 3.0, 4.0]))
-        logits = torch.arange(t, dtype=torch.float32)[None, :, None] * base  # [1, T, 4]
-        logits = logits.expand(b, t, 4)
+        hidden = torch.arange(t, dtype=torch.float32)[None, :, None].expand(b, t, 1)  # [B, T, 1]
+        logits = self.head(hidden)  # [B, T, 4]
         if logits_to_keep:
             logits = logits[:, -logits_to_keep:]
-        return type("Out", (), {"logits": logits})()
+        return type("Out", (), {"logits": logits, "hidden_states": (hidden,) if output_hidden_states else None})()
 
 
-def test_entropy_of_each_position_by_hand():
+@pytest.mark.parametrize("chunk_bytes", [0, 4 * 4, DEFAULT_CHUNK_BYTES])  # full, one position per chunk, one chunk
+def test_entropy_of_each_position_by_hand(chunk_bytes):
     """Position 1 is predicted from position 0's uniform logits: H = log 4 = 1.386294; position 2
     from logits k * log[1, 2, 3, 4] with k = 1: p = [0.1, 0.2, 0.3, 0.4],
     H = -(0.1 ln 0.1 + 0.2 ln 0.2 + 0.3 ln 0.3 + 0.4 ln 0.4) = 1.279854; token 3 there has log 0.4."""
-    from modelkit.scoring import sequence_logprobs_and_entropy
-
     ids = torch.tensor([[0, 1, 3]])
-    lp, ent = sequence_logprobs_and_entropy(_ConstantLogits(), ids, torch.ones_like(ids), temperature=1.0)
-    torch.testing.assert_close(ent, torch.tensor([[0.0, 1.386294, 1.279854]]), rtol=0, atol=1e-6)
-    torch.testing.assert_close(lp, torch.tensor([[0.0, -1.386294, math.log(0.4)]]), rtol=0, atol=1e-6)
-    assert torch.equal(lp, sequence_logprobs(_ConstantLogits(), ids, torch.ones_like(ids), 1.0))
-    # temperature 2 on the uniform row leaves it uniform; a padded position holds 0.0
-    lp, ent = sequence_logprobs_and_entropy(_ConstantLogits(), ids, torch.tensor([[1, 1, 0]]), temperature=2.0)
+    model, kw = _ConstantLogits(), {"chunk_bytes": chunk_bytes}
+    with torch.no_grad():
+        lp, ent = sequence_logprobs_and_entropy(model, ids, torch.ones_like(ids), temperature=1.0, **kw)
+        torch.testing.assert_close(ent, torch.tensor([[0.0, 1.386294, 1.279854]]), rtol=0, atol=1e-6)
+        torch.testing.assert_close(lp, torch.tensor([[0.0, -1.386294, math.log(0.4)]]), rtol=0, atol=1e-6)
+        assert torch.equal(lp, sequence_logprobs(model, ids, torch.ones_like(ids), 1.0, **kw))
+        # temperature 2 on the uniform row leaves it uniform; a padded position holds 0.0
+        lp, ent = sequence_logprobs_and_entropy(model, ids, torch.tensor([[1, 1, 0]]), temperature=2.0, **kw)
     assert ent[0, 1].item() == pytest.approx(math.log(4)) and ent[0, 2].item() == 0.0 and lp[0, 2].item() == 0.0
+
+
+def test_a_negative_chunk_budget_is_refused():
+    ids = torch.tensor([[0, 1, 3]])
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        sequence_logprobs(_ConstantLogits(), ids, torch.ones_like(ids), 1.0, chunk_bytes=-1)
+
+
+# Tolerances of the chunked path against the full-logit path (fp32, CPU). The two differ only in
+# the shape of the output projection's matmul (a chunk's rows instead of the whole sequence's):
+# observed 0 (bit-identical) for chunks of 2 or more positions and <= 1e-6 nats (log-probs),
+# <= 8e-6 nats (entropies, ~10.8 nats here) with one position per chunk; gradients <= 2e-6.
+LP_ATOL, ENT_ATOL, GRAD_RTOL, GRAD_ATOL = 1e-5, 2e-5, 1e-4, 1e-5
+
+B, T, V = 3, 11, 49152
+
+
+def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``([B, T] ids over the whole vocabulary, [B, T] mask with a right-padded row, [B, T] weights)``."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, 6:] = 0
+    return ids, attn, torch.randn(B, T, generator=g)
+
+
+def _positions(n: int) -> int:
+    """``chunk_bytes`` giving ``n`` positions per chunk for a batch of ``B`` rows."""
+    return n * B * V * 4
+
+
+@pytest.mark.parametrize("first", [1, 4])
+@pytest.mark.parametrize("positions", [1, 3, 4, 64])  # 3 and 4 do not divide T - first; 64 > T: one chunk
+def test_chunked_matches_full_logits_values_and_entropy(tiny_model_path, first, positions):
+    model = load_causal_lm(str(tiny_model_path), "float32").eval()
+    ids, attn, _ = _batch()
+    with torch.no_grad():
+        ref_lp, ref_ent = sequence_logprobs_and_entropy(model, ids, attn, 0.7, first, chunk_bytes=0)
+        lp, ent = sequence_logprobs_and_entropy(model, ids, attn, 0.7, first, chunk_bytes=_positions(positions))
+    assert lp.shape == ent.shape == ref_lp.shape == (B, T) and lp.dtype == ent.dtype == torch.float32
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=LP_ATOL)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=ENT_ATOL)
+    assert torch.equal(lp[:, :first], torch.zeros(B, first)) and torch.equal(ent[:, :first], torch.zeros(B, first))
+    assert torch.equal(lp[1, 6:], torch.zeros(T - 6)) and torch.equal(ent[1, 6:], torch.zeros(T - 6))  # padding
+
+
+def _grads(model, ids, attn, w, first, chunk_bytes) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    lp, _ = sequence_logprobs_and_entropy(model, ids, attn, 0.7, first, chunk_bytes=chunk_bytes)
+    (lp * w).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("first,positions", [(1, 2), (4, 3), (4, 64)])
+def test_chunked_gradients_match_full_logits(tiny_model_path, first, positions):
+    """Backward of a weighted sum of log-probs: every parameter's gradient (the tied output
+    projection among them), the chunks' logits recomputed in backward."""
+    model = load_causal_lm(str(tiny_model_path), "float32").train()
+    ids, attn, w = _batch(seed=1)
+    ref = _grads(model, ids, attn, w, first, chunk_bytes=0)
+    got = _grads(model, ids, attn, w, first, chunk_bytes=_positions(positions))
+    assert got.keys() == ref.keys() and len(ref) == len(list(model.parameters()))
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=k)
+
+
+def test_chunked_gradients_match_full_logits_through_a_lora_adapter(tiny_model_path):
+    model = wrap_lora(
+        load_causal_lm(str(tiny_model_path), "float32"),
+        AdapterSpec(rank=4, alpha=8.0, target_modules=["q_proj", "down_proj"]),
+    )
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # B = 0 at the start: give the adapter an effect
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    ids, attn, w = _batch(seed=2)
+    ref = _grads(model, ids, attn, w, 3, chunk_bytes=0)
+    got = _grads(model, ids, attn, w, 3, chunk_bytes=_positions(3))
+    assert got.keys() == ref.keys() and all("lora_" in k for k in ref) and ref
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=k)
+
+
+def test_the_job_config_defaults_to_the_scoring_chunk_budget():
+    """The torch-free config repeats the number; the learner's settings take it from here."""
+    from trainer.driver.config import LearnerConfig
+
+    assert LearnerConfig().logprob_chunk_bytes == DEFAULT_CHUNK_BYTES

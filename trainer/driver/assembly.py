@@ -120,6 +120,7 @@ def learner_settings(cfg: JobConfig, model_path: Path) -> LearnerSettings:
         loss=cfg.loss,
         ewma=ewma,
         temperature=s.temperature,
+        logprob_chunk_bytes=cfg.learner.logprob_chunk_bytes,
         max_token_staleness=c.max_token_staleness,
         seed=c.seed,
         lora=cfg.lora,

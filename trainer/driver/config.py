@@ -125,6 +125,11 @@ class LearnerConfig(_Placement):
     old logits stay the behaviour version's, and the EWMA has folded in every earlier step."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Learner compute dtype."""
+    logprob_chunk_bytes: int = Field(64 * 2**20, ge=0)
+    """Largest fp32 ``[micro-batch, chunk, vocab]`` logits tensor of the learner's log-probs, bytes
+    (default ``modelkit.scoring.DEFAULT_CHUNK_BYTES``, 64 MiB): the output projection and the
+    log-softmax run over chunks of positions and backward recomputes them; 0 keeps whole-sequence
+    logits for backward."""
     overlong_filter: bool = False
     """Mask whole sequences truncated by the length budget (engine finish reason ``length``/``abort``
     or a multi-turn context cut) out of the loss, DAPO's overlong filtering."""

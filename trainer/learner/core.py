@@ -60,7 +60,7 @@ import ray
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from modelkit.scoring import sequence_logprobs, sequence_logprobs_and_entropy
+from modelkit.scoring import DEFAULT_CHUNK_BYTES, sequence_logprobs, sequence_logprobs_and_entropy
 from modelkit.weights import PackedWeights, Transport, all_finite, pack_weights
 from protocol import OldLogitAnswer, Trajectory, WeightManifest
 from trainer.algorithm.batch import Batch, collate
@@ -106,6 +106,10 @@ class LearnerSettings(BaseModel):
     """PPO-EWMA decay and reset threshold (used when ``loss.proxy == "ewma"``)."""
     temperature: float = Field(1.0, gt=0.0)
     """The rollouts' sampling temperature; every learner log-prob uses it."""
+    logprob_chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, ge=0)
+    """Largest fp32 ``[micro-batch, chunk, vocab]`` logits tensor of every learner log-prob, bytes:
+    the output projection and log-softmax run over chunks of positions and backward recomputes them
+    (:mod:`modelkit.scoring`); 0: whole-sequence logits, kept for backward."""
     max_token_staleness: int | None = Field(None, ge=0)
     """Tokens staler than this are masked out of the loss, kept as context."""
     overlong_filter: bool = False
@@ -459,7 +463,9 @@ class LearnerCore:
         model.eval()
         try:
             with torch.no_grad(), self.ewma.swapped_into(model):
-                return sequence_logprobs(model, mb.token_ids, mb.attention_mask, mb.temperature, first)
+                return sequence_logprobs(
+                    model, mb.token_ids, mb.attention_mask, mb.temperature, first, self.settings.logprob_chunk_bytes
+                )
         finally:
             model.train(was_training)
 
@@ -581,7 +587,9 @@ class LearnerCore:
         model.eval()
         try:  # the first ceil(rows / mbs) micro-batches are this rank's rows in order, the rest padding
             for k, mb in enumerate(local.micro_batches(mbs, n_micro)):
-                lp = sequence_logprobs(model, mb.token_ids, mb.attention_mask, mb.temperature, first)
+                lp = sequence_logprobs(
+                    model, mb.token_ids, mb.attention_mask, mb.temperature, first, self.settings.logprob_chunk_bytes
+                )
                 rows = local_rows[k * mbs : k * mbs + mb.size] if k * mbs < local.size else local_rows[:0]
                 ref[rows, : lp.shape[1]] = lp[: len(rows)]
         finally:
@@ -624,7 +632,10 @@ class LearnerCore:
             if self.ewma is not None and (bool((mask & ~mb.exact_mask).any()) or (probe and i == 0)):
                 ewma_lp, ewma_runs = self._ewma_logprobs(mb, first), ewma_runs + 1
             tb = time.perf_counter()
-            lp, entropy = sequence_logprobs_and_entropy(eng, mb.token_ids, mb.attention_mask, mb.temperature, first)
+            lp, entropy = sequence_logprobs_and_entropy(
+                eng, mb.token_ids, mb.attention_mask, mb.temperature, first,
+                chunk_bytes=self.settings.logprob_chunk_bytes,
+            )  # fmt: skip
             loss, m = compute_policy_loss(
                 lp, mb.behav_logprobs, mb.advantages, mask, cfg, old_logprobs=mb.old_logprobs,
                 exact_mask=mb.exact_mask, staleness=mb.staleness, recompute_logprobs=recompute,
@@ -728,8 +739,9 @@ class LearnerCore:
         self.engine.module.eval()
         try:
             return sequence_logprobs(
-                self.engine.module, batch.token_ids, batch.attention_mask, batch.temperature
-            ).float()
+                self.engine.module, batch.token_ids, batch.attention_mask, batch.temperature,
+                chunk_bytes=self.settings.logprob_chunk_bytes,
+            ).float()  # fmt: skip
         finally:
             self.engine.module.train(was_training)
 
