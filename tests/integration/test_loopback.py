@@ -107,6 +107,7 @@ def test_running_job_listens_on_loopback_only_and_stops_cleanly_on_sigterm(tmp_p
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["end_reason"] == "interrupted" and 2 <= summary["steps"] < 40 and summary["accounting_ok"]
     assert (run_dir / "checkpoints").is_dir()
+    assert "Started a local Ray instance" not in log.read_text()  # Ray's start-up INFO line is off
     names = set(seen.values())
     # the cluster's own servers and the learner were inspected while the job trained (the kernel
     # keeps the first 15 characters of a process name: "ray::LearnerCor")

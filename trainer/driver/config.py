@@ -166,7 +166,8 @@ class ControllerConfig(_Section):
     buffer_capacity: int = Field(256, ge=1)
     """Trajectories the buffer holds; beyond it, offers are refused (backpressure) and counted."""
     time_budget_s: float | None = Field(None, gt=0.0)
-    """Stop after this many seconds even if ``total_steps`` is not reached."""
+    """Seconds the training loop may run before it stops, even if ``total_steps`` is not reached;
+    counted from the loop's start, so start-up and the held-out evaluations come on top."""
     checkpoint_every: int = Field(0, ge=0)
     """Checkpoint every N steps into ``<run_dir>/checkpoints`` (0: only at the end)."""
     start_timeout_s: float = Field(900.0, gt=0.0)

@@ -136,8 +136,8 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
     before = job.evaluate("before")
     console.print(f"held-out reward before training: {before}")
     board.update(state="running", **status_fields(job, job.oldlogit_status()))
-    deadline = t_start + cfg.controller.time_budget_s if cfg.controller.time_budget_s else None
-    t_loop = time.perf_counter()
+    t_loop = time.perf_counter()  # the time budget is the loop's: start-up and evaluations come on top
+    deadline = t_loop + cfg.controller.time_budget_s if cfg.controller.time_budget_s else None
     m = None
     nxt: TakenBatch | None = None  # the next batch, taken ahead and scored while the learner trained
     while job.version < cfg.controller.total_steps and not stop.requested:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -71,6 +72,7 @@ def ray_session(cfg: JobConfig):
             _temp_dir=tempfile.mkdtemp(prefix="vintage-ray-"),
             runtime_env=env,
             log_to_driver=True,
+            logging_level=logging.WARNING,  # no "Started a local Ray instance" line
         )
     try:
         yield
