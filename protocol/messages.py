@@ -664,8 +664,11 @@ class JobStatus(Message):
     last_publish_s: float | None = None
     last_publish_unix: float | None = None
     generated: int = Field(0, ge=0)
+    """Trajectories submitted so far; ``generated = consumed + sum(dropped) + buffer_size + held + in_flight``."""
     consumed: int = Field(0, ge=0)
     in_flight: int = Field(0, ge=0)
+    held: int = Field(0, ge=0)
+    """Trajectories out of the buffer for a step that has not started (the batch taken ahead)."""
     dropped: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
     """Dropped trajectories by reason (``stale``, ``buffer_full``, ``aborted``, ...)."""
     skipped_steps: int = Field(0, ge=0)

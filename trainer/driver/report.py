@@ -102,6 +102,7 @@ def status_fields(job: Job, oldlogit: OldLogitServiceStatus | None, m: StepMetri
         generated=job.buffer.submitted,
         consumed=job.buffer.consumed,
         in_flight=job.buffer.in_flight,
+        held=job.buffer.held,
         dropped=dict(job.buffer.dropped),
         oldlogit=oldlogit,
         last_publish_s=job.last_publish.get("seconds"),
