@@ -38,7 +38,10 @@ def first_run(tmp_path_factory, tiny_model_path, ray_cluster):
     """Run 6 steps in a thread while the test talks to the HTTP API; scale 1 -> 2 -> 1 workers."""
     run_dir = tmp_path_factory.mktemp("job")
     cfg = load_config(
-        None, TINY_JOB + ["controller.total_steps=6", f'logging.run_dir="{run_dir}"', 'loss.method="snapshot"']
+        None,
+        TINY_JOB
+        + ["controller.total_steps=6", f'logging.run_dir="{run_dir}"', 'loss.method="snapshot"']
+        + ["learner.ppo_mini_batches=2", "controller.export_every=3"],
     )
     result: dict = {}
     th = threading.Thread(target=lambda: result.update(run_job(cfg)), daemon=True)
@@ -99,6 +102,17 @@ def test_versions_advance_one_per_step_and_staleness_bounded(first_run):
     assert summary["exact_token_fraction"] == 1.0 and summary["tokens_exact"] == summary["tokens_total"]
     assert summary["batches_taken_ahead"] == sum(r["taken_ahead"] for r in rows)
     assert summary["train_steps"] == 6
+
+
+def test_two_optimizer_steps_per_version_and_exports_every_third(first_run):
+    run_dir, _, _ = first_run
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["optimizer_steps"] for r in rows] == [2] * 6  # one version per batch of 8, two mini-batches of 4
+    assert sorted(p.name for p in (run_dir / "exports").iterdir()) == ["v3", "v6"]
+    for v in (3, 6):
+        folder = run_dir / "exports" / f"v{v}"
+        assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+        assert json.loads((folder / "vintage-export.json").read_text())["version"] == v
 
 
 def test_accounting_identity_and_summary(first_run):

@@ -77,21 +77,14 @@ def start_job(cfg: JobConfig, console: Console) -> Job:
 
 
 def resolve_model(cfg: JobConfig) -> Path:
-    """The HF folder for ``model.path`` (``smollm2``, ``tiny`` or a folder).
+    """The HF folder for ``model.path`` (``smollm2``, ``tiny`` or a folder): :func:`modelkit.modelhub.model_folder`.
 
     Raises:
         FileNotFoundError: a folder without ``config.json``.
     """
-    from modelkit.modelhub import make_tiny_model, prepare_smollm2
+    from modelkit.modelhub import model_folder
 
-    if cfg.model.path == "smollm2":
-        return prepare_smollm2()
-    if cfg.model.path == "tiny":
-        return make_tiny_model(cfg.model.tiny_seed)
-    p = Path(cfg.model.path).expanduser()
-    if not (p / "config.json").is_file():
-        raise FileNotFoundError(f"model.path: {p} is not an HF model folder (no config.json)")
-    return p
+    return model_folder(cfg.model.path, cfg.model.tiny_seed)
 
 
 def learner_settings(cfg: JobConfig, model_path: Path) -> LearnerSettings:

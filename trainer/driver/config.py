@@ -170,6 +170,10 @@ class ControllerConfig(_Section):
     counted from the loop's start, so start-up and the held-out evaluations come on top."""
     checkpoint_every: int = Field(0, ge=0)
     """Checkpoint every N steps into ``<run_dir>/checkpoints`` (0: only at the end)."""
+    export_every: int = Field(0, ge=0)
+    """Export a Hugging Face folder of every N-th version into ``<run_dir>/exports/v{N}`` during the
+    run (as ``vintage export``; the version is checkpointed first when ``checkpoint_every`` did not);
+    0: no exports during the run."""
     start_timeout_s: float = Field(900.0, gt=0.0)
     """Seconds the learner and the old-logit service may take to start (model load, DeepSpeed init);
     past that the job stops with an error naming the part instead of waiting silently."""

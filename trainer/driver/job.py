@@ -169,6 +169,8 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
         log.log(job.version, m)
         if cfg.controller.checkpoint_every and job.version % cfg.controller.checkpoint_every == 0:
             job.checkpoint()
+        if cfg.controller.export_every and job.version % cfg.controller.export_every == 0:
+            job.export()  # a Hugging Face folder of this version under <run_dir>/exports
         board.update(**status_fields(job, report.oldlogit, m))
         console.print(step_line(m, job.version))
     t_end = time.perf_counter()

@@ -148,7 +148,9 @@ class Job:
         self.group_size, self.batch_size = s.n, cfg.controller.batch_groups * s.n
         self.learner, self.route, self.pool, self.buffer = learner, route, pool, buffer
         self.version = version
-        """The learner's version: the number of optimizer steps it has applied."""
+        """The learner's version: the number of rollout batches it has trained on (one published update each)."""
+        self.checkpointed_version: int | None = None
+        """The version of this run's last checkpoint (None before the first)."""
         self.run_segment = run_segment
         """0 for a fresh run, +1 at every resume: (segment, version) names one set of weights even
         when a resumed run re-reaches a version number it had passed before the resume point."""
@@ -352,7 +354,20 @@ class Job:
     def checkpoint(self) -> str:
         """Learner state (weights, optimizer, version, EWMA) plus the buffer accounting."""
         extra = {"buffer": self.buffer.state_dict(), "run_segment": self.run_segment}
-        return self.learner.save_checkpoint(str(self.run_dir / "checkpoints"), extra)
+        path = self.learner.save_checkpoint(str(self.run_dir / "checkpoints"), extra)
+        self.checkpointed_version = self.version
+        return path
+
+    def export(self) -> Path:
+        """A Hugging Face folder of the current version at ``<run_dir>/exports/v{version}``
+        (:func:`trainer.driver.export.export_run`), checkpointing the version first if needed."""
+        from trainer.driver.export import export_run
+
+        if self.checkpointed_version != self.version:
+            self.checkpoint()
+        out = self.run_dir / "exports" / f"v{self.version}"
+        export_run(self.run_dir, out, self.version, overwrite=True)
+        return out
 
     # -- the rollout workers between iterations ---------------------------------------------------
 
