@@ -45,7 +45,10 @@ def start_job(cfg: JobConfig, console: Console) -> Job:
     ``controller.resume_from`` when set.
 
     Raises:
-        FileNotFoundError: ``model.path`` is not an HF model folder.
+        FileNotFoundError: ``model.path`` is not an HF model folder; ``controller.resume_from`` has no
+            complete checkpoint, or its checkpoint lists saved trajectories and the file is missing.
+        ValueError: the checkpoint's ``trajectories.jsonl`` is malformed (one line naming the file and
+            line, :func:`trainer.driver.resume.read_trajectories`).
         pydantic.ValidationError: the learner settings refuse the combination.
         TimeoutError: the learner or the old-logit service did not start within
             ``controller.start_timeout_s``.
