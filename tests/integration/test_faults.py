@@ -5,7 +5,8 @@ trains while the test kills one rollout worker's process with SIGKILL. The pool 
 worker's in-flight samples are dropped with reason ``worker_died``, a replacement starts, and the
 job completes with ``generated = consumed + dropped + buffered + in flight``. A worker that hangs
 (alive, answering nothing) is killed after ``rollout.hang_timeout_s`` and replaced the same way,
-its samples dropped as ``worker_hung``.
+its samples dropped as ``worker_hung``. A killed learner ends the run; its resume trains every
+finished trajectory of the last checkpoint exactly once (checked by id in the run's ledger).
 """
 
 from __future__ import annotations
@@ -149,3 +150,61 @@ def test_killed_learner_fails_the_run_naming_it_and_resume_continues_from_the_la
     resumed = run_job(cfg)
     assert resumed["state"] == "finished" and resumed["end_reason"] == "completed" and resumed["steps"] == 5
     assert resumed["run_segment"] == 1 and resumed["accounting_ok"] and 1 <= saved < 5  # the last complete one
+
+
+def test_resume_after_a_killed_learner_trains_every_finished_trajectory_exactly_once(
+    tmp_path, tiny_model_path, ray_cluster
+):
+    """Staleness bound 2 keeps trajectories buffered (and a batch taken ahead) at every checkpoint.
+    The learner is killed after the second step; the resumed run gets back every finished
+    trajectory of the last complete checkpoint (``trajectories.jsonl``), loses only what was in
+    flight then, and the ledger closes by trajectory id: over the lineage of the final weights
+    every id that arrived is consumed exactly once, dropped with a reason, or buffered at the end."""
+    from trainer.driver.ledger import fates, lineage, read_ledger
+    from trainer.driver.resume import read_trajectories
+    from trainer.learner.checkpoint import read_state
+
+    overrides = [
+        "rollout.num_workers=1", "controller.total_steps=6", "controller.checkpoint_every=1",
+        "controller.max_staleness=2",
+    ]  # fmt: skip
+    result, _ = _run_and_kill(tmp_path, overrides, "ray::LearnerCore", expect=1)
+    assert type(result["raised"]).__name__ == "ActorDiedError"
+    ckpt = tmp_path / "checkpoints"
+    tag = latest_tag(ckpt)
+    extra = read_state(ckpt, tag)["extra"]
+    counters, held_back = extra["buffer"], extra["source"]["held_back_ids"]
+    kept = read_trajectories(ckpt / tag, counters["buffered_ids"], held_back)
+    assert len(kept.buffered) >= 1, "nothing was buffered at the checkpoint: the test proves nothing"
+    in_flight = counters["submitted"] - counters["consumed"] - sum(counters["dropped"].values()) - len(kept.buffered)
+    in_flight -= len(kept.held_back)
+
+    cfg = load_config(None, [*BASE, f'logging.run_dir="{tmp_path}"', *overrides, f'controller.resume_from="{ckpt}"'])
+    resumed = run_job(cfg)
+    assert resumed["state"] == "finished" and resumed["end_reason"] == "completed" and resumed["run_segment"] == 1
+    assert resumed["accounting_ok"]
+    assert resumed["generated"] == (
+        resumed["consumed"] + sum(resumed["dropped"].values()) + resumed["buffered"] + resumed["in_flight"]
+    )
+    lost = resumed["dropped"].get("lost_at_restart", 0) - counters["dropped"].get("lost_at_restart", 0)
+    assert lost == in_flight  # only what was in flight at the checkpoint
+
+    events = lineage(read_ledger(tmp_path))
+    restart = next(e for e in events if e["event"] == "resumed")
+    assert restart["tag"] == tag and restart["ids"] == counters["buffered_ids"] + held_back
+    assert restart["lost_at_restart"] == in_flight
+    got = fates(events)
+    assert set(counters["buffered_ids"]) <= set(got)
+    assert {i: f for i, f in got.items() if len(f) != 1} == {}  # exactly one fate per id
+    consumed = [i for i, f in got.items() if f == ["consumed"]]
+    assert len(consumed) == resumed["consumed"]
+    assert sum(f == ["buffered"] for f in got.values()) == resumed["buffered"]
+    by_reason: dict[str, int] = {}
+    for f in got.values():
+        if f[0].startswith("dropped:"):
+            by_reason[f[0].removeprefix("dropped:")] = by_reason.get(f[0].removeprefix("dropped:"), 0) + 1
+    for reason, n in by_reason.items():  # drops with an id never exceed the counters (the rest: in flight)
+        assert n <= resumed["dropped"][reason], (reason, n, resumed["dropped"])
+    sampled_after = {i for e in events if e["segment"] == 1 and e["event"] == "buffered" for i in e["ids"]}
+    sampled_after -= set(held_back)  # held back in segment 0, offered in segment 1
+    assert all(i.startswith("r1.") for i in sampled_after)  # a resumed segment's ids never repeat the last one's

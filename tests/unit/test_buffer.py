@@ -194,8 +194,8 @@ def test_consume_or_put_back_refuses_a_batch_not_held():
         b.put_back(got)
 
 
-def test_held_trajectories_count_as_lost_after_a_resume():
-    # submitted 3: one consumed, one held (taken ahead), one in flight -> 2 lost at restart
+def test_held_trajectories_are_kept_by_a_resume_only_in_flight_ones_are_lost():
+    # submitted 3: one consumed, one held (taken ahead), one in flight -> 1 lost at restart
     b = TrajectoryBuffer(capacity=4, max_staleness=1)
     b.note_submitted(3)
     b.offer(traj("a", [0], group="a"))
@@ -204,5 +204,6 @@ def test_held_trajectories_count_as_lost_after_a_resume():
     b.take_ahead(1, 1)
     assert (b.consumed, b.held, b.in_flight) == (1, 1, 1) and b.accounting_ok()
     b2 = TrajectoryBuffer(capacity=4, max_staleness=1)
-    b2.load_state_dict(b.state_dict())
-    assert b2.consumed == 1 and b2.dropped["lost_at_restart"] == 2 and b2.accounting_ok()
+    b2.load_state_dict(b.state_dict(), b.saved())
+    assert b2.consumed == 1 and b2.dropped["lost_at_restart"] == 1 and b2.accounting_ok()
+    assert len(b2) == 1 and b2.held == 0 and [t.trajectory_id for t in b2.take(1, 1)] == ["b"]

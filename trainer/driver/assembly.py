@@ -5,7 +5,9 @@
     old-logit service :class:`oldlogit_service.actor.OldLogitServer`, unless the route is ``none``,
                       wrapped in its route object (:func:`trainer.driver.routes.make_route`)
     rollout workers   :class:`trainer.driver.pool.WorkerPool` at ``rollout.num_workers``
-    resume            ``controller.resume_from``: the learner's state and the buffer's accounting
+    resume            ``controller.resume_from``: the learner's state, the buffer's accounting and
+                      its saved trajectories, the source's cursor and held-back trajectories
+                      (:mod:`trainer.driver.resume`); the ledger notes what came back
     trajectory source agents through the gateway with ``[agent]``, else the env loop over the workers
                       (:mod:`trainer.driver.sources`)
 
@@ -26,7 +28,9 @@ from rich.console import Console
 
 from trainer.driver.buffer import TrajectoryBuffer
 from trainer.driver.config import JobConfig, write_private
+from trainer.driver.ledger import Ledger
 from trainer.driver.parts import Job
+from trainer.driver.resume import SavedTrajectories, read_trajectories
 from trainer.driver.routes import NoRoute, make_route
 from trainer.driver.sources import AgentSource, EnvSource, TrajectorySource
 from trainer.learner.ds_ops import clear_stale_build_locks
@@ -41,7 +45,10 @@ def start_job(cfg: JobConfig, console: Console) -> Job:
     ``controller.resume_from`` when set.
 
     Raises:
-        FileNotFoundError: ``model.path`` is not an HF model folder.
+        FileNotFoundError: ``model.path`` is not an HF model folder; ``controller.resume_from`` has no
+            complete checkpoint, or its checkpoint lists saved trajectories and the file is missing.
+        ValueError: the checkpoint's ``trajectories.jsonl`` is malformed (one line naming the file and
+            line, :func:`trainer.driver.resume.read_trajectories`).
         pydantic.ValidationError: the learner settings refuse the combination.
         TimeoutError: the learner or the old-logit service did not start within
             ``controller.start_timeout_s``.
@@ -55,13 +62,33 @@ def start_job(cfg: JobConfig, console: Console) -> Job:
         cfg.oldlogit_route, start_oldlogit_service(cfg, model_path, console), cfg.oldlogit.restart_timeout_s
     )
     pool = start_workers(cfg, model_path, route, console)
-    version = run_segment = 0
+    version = run_segment = lost_before = 0
+    extra: dict[str, Any] = {}
+    saved = SavedTrajectories([], [])
     if c.resume_from:
-        extra = learner.load_checkpoint(c.resume_from)
-        buffer.load_state_dict(extra.get("buffer", {"submitted": 0, "consumed": 0, "dropped": {}}))
+        tag, extra = resume_learner(learner, c.resume_from)
+        counters = extra.get("buffer", {"submitted": 0, "consumed": 0, "dropped": {}})
+        source_state = extra.get("source", {})
+        saved = read_trajectories(
+            Path(c.resume_from) / tag, counters.get("buffered_ids", []), source_state.get("held_back_ids", [])
+        )
+        lost_before = counters["dropped"].get("lost_at_restart", 0)
+        buffer.load_state_dict(counters, saved.buffered, pending=len(saved.held_back))
         version, run_segment = learner.version(), int(extra.get("run_segment", 0)) + 1
-        console.print(f"resumed from {c.resume_from} at version {version} (run segment {run_segment})")
-    return Job(
+        console.print(
+            f"resumed from {c.resume_from} at version {version} (run segment {run_segment}): "
+            f"{len(saved.buffered) + len(saved.held_back)} finished trajectories kept, "
+            f"{buffer.dropped['lost_at_restart'] - lost_before} in flight lost"
+        )
+    ledger = Ledger(cfg.logging.run_dir, run_segment, lambda: job.version)
+
+    def source(j: Job) -> TrajectorySource:
+        src = start_source(j, console)
+        src.restore(extra.get("source", {}).get("cursor", {}), saved.held_back)
+        return src
+
+    buffer.ledger = ledger
+    job = Job(
         cfg,
         console,
         model_path=model_path,
@@ -72,8 +99,33 @@ def start_job(cfg: JobConfig, console: Console) -> Job:
         buffer=buffer,
         version=version,
         run_segment=run_segment,
-        source=lambda job: start_source(job, console),
+        source=source,
+        ledger=ledger,
     )
+    if c.resume_from:
+        ledger(
+            "resumed",
+            [t.trajectory_id for t in saved.buffered + saved.held_back],
+            tag=tag,
+            lost_at_restart=buffer.dropped["lost_at_restart"] - lost_before,
+        )
+    return job
+
+
+def resume_learner(learner: LearnerGroup, directory: str) -> tuple[str, dict[str, Any]]:
+    """Load the newest complete checkpoint of ``directory`` into ``learner``; its tag and ``extra``.
+
+    Raises:
+        FileNotFoundError: no complete checkpoint in ``directory``.
+    """
+    from trainer.learner.checkpoint import LATEST_FILE, latest_tag
+
+    tag = latest_tag(directory)
+    if tag is None:
+        raise FileNotFoundError(
+            f"controller.resume_from: no complete checkpoint in {directory} ({LATEST_FILE} missing)"
+        )
+    return tag, learner.load_checkpoint(directory, tag)
 
 
 def resolve_model(cfg: JobConfig) -> Path:
@@ -208,7 +260,7 @@ def start_source(job: Job, console: Console) -> TrajectorySource:
     token go to ``<run_dir>/gateway.json``, owner-only, and the URL to the console); otherwise the
     env loop over the job's rollout workers."""
     if job.cfg.agent is None:
-        return EnvSource(job.cfg, job.pool, job.buffer, lambda: job.version, job.times)
+        return EnvSource(job.cfg, job.pool, job.buffer, lambda: job.version, job.times, job.run_segment)
     from trainer.driver.agent_runner import AgentRunner
 
     runner = AgentRunner.for_job(job)

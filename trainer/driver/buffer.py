@@ -12,15 +12,26 @@ Invariants (checked by :meth:`TrajectoryBuffer.accounting_ok` and the tests):
 * a batch taken ahead (:meth:`TrajectoryBuffer.take_ahead`, for the version after the learner's) is
   held until its step starts (:meth:`TrajectoryBuffer.consume`) or it is returned
   (:meth:`TrajectoryBuffer.put_back`); staleness only grows with the consuming version, so a batch
-  within the bound at ``V + 1`` is within it at ``V`` too (a skipped step leaves it valid).
+  within the bound at ``V + 1`` is within it at ``V`` too (a skipped step leaves it valid);
+* a checkpoint keeps every finished trajectory not yet consumed (:meth:`TrajectoryBuffer.saved`:
+  held ones first, as :meth:`TrajectoryBuffer.put_back` would return them, then the buffered FIFO),
+  so after a resume only the trajectories in flight at the checkpoint count as
+  ``dropped["lost_at_restart"]``;
+* every finished trajectory's fate is reported by id to the buffer's ``ledger`` (``buffered`` on
+  arrival, ``consumed``, ``dropped`` with its reason), :class:`trainer.driver.ledger.Ledger`.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from protocol import NO_VERSION, Trajectory
+
+
+def no_ledger(event: str, ids: list[str], reason: str | None = None) -> None:
+    """The default ledger of a buffer: records nothing."""
 
 
 def sequence_staleness(traj: Trajectory, consuming_version: int) -> int:
@@ -59,6 +70,9 @@ class TrajectoryBuffer:
     dropped: Counter = field(default_factory=Counter)
     in_flight: int = 0
     dropped_total: int = 0
+    ledger: Callable[..., None] = no_ledger
+    """Called ``ledger(event, ids, reason)`` with the ids of each finished trajectory's fate:
+    ``buffered`` (arrived), ``consumed``, ``dropped`` (``reason``: the drop reason)."""
     _items: OrderedDict = field(default_factory=OrderedDict)
     _held: dict = field(default_factory=dict)
 
@@ -96,20 +110,29 @@ class TrajectoryBuffer:
         self.in_flight -= n
         self._drop(reason, n)
 
-    def reject(self, reason: str) -> None:
-        """Record an arrived trajectory that will not be buffered (e.g. ``aborted`` by its worker)."""
+    def reject(self, reason: str, trajectory_id: str | None = None) -> None:
+        """Record an arrived trajectory that will not be buffered (e.g. ``aborted`` by its worker);
+        ``trajectory_id`` goes to the ledger."""
         self.in_flight = max(0, self.in_flight - 1)
         self._drop(reason)
+        if trajectory_id is not None:
+            self.ledger("dropped", [trajectory_id], reason)
 
     def offer(self, traj: Trajectory) -> bool:
-        """Add a finished trajectory. Returns False (and counts ``buffer_full``) when full."""
+        """Add a finished trajectory. Returns False (and counts ``buffer_full``) when full.
+
+        Raises:
+            ValueError: a trajectory of that ``trajectory_id`` is buffered or held already.
+        """
         self.in_flight = max(0, self.in_flight - 1)
         if len(self._items) >= self.capacity:
             self._drop("buffer_full")
+            self.ledger("dropped", [traj.trajectory_id], "buffer_full")
             return False
-        if traj.trajectory_id in self._items:
+        if traj.trajectory_id in self._items or traj.trajectory_id in self._held:
             raise ValueError(f"trajectory_id: {traj.trajectory_id!r} offered twice")
         self._items[traj.trajectory_id] = traj
+        self.ledger("buffered", [traj.trajectory_id])
         return True
 
     def drop_stale(self, consuming_version: int) -> int:
@@ -118,6 +141,8 @@ class TrajectoryBuffer:
         for k in stale:
             del self._items[k]
         self._drop("stale", len(stale))
+        if stale:
+            self.ledger("dropped", stale, "stale")
         return len(stale)
 
     def _choose(self, n: int, consuming_version: int, group_size: int) -> list[str] | None:
@@ -165,6 +190,7 @@ class TrajectoryBuffer:
             self._held.update((t.trajectory_id, t) for t in batch)
         else:
             self.consumed += len(batch)
+            self.ledger("consumed", keys)
         return batch
 
     def _release(self, batch: list[Trajectory]) -> None:
@@ -182,6 +208,7 @@ class TrajectoryBuffer:
         """
         self._release(batch)
         self.consumed += len(batch)
+        self.ledger("consumed", [t.trajectory_id for t in batch])
 
     def put_back(self, batch: list[Trajectory]) -> None:
         """Return a held batch, unconsumed, to the front of the buffer in its order (e.g. a batch taken
@@ -207,21 +234,54 @@ class TrajectoryBuffer:
             == self.consumed + sum(self.dropped.values()) + len(self._items) + len(self._held) + self.in_flight
         )
 
-    def state_dict(self) -> dict:
-        """Counters for checkpoints (buffered and held trajectories are not saved; they count as
-        ``lost_at_restart`` on resume)."""
-        return {"submitted": self.submitted, "consumed": self.consumed, "dropped": dict(self.dropped)}
+    def saved(self) -> list[Trajectory]:
+        """What a checkpoint keeps of the trajectories: the held ones first (in the order taken, as
+        :meth:`put_back` returns them to the front), then the buffered ones (FIFO). A batch taken
+        ahead is thus saved as buffered, not as taken: a resumed job takes it again, at its version."""
+        return [*self._held.values(), *self._items.values()]
 
-    def load_state_dict(self, state: dict) -> None:
-        lost = state["submitted"] - state["consumed"] - sum(state["dropped"].values())
+    def state_dict(self) -> dict:
+        """Counters for checkpoints and ``buffered_ids``, the ids of :meth:`saved` in its order (the
+        trajectories themselves go to a file beside it, :mod:`trainer.driver.resume`)."""
+        return {
+            "submitted": self.submitted,
+            "consumed": self.consumed,
+            "dropped": dict(self.dropped),
+            "buffered_ids": [t.trajectory_id for t in self.saved()],
+        }
+
+    def load_state_dict(self, state: dict, trajectories: Sequence[Trajectory] = (), pending: int = 0) -> None:
+        """Restore the counters of :meth:`state_dict` and its saved ``trajectories`` (buffered, in
+        their order; none held); ``pending`` trajectories finished before the checkpoint but not yet
+        offered (a source's held-back ones) stay counted in flight. The rest of what was in flight
+        at the checkpoint never arrives: it counts as ``dropped["lost_at_restart"]``, so
+        ``submitted == consumed + dropped + buffered + in_flight`` holds again.
+
+        Raises:
+            ValueError: the ids of ``trajectories`` are not ``state["buffered_ids"]`` in order (missing
+                means none), or more trajectories than were submitted and not consumed or dropped.
+        """
+        ids = [t.trajectory_id for t in trajectories]
+        want = list(state.get("buffered_ids", []))
+        if ids != want:
+            k = next((i for i, (a, b) in enumerate(zip(ids, want, strict=False)) if a != b), min(len(ids), len(want)))
+            raise ValueError(
+                f"buffered_ids: the checkpoint lists {len(want)} ids, {len(ids)} trajectories given "
+                f"(first difference at position {k})"
+            )
+        lost = state["submitted"] - state["consumed"] - sum(state["dropped"].values()) - len(ids) - pending
+        if lost < 0:
+            raise ValueError(
+                f"buffered_ids: {len(ids)} saved and {pending} pending exceed what was in flight by {-lost}"
+            )
         self.submitted, self.consumed = state["submitted"], state["consumed"]
         self.dropped = Counter(state["dropped"])
         if lost > 0:
             self.dropped["lost_at_restart"] += lost
         self.dropped_total = sum(self.dropped.values())
-        self.in_flight = 0
-        self._items.clear()
+        self.in_flight = pending
         self._held.clear()
+        self._items = OrderedDict((t.trajectory_id, t) for t in trajectories)
 
 
 def token_staleness_histogram(batch: list[Trajectory], consuming_version: int) -> dict[int, int]:

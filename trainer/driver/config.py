@@ -178,8 +178,10 @@ class ControllerConfig(_Section):
     """Seconds the learner and the old-logit service may take to start (model load, DeepSpeed init);
     past that the job stops with an error naming the part instead of waiting silently."""
     resume_from: str | None = None
-    """Checkpoint directory to resume from: weights, optimizer, version counter, EWMA state and buffer
-    accounting continue; ``total_steps`` counts versions, so a resumed run stops at the same final version."""
+    """Checkpoint directory to resume from: weights, optimizer, version counter, EWMA state, buffer
+    accounting, the finished trajectories not yet consumed and the env seed cursor continue
+    (:mod:`trainer.driver.resume`); ``total_steps`` counts versions, so a resumed run stops at the
+    same final version."""
     seed: int = 0
 
 

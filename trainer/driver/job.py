@@ -29,7 +29,8 @@
                       collect first), then ``Job.publish``
         log           ``step_report`` -> ``metrics.jsonl``, TensorBoard, ``/v1/status``, the step
                       line (:mod:`trainer.driver.report`)
-        checkpoint    every ``controller.checkpoint_every`` versions
+        checkpoint    every ``controller.checkpoint_every`` versions: the learner's state and every
+                      finished trajectory not yet consumed (``Job.checkpoint``)
     score held-out episodes (reward after), write summary, plots, checkpoint
 
 What varies between runs is an object chosen once at assembly: the old-logit route

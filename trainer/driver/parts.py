@@ -10,7 +10,9 @@ Invariants: the learner's version rises by exactly one per applied step and is p
 every consumer before the next version is published (one publication is applied at a time); a
 batch stays held in the buffer until its step starts, and a batch taken ahead whose step never
 started goes back unconsumed; every trajectory that reaches :meth:`Job.collect` enters the buffer
-or is refused with a reason (:func:`intake_refusal`).
+or is refused with a reason (:func:`intake_refusal`), and its fate is in the ledger by id
+(:mod:`trainer.driver.ledger`); a checkpoint keeps every finished trajectory not yet consumed
+(:meth:`Job.checkpoint`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from protocol import OldLogitServiceStatus, Trajectory
 from trainer.driver import report
 from trainer.driver.buffer import TrajectoryBuffer
 from trainer.driver.config import JobConfig
+from trainer.driver.ledger import Ledger
+from trainer.driver.resume import write_trajectories
 from trainer.driver.routes import NoRoute
 from trainer.driver.server import StatusBoard
 from trainer.driver.sources import TrajectorySource
@@ -120,6 +124,7 @@ class Job:
         version: the learner's version at the start (the resumed one, else 0).
         run_segment: 0 for a fresh run, +1 at every resume.
         source: builds the trajectory source over this job (its pool, buffer and version).
+        ledger: where the fate of every finished trajectory is recorded (the buffer's ``ledger``).
     """
 
     _applying: threading.Thread | None = None
@@ -140,6 +145,7 @@ class Job:
         version: int,
         run_segment: int,
         source: Callable[[Job], TrajectorySource],
+        ledger: Ledger,
     ):
         self.cfg, self.console = cfg, console
         self.run_dir = Path(cfg.logging.run_dir)
@@ -160,6 +166,7 @@ class Job:
         self.first_launch: float | None = None  # perf_counter at the first learner step's launch
         self.tokens_exact = self.tokens_total = 0
         self.last_publish: dict[str, float] = {}
+        self.ledger = ledger
         self.source: TrajectorySource = source(self)
         """Where training trajectories come from (:mod:`trainer.driver.sources`): it admits, collects and evaluates."""
 
@@ -181,7 +188,7 @@ class Job:
         for t in got:
             refused = intake_refusal(t, self.vocab_size)
             if refused:
-                self.buffer.reject(refused)
+                self.buffer.reject(refused, t.trajectory_id)
             else:
                 self.buffer.offer(t)
 
@@ -352,11 +359,27 @@ class Job:
         return self.source.evaluate(tag)
 
     def checkpoint(self) -> str:
-        """Learner state (weights, optimizer, version, EWMA) plus the buffer accounting."""
-        extra = {"buffer": self.buffer.state_dict(), "run_segment": self.run_segment}
-        path = self.learner.save_checkpoint(str(self.run_dir / "checkpoints"), extra)
+        """Save ``<run_dir>/checkpoints/v{version}`` and return its folder: the learner's state
+        (weights, optimizer, version, EWMA), the buffer's accounting, the source's cursor, and every
+        finished trajectory not yet consumed - buffered, held in a batch taken ahead (saved as
+        buffered, at the front: the resumed job takes it again) or held back by the source - in
+        :data:`trainer.driver.resume.TRAJECTORIES_FILE`, written before the learner moves the
+        checkpoint pointer. The ledger gets a ``checkpoint`` line naming the saved ids.
+        """
+        from trainer.learner.checkpoint import version_tag
+
+        directory, tag = self.run_dir / "checkpoints", version_tag(self.version)
+        pending = self.source.pending()
+        write_trajectories(directory / tag, self.buffer.saved(), pending)
+        extra = {
+            "buffer": self.buffer.state_dict(),
+            "source": {"cursor": self.source.cursor(), "held_back_ids": [t.trajectory_id for t in pending]},
+            "run_segment": self.run_segment,
+        }
+        folder = self.learner.save_checkpoint(str(directory), extra)
         self.checkpointed_version = self.version
-        return path
+        self.ledger("checkpoint", extra["buffer"]["buffered_ids"], tag=tag, held_back=extra["source"]["held_back_ids"])
+        return folder
 
     def export(self) -> Path:
         """A Hugging Face folder of the current version at ``<run_dir>/exports/v{version}``
@@ -431,3 +454,4 @@ class Job:
         if self.route.oldlogit is not None:
             with contextlib.suppress(Exception):
                 ray.kill(self.route.oldlogit)
+        self.ledger.close()

@@ -219,6 +219,8 @@ def run_summary(
         "generated": job.buffer.submitted,
         "consumed": job.buffer.consumed,
         "dropped": dict(job.buffer.dropped),
+        "buffered": len(job.buffer) + job.buffer.held,
+        "in_flight": job.buffer.in_flight,
         "accounting_ok": job.buffer.accounting_ok(),
         "worker_restarts": job.restarts,
         "run_segment": job.run_segment,

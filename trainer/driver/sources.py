@@ -11,6 +11,9 @@ operation                   :class:`EnvSource` (the built-in     :class:`AgentSo
 ``evaluate``                held-out env seeds, one sample each  the agent on held-out tasks
 ``note_worker_loss``        drops the samples (worker's reason)  nothing: sessions end on their own
 ``status``                  None                                 the gateway's sessions and calls
+``cursor`` / ``pending``    next env seed / held-back            ``{}`` / none: task ids continue
+                            trajectories (kept by a checkpoint)  from the session count
+``restore``                 both, from a checkpoint              nothing
 ``close``                   nothing (the job stops the pool)     stops the agents and the gateway
 ==========================  ===================================  ==================================
 
@@ -59,6 +62,16 @@ class TrajectorySource(Protocol):
     def status(self) -> GatewayStatus | None:
         """The source's own ``/v1/status`` record (``JobStatus.gateway``); None when it has none."""
 
+    def cursor(self) -> dict[str, int]:
+        """Where the source goes on after a resume (plain values, saved in a checkpoint's state)."""
+
+    def pending(self) -> list[Trajectory]:
+        """Finished training trajectories taken from the workers that ``poll`` has not returned yet
+        (saved with a checkpoint; still in flight for the buffer's accounting)."""
+
+    def restore(self, cursor: dict[str, int], pending: list[Trajectory]) -> None:
+        """Go on from a checkpoint's ``cursor`` and ``pending`` trajectories (returned by the next ``poll``)."""
+
     def close(self) -> None:
         """Stop what the source started (the job stops the worker pool itself)."""
 
@@ -84,9 +97,14 @@ class EnvSource:
     """The built-in environment loop: groups of ``rollout.sampling.n`` samples of one env seed,
     submitted to the rollout workers and polled back from them.
 
-    Training seeds run through ``0 .. env.train_seeds - 1`` in turn (a resumed job continues from its
-    submission count); held-out seeds are the ``env.eval_prompts`` after them. Training trajectories
-    that finish while an evaluation waits are held back and returned by the next :meth:`poll`.
+    Training seeds run through ``0 .. env.train_seeds - 1`` in turn: the cursor ``next_seed`` moves by
+    one per group a worker took (a group no worker took keeps its seed for the next submission), and
+    a checkpoint saves it, so a resumed job repeats and skips no seed (a checkpoint without one goes
+    on from its submission count). Held-out seeds are the ``env.eval_prompts`` after them. Training
+    trajectories that finish while an evaluation waits are held back and returned by the next
+    :meth:`poll` (a checkpoint saves them too). Request and group ids are ``v{version}-{seed}-{n}``
+    (``n``: the submission count), from run segment 1 on prefixed ``r{segment}.``: the ids of a resumed
+    segment never repeat those the segment before sampled after the checkpoint.
 
     Args:
         cfg: the job config.
@@ -94,6 +112,7 @@ class EnvSource:
         buffer: the job's trajectory buffer (admission and accounting).
         version: the learner's current version.
         times: the job's time split; an evaluation adds its seconds to ``times["eval"]``.
+        segment: the job's run segment (0 for a fresh run).
     """
 
     def __init__(
@@ -103,11 +122,14 @@ class EnvSource:
         buffer: TrajectoryBuffer,
         version: Callable[[], int],
         times: Counter,
+        segment: int = 0,
     ):
         self.cfg, self.pool, self.buffer, self.version, self.times = cfg, pool, buffer, version, times
         s = cfg.rollout.sampling
         self.group_size, self.batch_size = s.n, cfg.controller.batch_groups * s.n
-        self.seeds = iter(range(buffer.submitted, 10**9))
+        self.next_seed = buffer.submitted
+        """Index of the next training group; its env seed is ``next_seed % env.train_seeds``."""
+        self.id_prefix = f"r{segment}." if segment else ""
         self._held_back: list[Trajectory] = []  # training trajectories polled during an evaluation
 
     def top_up(self) -> None:
@@ -116,8 +138,8 @@ class EnvSource:
         room = admission_capacity(v, self.cfg.controller.max_staleness, self.batch_size, self.buffer.scheduled)
         groups = room // self.group_size
         if groups and len(self.pool):
-            seeds = [next(self.seeds) % self.cfg.env.train_seeds for _ in range(groups)]
-            reqs = make_requests(self.cfg, seeds, f"v{v}-", v)
+            seeds = [(self.next_seed + i) % self.cfg.env.train_seeds for i in range(groups)]
+            reqs = make_requests(self.cfg, seeds, f"{self.id_prefix}v{v}-", v)
             # request ids must be unique: the seed may repeat, the submission counter does not
             reqs = [
                 r.model_copy(
@@ -128,7 +150,9 @@ class EnvSource:
                 )
                 for i, r in enumerate(reqs)
             ]
-            self.buffer.note_submitted(self.pool.submit(reqs))
+            sent = self.pool.submit(reqs)  # samples, requests taken in order
+            self.next_seed += -(-sent // self.group_size)
+            self.buffer.note_submitted(sent)
 
     def poll(self) -> list[Trajectory]:
         """Those held back during an evaluation, then the pool's finished trajectories."""
@@ -182,6 +206,19 @@ class EnvSource:
         """None: nothing of its own to report."""
         return None
 
+    def cursor(self) -> dict[str, int]:
+        """``{"next_seed": ...}``."""
+        return {"next_seed": self.next_seed}
+
+    def pending(self) -> list[Trajectory]:
+        """The training trajectories held back during an evaluation."""
+        return list(self._held_back)
+
+    def restore(self, cursor: dict[str, int], pending: list[Trajectory]) -> None:
+        """Continue at ``cursor["next_seed"]`` (when saved); ``pending`` comes first in the next :meth:`poll`."""
+        self.next_seed = int(cursor.get("next_seed", self.next_seed))
+        self._held_back = list(pending)
+
     def close(self) -> None:
         """Nothing of its own to stop."""
 
@@ -212,6 +249,17 @@ class AgentSource:
 
     def note_worker_loss(self, samples: int, reason: str) -> None:
         """Nothing: the sessions whose calls were lost end on their own (see the class docstring)."""
+
+    def cursor(self) -> dict[str, int]:
+        """``{}``: task ids go on from the buffer's session count (:class:`AgentRunner`)."""
+        return {}
+
+    def pending(self) -> list[Trajectory]:
+        """None: an ended session's trajectories are returned by the next :meth:`poll`, not held."""
+        return []
+
+    def restore(self, cursor: dict[str, int], pending: list[Trajectory]) -> None:
+        """Nothing to restore (see :meth:`cursor`)."""
 
     def status(self) -> GatewayStatus | None:
         """The gateway's sessions, calls and their accounting."""
