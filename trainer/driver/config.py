@@ -200,6 +200,12 @@ class LoggingConfig(_Section):
     tensorboard: bool = True
     """Also write TensorBoard event files (metrics always go to ``metrics.jsonl``)."""
     plots: bool = True
+    samples_per_step: int = Field(2, ge=0)
+    """Trajectories of each trained batch written to ``<run_dir>/samples.jsonl`` (decoded text,
+    reward, advantage, per-token versions and exact/proxy flags, trained spans): the batch's first
+    ones, whole groups in order. 0 writes none."""
+    max_samples: int = Field(1000, ge=0)
+    """Most records ``samples.jsonl`` holds over the run, a resumed run's earlier ones included; 0 writes none."""
 
 
 class RayConfig(_Section):
