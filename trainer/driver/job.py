@@ -27,7 +27,7 @@
         publish       ``Job.await_old_logits`` (the service answers the next batch before it takes
                       the new version: one call at a time), ``route.before_publish`` (scorer routes
                       collect first), then ``Job.publish``
-        log           ``step_report`` -> ``metrics.jsonl``, TensorBoard, ``/v1/status``, the step
+        log           ``step_report`` -> ``metrics.jsonl``, the trackers, ``/v1/status``, the step
                       line (:mod:`trainer.driver.report`); a few of the batch's trajectories ->
                       ``samples.jsonl`` (:mod:`trainer.driver.samples`)
         checkpoint    every ``controller.checkpoint_every`` versions
@@ -70,6 +70,7 @@ from trainer.driver.report import failed_part, loop_per_step, run_summary, statu
 from trainer.driver.samples import SamplesLog
 from trainer.driver.server import StatusBoard
 from trainer.driver.session import StopSignal, ray_session, start_status_server
+from trainer.driver.trackers import start_trackers
 
 __all__ = [
     "Job",
@@ -91,8 +92,11 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
     """Run one job to ``controller.total_steps`` (or the time budget); returns the summary dict.
 
     The summary is also written to ``<run_dir>/summary.json``; metrics go to ``metrics.jsonl`` (and
-    TensorBoard), a few trained trajectories per step to ``samples.jsonl``, plots to ``reward.png`` /
-    ``staleness.png``.
+    the trackers of ``logging.trackers``), a few trained trajectories per step to
+    ``samples.jsonl``, plots to ``reward.png`` / ``staleness.png``.
+
+    Raises:
+        ImportError: a tracker of ``logging.trackers`` whose package is not installed.
     """
     console = console or Console(soft_wrap=True)  # one line per step at any width
     defaults_env()
@@ -101,7 +105,7 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     board = StatusBoard()
     server = start_status_server(cfg, board, console)  # None without [server]
-    log = MetricsLog(run_dir, tensorboard=cfg.logging.tensorboard)
+    log = MetricsLog(run_dir, start_trackers(cfg.logging, cfg.model_dump(mode="json")))
     summary: dict[str, Any] = {"state": "failed", "end_reason": "failed: start-up"}
     stop = StopSignal()
     try:
