@@ -146,8 +146,11 @@ class SamplesLog:
         self.path = Path(run_dir) / SAMPLES_FILE
         self.per_step, self.max_samples = per_step, max_samples
         self.model_path, self._tokenizer = model_path, tokenizer
-        self.written = sum(1 for _ in self.path.open()) if self.path.exists() else 0
+        self.written = 0
         """Records in the file (a resumed run's included)."""
+        if self.path.exists():
+            with self.path.open() as fh:
+                self.written = sum(1 for line in fh if line.strip())
 
     def room(self) -> int:
         """How many records the next step may write."""
