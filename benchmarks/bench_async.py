@@ -48,7 +48,7 @@ def main() -> None:
             "deploy/configs/demo.toml",
             [
                 f'model.path="{a.model}"', f"controller.total_steps={a.steps}", f"controller.max_staleness={staleness}",
-                "controller.time_budget_s=3600", "env.eval_prompts=0", "server.enabled=false", "logging.tensorboard=false",
+                "controller.time_budget_s=3600", "env.eval_prompts=0", "server.enabled=false", "logging.trackers=[]",
                 "logging.plots=false", f'logging.run_dir="{run_dir}"',
             ],
         )  # fmt: skip

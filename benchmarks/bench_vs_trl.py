@@ -436,7 +436,7 @@ def run_vintage(config: Path, overrides: list[str], budget_s: float, work: Path,
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     sets = [*overrides, "controller.total_steps=1000000", f"controller.time_budget_s={budget_s}",
-            "env.eval_prompts=0", "server.enabled=false", "logging.tensorboard=false", "logging.plots=false",
+            "env.eval_prompts=0", "server.enabled=false", "logging.trackers=[]", "logging.plots=false",
             f"logging.run_dir={json.dumps(str(work))}"]  # fmt: skip
     cmd = [sys.executable, "-m", "vintage_cli.main", "run", str(config)]
     for s in sets:

@@ -134,7 +134,7 @@ BASE: list[str] = [
     "learner.micro_batch_size=32",
     "oldlogit.memory_budget_bytes=2147483648",
     "server.port=0",
-    "logging.tensorboard=false",
+    "logging.trackers=[]",
     "logging.plots=false",
     "ray.num_cpus=6",
 ]

@@ -13,7 +13,7 @@ TINY_JOB = [
     "learner.lr=1e-4",
     "learner.micro_batch_size=8",
     "server.port=0",
-    "logging.tensorboard=false",
+    "logging.trackers=[]",
     "logging.plots=false",
     "ray.num_cpus=6",
 ]

@@ -1,5 +1,5 @@
 """The ``vintage`` command line: run a job, query its status, scale rollout workers, export a
-version, prepare models."""
+version, read its samples, prepare models."""
 
 from __future__ import annotations
 
@@ -364,6 +364,67 @@ def export(
     console.print(
         f"[green]exported[/green] version {record.version} of {run_dir} as a {what} ({record.dtype}) to {out}"
     )
+
+
+@app.command()
+def samples(
+    run_dir: Annotated[Path, typer.Argument(help="The run folder (logging.run_dir) holding samples.jsonl.")],
+    version: Annotated[
+        int | None, typer.Option(help="Only the samples trained at this learner version (consumed_version).")
+    ] = None,
+    limit: Annotated[int, typer.Option(min=1, help="Show at most this many, the latest.")] = 5,
+) -> None:
+    """Print trained trajectories from samples.jsonl: prompt, completion with the trained tokens
+    highlighted (green: exact pi_old, yellow: proxy; dim: not trained), reward, advantage, versions."""
+    from trainer.driver.samples import read_samples
+
+    try:
+        records = read_samples(run_dir)
+    except (FileNotFoundError, ValueError) as e:
+        console.print(f"[red]samples error:[/red] {str(e).splitlines()[0]}", soft_wrap=True)
+        raise typer.Exit(2) from None
+    if version is not None:
+        have = sorted({r["consumed_version"] for r in records})
+        records = [r for r in records if r["consumed_version"] == version]
+        if not records:
+            console.print(f"no samples trained at version {version} in {run_dir} (versions there: {have})")
+            raise typer.Exit(1)
+    console.print(
+        "[bold green]trained, exact pi_old[/bold green]  [bold yellow]trained, proxy[/bold yellow]  [dim]not trained[/dim]\n"
+    )
+    for r in records[-limit:]:
+        console.print(sample_text(r))
+
+
+def sample_text(r: dict):
+    """One ``samples.jsonl`` record as rich text: a header line, the prompt (dim), the completion
+    with its segments styled by trained / exact."""
+    from rich.text import Text
+
+    sampled = [v for v in r["versions"] if v >= 0]
+    trained = sum(b - a for a, b in r["spans"])
+    exact = sum(r["exact"])
+    lo, hi = (min(sampled), max(sampled)) if sampled else (None, None)
+    versions = "-" if lo is None else str(lo) if lo == hi else f"{lo}-{hi}"
+    head = Text(
+        f"step {r['step']}  trained at version {r['consumed_version']}  {r['trajectory_id']} (group {r['group_id']})"
+        f"  reward {r['reward']:.4g}  advantage {r['advantage']:+.4g}  finish {r['finish_reason']}"
+        + ("" if r.get("applied", True) else "  (step skipped)"),
+        style="bold",
+    )
+    head.append(
+        f"\nsampled at versions {versions}  trained tokens {trained} "
+        f"(exact {exact}, proxy {trained - exact})  spans {r['spans']}",
+        style="not bold",
+    )
+    text = Text("\n")
+    text.append("prompt: ", style="bold")
+    text.append(r["prompt"], style="dim")
+    text.append("\ncompletion: ", style="bold")
+    for seg in r["segments"]:
+        style = ("bold green" if seg["exact"] else "bold yellow") if seg["trained"] else "dim"
+        text.append(seg["text"], style=style)
+    return Text.assemble(head, text, "\n")
 
 
 @app.command()

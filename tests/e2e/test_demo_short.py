@@ -42,7 +42,7 @@ def demo_run(tmp_path_factory, real_model_path, ray_cluster):
             "oldlogit.memory_budget_bytes=1100000000",
             "server.port=0",
             f'logging.run_dir="{run_dir}"',
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
             "controller.time_budget_s=1500",
         ],
     )

@@ -34,7 +34,7 @@ BASE = [
     'model.path="tiny"', "env.eval_prompts=0", 'rollout.engine="transformers"', "rollout.max_batch=16",
     "rollout.sampling.max_tokens=12", "rollout.sampling.n=4", "controller.batch_groups=2",
     "controller.max_staleness=1", "learner.micro_batch_size=8", "server.enabled=false",
-    "logging.tensorboard=false", "logging.plots=false",
+    "logging.trackers=[]", "logging.plots=false",
 ]  # fmt: skip
 
 

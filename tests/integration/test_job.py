@@ -2,9 +2,9 @@
 
 Checks: versions advance one per step; no consumed token exceeds ``max_staleness``; the snapshot
 route's answers stay exact for every token with the next batch scored while the learner trains; the
-status endpoint answers during the run; rollout workers scale up and down mid-run; the accounting
-identity holds; a mutating call without the token is refused; a resumed run continues the version
-sequence from its checkpoint.
+status endpoint answers during the run; ``samples.jsonl`` holds two decoded trajectories per step;
+rollout workers scale up and down mid-run; the accounting identity holds; a mutating call without
+the token is refused; a resumed run continues the version sequence from its checkpoint.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from tests.tiny_job import TINY_JOB
 from trainer.driver.config import load_config
 from trainer.driver.job import run_job
 from trainer.driver.metrics_log import read_metrics
+from trainer.driver.samples import read_samples
 
 pytestmark = pytest.mark.integration
 
@@ -113,6 +114,19 @@ def test_two_optimizer_steps_per_version_and_exports_every_third(first_run):
         folder = run_dir / "exports" / f"v{v}"
         assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
         assert json.loads((folder / "vintage-export.json").read_text())["version"] == v
+
+
+def test_samples_are_the_batches_first_trajectories_decoded(first_run):
+    run_dir, _, _ = first_run
+    recs = read_samples(run_dir)
+    assert len(recs) == 6 * 2  # logging.samples_per_step = 2 of each batch
+    assert [r["step"] for r in recs] == [s for s in range(1, 7) for _ in range(2)]
+    assert [r["consumed_version"] for r in recs] == [s - 1 for s in range(1, 7) for _ in range(2)]
+    for r in recs:
+        trained = sum(b - a for a, b in r["spans"])
+        assert trained > 0 and sum(r["exact"]) == trained  # the snapshot route is exact on every token
+        assert r["segments"][0]["start"] == r["prompt_len"] and r["segments"][-1]["end"] == len(r["token_ids"])
+        assert r["prompt"] and r["completion"] and len(r["versions"]) == len(r["exact"]) == len(r["token_ids"])
 
 
 def test_accounting_identity_and_summary(first_run):

@@ -33,7 +33,7 @@ def test_job_trains_an_agent_through_the_gateway(tmp_path, tiny_model_path, ray_
             "learner.micro_batch_size=4",
             "learner.lr=1e-4",
             f'logging.run_dir="{tmp_path}"',
-            "logging.tensorboard=false",
+            "logging.trackers=[]",
             "logging.plots=false",
         ],
     )

@@ -47,7 +47,7 @@ def test_a_missing_field_is_named():
 
 
 def test_row_round_trips_through_metrics_jsonl(tmp_path):
-    log = MetricsLog(tmp_path, tensorboard=False)
+    log = MetricsLog(tmp_path)
     log.log(3, StepMetrics(**LEARNER, **DRIVER))
     log.close()
     (row,) = read_metrics(tmp_path / "metrics.jsonl")

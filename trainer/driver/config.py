@@ -204,9 +204,41 @@ class ServerConfig(_Section):
 class LoggingConfig(_Section):
     run_dir: str = "runs/latest"
     """Where metrics, checkpoints, plots and the resolved config go."""
-    tensorboard: bool = True
-    """Also write TensorBoard event files (metrics always go to ``metrics.jsonl``)."""
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["tensorboard"])
+    """Where the step metrics go besides ``metrics.jsonl``, under its names: ``tensorboard``
+    (``<run_dir>/tensorboard``), ``wandb`` (``<run_dir>/wandb``, offline unless ``WANDB_MODE`` is
+    set; upload later with ``wandb sync``), ``mlflow`` (a file store under ``<run_dir>/mlruns``
+    unless ``MLFLOW_TRACKING_URI`` is set); ``[]`` for none. W&B and MLflow need the ``trackers``
+    extra."""
+    project: str = Field("vintage", min_length=1)
+    """The W&B project and the MLflow experiment the run is logged under."""
+    run_name: str | None = Field(None, min_length=1)
+    """The run's name in W&B and MLflow; None: the run folder's name."""
     plots: bool = True
+    samples_per_step: int = Field(2, ge=0)
+    """Trajectories of each trained batch written to ``<run_dir>/samples.jsonl`` (decoded text,
+    reward, advantage, per-token versions and exact/proxy flags, trained spans): the batch's first
+    ones, whole groups in order. 0 writes none."""
+    max_samples: int = Field(1000, ge=0)
+    """Most records ``samples.jsonl`` holds over the run, a resumed run's earlier ones included; 0 writes none."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "tensorboard" in data:
+            raise ValueError(
+                f"logging.tensorboard = {data['tensorboard']!r} is now logging.trackers: "
+                'trackers = ["tensorboard"] to write TensorBoard events, trackers = [] for none'
+            )
+        return data
+
+    @field_validator("trackers")
+    @classmethod
+    def _once(cls, v: list[str]) -> list[str]:
+        twice = sorted({k for k in v if v.count(k) > 1})
+        if twice:
+            raise ValueError(f"logging.trackers: {twice[0]!r} is listed more than once")
+        return v
 
 
 class RayConfig(_Section):

@@ -27,8 +27,9 @@
         publish       ``Job.await_old_logits`` (the service answers the next batch before it takes
                       the new version: one call at a time), ``route.before_publish`` (scorer routes
                       collect first), then ``Job.publish``
-        log           ``step_report`` -> ``metrics.jsonl``, TensorBoard, ``/v1/status``, the step
-                      line (:mod:`trainer.driver.report`)
+        log           ``step_report`` -> ``metrics.jsonl``, the trackers, ``/v1/status``, the step
+                      line (:mod:`trainer.driver.report`); a few of the batch's trajectories ->
+                      ``samples.jsonl`` (:mod:`trainer.driver.samples`)
         checkpoint    every ``controller.checkpoint_every`` versions: the learner's state and every
                       finished trajectory not yet consumed (``Job.checkpoint``)
     score held-out episodes (reward after), write summary, plots, checkpoint
@@ -67,8 +68,10 @@ from trainer.driver.environment import defaults_env
 from trainer.driver.metrics_log import MetricsLog, plot_run
 from trainer.driver.parts import Job, TakenBatch, intake_refusal
 from trainer.driver.report import failed_part, loop_per_step, run_summary, status_fields, step_line, step_report
+from trainer.driver.samples import SamplesLog
 from trainer.driver.server import StatusBoard
 from trainer.driver.session import StopSignal, ray_session, start_status_server
+from trainer.driver.trackers import start_trackers
 
 __all__ = [
     "Job",
@@ -90,7 +93,11 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
     """Run one job to ``controller.total_steps`` (or the time budget); returns the summary dict.
 
     The summary is also written to ``<run_dir>/summary.json``; metrics go to ``metrics.jsonl`` (and
-    TensorBoard), plots to ``reward.png`` / ``staleness.png``.
+    the trackers of ``logging.trackers``), a few trained trajectories per step to
+    ``samples.jsonl``, plots to ``reward.png`` / ``staleness.png``.
+
+    Raises:
+        ImportError: a tracker of ``logging.trackers`` whose package is not installed.
     """
     console = console or Console(soft_wrap=True)  # one line per step at any width
     defaults_env()
@@ -99,14 +106,15 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     board = StatusBoard()
     server = start_status_server(cfg, board, console)  # None without [server]
-    log = MetricsLog(run_dir, tensorboard=cfg.logging.tensorboard)
+    log = MetricsLog(run_dir, start_trackers(cfg.logging, cfg.model_dump(mode="json")))
     summary: dict[str, Any] = {"state": "failed", "end_reason": "failed: start-up"}
     stop = StopSignal()
     try:
         with ray_session(cfg), stop.installed():  # after ray.init: Ray installs its own SIGTERM handler
             job = start_job(cfg, console)
             try:
-                summary = _loop(job, board, log, t_start, stop)
+                samples = SamplesLog(run_dir, cfg.logging.samples_per_step, cfg.logging.max_samples, job.model_path)
+                summary = _loop(job, board, log, samples, t_start, stop)
             except Exception as e:
                 summary = {"state": "failed", "end_reason": f"failed: {failed_part(e)}", "error": one_line(e)}
                 raise
@@ -129,7 +137,9 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
     return summary
 
 
-def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: StopSignal) -> dict[str, Any]:
+def _loop(
+    job: Job, board: StatusBoard, log: MetricsLog, samples: SamplesLog, t_start: float, stop: StopSignal
+) -> dict[str, Any]:
     """The recipe: each line of the iteration is one part's job (see the module docstring)."""
     cfg, console = job.cfg, job.console
     if job.version > 0:  # resumed: consumers loaded the folder (version 0); give them the resumed weights
@@ -168,6 +178,7 @@ def _loop(job: Job, board: StatusBoard, log: MetricsLog, t_start: float, stop: S
         report = step_report(job, taken.trajectories, learned)  # the row, and the service's status for it
         m = report.metrics
         log.log(job.version, m)
+        samples.write(cfg, taken.trajectories, learned, taken.answer, job.version)  # a few, decoded
         if cfg.controller.checkpoint_every and job.version % cfg.controller.checkpoint_every == 0:
             job.checkpoint()
         if cfg.controller.export_every and job.version % cfg.controller.export_every == 0:

@@ -1,14 +1,18 @@
-"""Per-step metrics to ``metrics.jsonl`` (always) and TensorBoard (optional), plus plots after a run."""
+"""Per-step metrics to ``metrics.jsonl`` (always) and the trackers of ``logging.trackers``
+(TensorBoard, Weights & Biases, MLflow: :mod:`trainer.driver.trackers`), plus plots after a run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from trainer.driver.trackers import Tracker, scalars
 
 
 class StepMetrics(BaseModel):
@@ -85,18 +89,15 @@ class StepMetrics(BaseModel):
 
 
 class MetricsLog:
-    """Append one JSON object per step; scalars also go to TensorBoard when enabled."""
+    """Append one JSON object per step to ``metrics.jsonl``; its finite numbers also go to each tracker
+    (:mod:`trainer.driver.trackers`) under the same names."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, trackers: Sequence[Tracker] = ()):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         self._fh = open(self.path, "a", buffering=1)
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        self.trackers = list(trackers)
 
     def log(self, step: int, metrics: StepMetrics | dict[str, Any]) -> None:
         """Append ``metrics`` (a :class:`StepMetrics` or a flat dict) as the row of ``step``."""
@@ -104,15 +105,16 @@ class MetricsLog:
             metrics = metrics.row()
         row = {"step": step, "time": time.time(), **metrics}
         self._fh.write(json.dumps(row, default=_jsonable) + "\n")
-        if self._tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+        values = scalars(metrics)
+        for t in self.trackers:
+            t.log(step, values)
 
     def close(self) -> None:
+        """Close the file and finish every tracker's run (each, even when one before failed)."""
         self._fh.close()
-        if self._tb is not None:
-            self._tb.close()
+        for t in self.trackers:
+            with contextlib.suppress(Exception):
+                t.close()
 
 
 def _jsonable(v: Any) -> Any:

@@ -30,7 +30,7 @@ import ray
 from rich.console import Console
 
 from oldlogit_service.calls import PendingCall
-from protocol import OldLogitServiceStatus, Trajectory
+from protocol import OldLogitAnswer, OldLogitServiceStatus, Trajectory
 from trainer.driver import report
 from trainer.driver.buffer import TrajectoryBuffer
 from trainer.driver.config import JobConfig
@@ -89,6 +89,8 @@ class TakenBatch:
     """Taken for the next version while the learner trained on the batch before."""
     waited_s: float | None = None
     """Seconds the driver waited for the answer; None until it has waited (:meth:`Job.await_old_logits`)."""
+    answer: OldLogitAnswer | None = None
+    """The answer once waited for (None on routes without one): the exact/proxy flags of ``samples.jsonl``."""
 
 
 @dataclass
@@ -225,7 +227,7 @@ class Job:
             return
         t0 = time.perf_counter()
         answer = None if taken.old_logits is None else taken.old_logits.result()
-        taken.waited_s = time.perf_counter() - t0
+        taken.waited_s, taken.answer = time.perf_counter() - t0, answer
         self.times["old_logits"] += taken.waited_s
         if answer is not None:
             self.times["old_logits_overlapped"] += max(0.0, float(answer.seconds) - taken.waited_s)
