@@ -104,7 +104,7 @@ INJECT_STD = 0.1
 """Injected mismatch. Measured on the tiny model at initialisation (``make_tiny_model(0)``, 32 x 40
 random tokens): bf16 alone gives mean |log mu - log pi| ~0.0011 nats; ``1 + N(0, std)`` on top gives
 0.005 (std 0.01), 0.010 (0.02), 0.024 (0.05), 0.049 (0.1) nats. 0.1 is ~45x the natural bf16
-mismatch of this model and the size the issue quotes for bf16 on the real model (~0.045)."""
+mismatch of this model and the size measured for bf16 on the real model (~0.045)."""
 
 DISCREPANCY: dict[str, list[str]] = {
     "bf16": ['rollout.dtype="bfloat16"', "rollout.inject_mismatch_std=0.0"],

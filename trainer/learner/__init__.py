@@ -6,7 +6,7 @@ Invariants: one DeepSpeed rank per actor; the version is bumped only by an appli
 (a skipped, non-finite step changes no weight, no optimizer state and no version); imports
 :mod:`trainer.algorithm`, never :mod:`trainer.driver`.
 
-The names below are re-exported from :mod:`trainer.learner.core` on first use, so importing a
+The names below are re-exported from :mod:`trainer.learner.core`, ``group`` and ``rollback`` on first use, so importing a
 light submodule (``trainer.learner.lora_config``, ``trainer.learner.ds_ops``) does not import Ray,
 torch or DeepSpeed.
 """
@@ -16,15 +16,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainer.learner.core import (
-        Learner,
-        LearnerCore,
-        LearnerGroup,
-        LearnerSettings,
-        OptimizerRollback,
-        first_loss_position,
-        free_port,
-    )
+    from trainer.learner.core import Learner, LearnerCore, LearnerSettings, first_loss_position, free_port
+    from trainer.learner.group import LearnerGroup
+    from trainer.learner.rollback import OptimizerRollback
 
 __all__ = [
     "Learner",
@@ -37,9 +31,12 @@ __all__ = [
 ]
 
 
+_HOMES = {"LearnerGroup": "group", "OptimizerRollback": "rollback"}
+
+
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from trainer.learner import core
+        import importlib
 
-        return getattr(core, name)
+        return getattr(importlib.import_module(f"trainer.learner.{_HOMES.get(name, 'core')}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -61,7 +61,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from modelkit.scoring import DEFAULT_CHUNK_BYTES, sequence_logprobs, sequence_logprobs_and_entropy
-from modelkit.weights import PackedWeights, Transport, all_finite, pack_weights
+from modelkit.weights import PackedWeights, Transport, pack_weights
 from protocol import OldLogitAnswer, Trajectory, WeightManifest
 from trainer.algorithm.batch import Batch, collate
 from trainer.algorithm.ewma import EwmaProximal
@@ -69,6 +69,8 @@ from trainer.algorithm.loss_config import EwmaConfig, LossConfig, kl_refusal, lo
 from trainer.algorithm.losses import compute_policy_loss, discrepancy_ratio, icepop_mask
 from trainer.algorithm.proximal import RECOMPUTE_PROXIES, proximal_reference
 from trainer.learner.lora_config import LoraSettings, lora_zero_refusal
+from trainer.learner.rollback import OptimizerRollback
+from trainer.learner.steps import combine_step_metrics, sum_max_min
 
 
 class LearnerSettings(BaseModel):
@@ -168,72 +170,6 @@ def _init_distributed(settings: LearnerSettings, rank: int, world_size: int) -> 
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
 
-class OptimizerRollback:
-    """A copy of a torch optimizer's parameters and per-parameter state, taken before its step.
-
-    Only the parameters the step can change are copied: those with a gradient (torch optimizers
-    skip a parameter whose ``grad`` is None, so frozen weights cost nothing). :meth:`save` copies
-    into buffers kept between steps (no allocation after the first); the cost is one copy of those
-    parameters plus their state (AdamW: 3x the parameter bytes) per step. Measured on this project's
-    2-core CPU for a 148M-parameter fp32 AdamW: 0.22 s to save and 0.10 s for
-    :meth:`optimizer_finite`, against 0.12 s for the fused AdamW step itself. :meth:`restore` puts
-    parameters and state back exactly, including the absence of state before the first step.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.optimizer = optimizer
-        self._params: dict[torch.Tensor, torch.Tensor] = {}
-        self._state: dict[torch.Tensor, dict[str, Any] | None] = {}
-        self._saved: list[torch.Tensor] = []
-
-    def _all_params(self) -> list[torch.Tensor]:
-        """The parameters the next step updates: those holding a gradient."""
-        return [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-
-    def save(self) -> None:
-        """Copy every parameter the next step can change, and its state, now."""
-        self._saved = self._all_params()
-        for p in self._saved:
-            buf = self._params.get(p)
-            if buf is None or buf.shape != p.shape or buf.dtype != p.dtype:
-                self._params[p] = p.detach().clone()
-            else:
-                buf.copy_(p.detach())
-            state = self.optimizer.state.get(p)
-            if not state:
-                self._state[p] = None
-                continue
-            kept = self._state.get(p) or {}
-            for k, v in state.items():
-                if torch.is_tensor(v) and k in kept and torch.is_tensor(kept[k]) and kept[k].shape == v.shape:
-                    kept[k].copy_(v)
-                else:
-                    kept[k] = v.detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
-            self._state[p] = kept
-
-    def optimizer_finite(self) -> bool:
-        """True when every parameter saved by :meth:`save` and its state are finite after the step."""
-        params = self._saved
-        state = [v for p in params for v in self.optimizer.state.get(p, {}).values()]
-        return all_finite(params) and all_finite(state)
-
-    def restore(self) -> None:
-        """Put back the parameters and state copied by the last :meth:`save`."""
-        with torch.no_grad():
-            for p in self._saved:
-                p.copy_(self._params[p])
-                saved = self._state.get(p)
-                if saved is None:
-                    self.optimizer.state.pop(p, None)
-                    continue
-                state = self.optimizer.state[p]
-                for k, v in saved.items():
-                    if torch.is_tensor(v) and torch.is_tensor(state.get(k)):
-                        state[k].copy_(v)
-                    else:
-                        state[k] = copy.deepcopy(v)
-
-
 def first_loss_position(mb: Batch) -> int:
     """The first sequence position any row of ``mb`` trains on (``loss_mask`` column), at least 1.
 
@@ -243,83 +179,6 @@ def first_loss_position(mb: Batch) -> int:
     """
     cols = torch.nonzero(mb.loss_mask.any(0)).flatten()
     return max(1, int(cols[0])) if cols.numel() else 1
-
-
-def _sum_max_min(means: dict[str, float], weight: float, acc: dict[str, list[float]]) -> None:
-    for k, v in means.items():
-        if k == "n_tokens":
-            continue
-        a = acc.setdefault(k, [0.0, 0.0, -math.inf, math.inf])
-        if weight > 0:
-            a[0] += v * weight
-            a[1] += weight
-            a[2] = max(a[2], v)
-            a[3] = min(a[3], v)
-
-
-_SUMMED = (
-    "ewma_forward_s", "forward_backward_s", "optimizer_s", "ewma_update_s", "micro_batches",
-    "ewma_forward_micro_batches", "proxy_err_sum", "proxy_err_tokens",
-)  # fmt: skip
-_OWN_RULE = ("tokens", "applied", "grad_norm", "ewma_kept_frac")
-
-
-def _mean_or_nan(values: list[float]) -> float:
-    finite = [v for v in values if math.isfinite(v)]
-    return sum(finite) / len(finite) if finite else math.nan
-
-
-def combine_step_metrics(steps: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """The metrics of one learner step from those of its optimizer steps (in order).
-
-    Each step's dict holds ``tokens`` (its loss-token count N), ``applied``, ``grad_norm``,
-    ``ewma_kept_frac`` and the loss library's metrics. Rules: phase seconds, micro-batch counts and
-    the proxy-error sums add up; ``*_max`` and ``ewma_reset`` take the largest, ``*_min`` the
-    smallest; ``grad_norm`` is the mean over applied steps (``grad_norm_max`` the largest; NaN when
-    none applied) and ``ewma_kept_frac`` the mean over steps that measured it; every other metric is
-    the token-weighted mean (plain mean when no step has a token). Derived: ``optimizer_steps``
-    (applied) and ``optimizer_steps_total``, ``proxy_abs_err`` = proxy-error sum / tokens (NaN
-    without exact tokens), ``clip_frac_step_max`` = the largest ``clip_frac_low + clip_frac_high``
-    of one step, ``clip_grad_removed_frac`` = sum of N * ``pg_weight_clipped`` / sum of
-    N * ``pg_weight`` (0 without gradient weight).
-
-    Example: steps with 10 and 30 tokens and ``clip_frac_high`` 0.1 and 0.3 give
-    ``clip_frac_high`` 0.25 and ``clip_frac_step_max`` 0.3 (``clip_frac_low`` 0).
-    """
-    weights = [float(s["tokens"]) for s in steps]
-    total = sum(weights)
-    out: dict[str, float] = {}
-    keys = list(dict.fromkeys(k for s in steps for k in s))
-    for k in keys:
-        if k in _OWN_RULE:
-            continue
-        pairs = [(s[k], w) for s, w in zip(steps, weights, strict=True) if k in s]
-        vals = [v for v, _ in pairs]
-        if k in _SUMMED:
-            out[k] = float(sum(vals))
-        elif k.endswith("_max") or k == "ewma_reset":
-            out[k] = float(max(vals))
-        elif k.endswith("_min"):
-            out[k] = float(min(vals))
-        elif total > 0:
-            out[k] = float(sum(v * w for v, w in pairs) / sum(w for _, w in pairs)) if any(w for _, w in pairs) else 0.0
-        else:
-            out[k] = float(sum(vals) / len(vals))
-    applied = [s for s in steps if s.get("applied", 0.0) > 0]
-    norms = [s["grad_norm"] for s in applied if math.isfinite(s.get("grad_norm", math.nan))]
-    out["grad_norm"] = _mean_or_nan(norms)
-    out["grad_norm_max"] = max(norms) if norms else math.nan
-    out["ewma_kept_frac"] = _mean_or_nan([s.get("ewma_kept_frac", math.nan) for s in steps])
-    out["optimizer_steps"] = float(len(applied))
-    out["optimizer_steps_total"] = float(len(steps))
-    err_n = out.pop("proxy_err_tokens", 0.0)
-    err = out.pop("proxy_err_sum", 0.0)
-    out["proxy_abs_err"], out["proxy_err_tokens"] = (err / err_n if err_n > 0 else math.nan), err_n
-    out["clip_frac_step_max"] = max(s.get("clip_frac_low", 0.0) + s.get("clip_frac_high", 0.0) for s in steps)
-    pg = sum(s.get("pg_weight", 0.0) * w for s, w in zip(steps, weights, strict=True))
-    pg_clipped = sum(s.get("pg_weight_clipped", 0.0) * w for s, w in zip(steps, weights, strict=True))
-    out["clip_grad_removed_frac"] = pg_clipped / pg if pg > 0 else 0.0
-    return out
 
 
 class LearnerCore:
@@ -611,89 +470,31 @@ class LearnerCore:
         Returns the step's metrics: ``loss``, ``applied``, ``grad_norm``, ``tokens`` (N), the loss
         library's token-weighted means and extremes (``entropy`` among them), proxy error sums,
         ``ewma_kept_frac``, ``ewma_reset``, phase seconds and micro-batch counts."""
-        cfg, eng = self.settings.loss, self.engine
         local = batch.shard(self.rank, self.world_size) if self.world_size > 1 else batch
         micro = local.micro_batches(self.settings.micro_batch_size, self._micro_count(batch))
         first = first_loss_position(local)  # one for every micro-batch: their sums match a single pass
         n_tok, n_seq = self._all_reduce([float(local.n_tokens), float(local.loss_mask.any(-1).sum())])
-        scale = float(self.world_size)  # DeepSpeed averages gradients over data-parallel ranks
         self._grad_bad.fill_(False)
         acc: dict[str, list[float]] = {}
         sums = {"loss": 0.0, "err": 0.0, "err_n": 0.0, "ewma_keep": 0.0, "ewma_n": 0.0}
         timing = {"ewma_forward_s": 0.0, "forward_backward_s": 0.0}
         ewma_runs = 0
-        eng.train()
+        self.engine.train()
         for i, mb in enumerate(micro):
-            eng.set_gradient_accumulation_boundary(i == len(micro) - 1)
-            mask = mb.loss_mask
+            self.engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
             recompute = mb.recompute_logprobs if use_recompute else None
-            ta = time.perf_counter()
-            ewma_lp = None
-            if self.ewma is not None and (bool((mask & ~mb.exact_mask).any()) or (probe and i == 0)):
-                ewma_lp, ewma_runs = self._ewma_logprobs(mb, first), ewma_runs + 1
-            tb = time.perf_counter()
-            lp, entropy = sequence_logprobs_and_entropy(
-                eng, mb.token_ids, mb.attention_mask, mb.temperature, first,
-                chunk_bytes=self.settings.logprob_chunk_bytes,
-            )  # fmt: skip
-            loss, m = compute_policy_loss(
-                lp, mb.behav_logprobs, mb.advantages, mask, cfg, old_logprobs=mb.old_logprobs,
-                exact_mask=mb.exact_mask, staleness=mb.staleness, recompute_logprobs=recompute,
-                # every sampled token has exact old logits when the EWMA forward was skipped: the
-                # proxy is never read there, so the current log-probs stand in for it
-                ewma_logprobs=ewma_lp if ewma_lp is not None or self.ewma is None else lp.detach(),
-                global_token_count=n_tok, global_seq_count=n_seq,
-            )  # fmt: skip
-            eng.backward(loss * scale)
-            timing["ewma_forward_s"] += tb - ta
-            timing["forward_backward_s"] += time.perf_counter() - tb
-            sums["loss"] += float(loss.detach())
-            m["entropy"] = float(entropy[mask].sum() / mask.sum().clamp(min=1))
-            _sum_max_min(m, float(mask.sum()), acc)
-            with torch.no_grad():
-                exact = mb.exact_mask & mask
-                if bool(exact.any()) and (ewma_lp is not None or self.ewma is None):
-                    proxy = proximal_reference(
-                        cfg.proxy, lp, mb.behav_logprobs, staleness=mb.staleness, ewma_logprobs=ewma_lp,
-                        recompute_logprobs=recompute,
-                    )  # fmt: skip
-                    sums["err"] += float((proxy - mb.old_logprobs).abs()[exact].sum())
-                    sums["err_n"] += float(exact.sum())
-                if ewma_lp is not None:
-                    keep = icepop_mask(discrepancy_ratio(ewma_lp, mb.behav_logprobs, mask), cfg.mask_low, cfg.mask_high)
-                    sums["ewma_keep"] += float((keep.bool() & mask).sum())
-                    sums["ewma_n"] += float(mask.sum())
+            ewma_runs += self._micro_step(mb, first, (n_tok, n_seq), probe and i == 0, recompute, acc, sums, timing)
         grad_norm = self._stage0_grad_norm()
         keys = sorted(sums)
         glob = dict(zip(keys, self._all_reduce([sums[k] for k in keys]), strict=True))
-        bad = not math.isfinite(sums["loss"]) or bool(self._grad_bad)
-        bad = self._all_reduce([float(bad)], "max")[0] > 0
-        before, tc = self._inner_steps, time.perf_counter()
-        self._suppress_step, self._rolled_back = bad, False
-        try:
-            eng.step()
-        finally:
-            self._suppress_step = False
-        applied = not bad and not self._rolled_back and self._inner_steps > before and eng.was_step_applied()
-        self.nonfinite_weight_steps += int(self._rolled_back)
-        timing["optimizer_s"] = time.perf_counter() - tc
+        applied, timing["optimizer_s"] = self._guarded_step(not math.isfinite(sums["loss"]) or bool(self._grad_bad))
         if grad_norm is None:
-            g = eng.get_global_grad_norm()
+            g = self.engine.get_global_grad_norm()
             grad_norm = float(g) if g is not None else math.nan
-        ewma_reset = False
         kept = glob["ewma_keep"] / glob["ewma_n"] if glob["ewma_n"] > 0 else math.nan
         td = time.perf_counter()
-        if applied:
-            if self.ewma is not None:
-                if self.ewma.config.beta_source == "lag" and bool(batch.sampled_mask.any()):
-                    # measured mean lag of the consumed tokens, in optimizer steps (same batch on every rank)
-                    lag = float(batch.staleness[batch.sampled_mask].float().mean()) * steps_per_version
-                    self.ewma.observe_lag(lag)
-                with self._full_params():
-                    self.ewma.update(self.engine.module)
-                    ewma_reset = self.ewma.maybe_reset(kept, self.engine.module)
-        else:
-            self.skipped_steps += 1
+        ewma_reset = self._fold_into_ewma(batch, kept, steps_per_version) if applied else False
+        self.skipped_steps += int(not applied)
         timing["ewma_update_s"] = time.perf_counter() - td
         out = self._reduce_metrics(acc)
         out.update(timing)
@@ -703,6 +504,87 @@ class LearnerCore:
             micro_batches=float(len(micro)), ewma_forward_micro_batches=float(ewma_runs),
         )  # fmt: skip
         return out
+
+    def _micro_step(
+        self,
+        mb: Batch,
+        first: int,
+        counts: tuple[float, float],
+        probe: bool,
+        recompute: torch.Tensor | None,
+        acc: dict[str, list[float]],
+        sums: dict[str, float],
+        timing: dict[str, float],
+    ) -> int:
+        """Forward, loss and backward of one micro-batch, accumulating its metrics into ``acc``,
+        ``sums`` and ``timing``; ``counts`` are the mini-batch's global token and sequence counts.
+        Returns 1 when the EWMA forward ran (a sampled token lacked exact old logits, or ``probe``)."""
+        cfg, mask = self.settings.loss, mb.loss_mask
+        ta = time.perf_counter()
+        ewma_lp = None
+        if self.ewma is not None and (bool((mask & ~mb.exact_mask).any()) or probe):
+            ewma_lp = self._ewma_logprobs(mb, first)
+        tb = time.perf_counter()
+        lp, entropy = sequence_logprobs_and_entropy(
+            self.engine, mb.token_ids, mb.attention_mask, mb.temperature, first,
+            chunk_bytes=self.settings.logprob_chunk_bytes,
+        )  # fmt: skip
+        loss, m = compute_policy_loss(
+            lp, mb.behav_logprobs, mb.advantages, mask, cfg, old_logprobs=mb.old_logprobs,
+            exact_mask=mb.exact_mask, staleness=mb.staleness, recompute_logprobs=recompute,
+            # every sampled token has exact old logits when the EWMA forward was skipped: the
+            # proxy is never read there, so the current log-probs stand in for it
+            ewma_logprobs=ewma_lp if ewma_lp is not None or self.ewma is None else lp.detach(),
+            global_token_count=counts[0], global_seq_count=counts[1],
+        )  # fmt: skip
+        self.engine.backward(loss * float(self.world_size))  # DeepSpeed averages gradients over ranks
+        timing["ewma_forward_s"] += tb - ta
+        timing["forward_backward_s"] += time.perf_counter() - tb
+        sums["loss"] += float(loss.detach())
+        m["entropy"] = float(entropy[mask].sum() / mask.sum().clamp(min=1))
+        sum_max_min(m, float(mask.sum()), acc)
+        with torch.no_grad():
+            exact = mb.exact_mask & mask
+            if bool(exact.any()) and (ewma_lp is not None or self.ewma is None):
+                proxy = proximal_reference(
+                    cfg.proxy, lp, mb.behav_logprobs, staleness=mb.staleness, ewma_logprobs=ewma_lp,
+                    recompute_logprobs=recompute,
+                )  # fmt: skip
+                sums["err"] += float((proxy - mb.old_logprobs).abs()[exact].sum())
+                sums["err_n"] += float(exact.sum())
+            if ewma_lp is not None:
+                keep = icepop_mask(discrepancy_ratio(ewma_lp, mb.behav_logprobs, mask), cfg.mask_low, cfg.mask_high)
+                sums["ewma_keep"] += float((keep.bool() & mask).sum())
+                sums["ewma_n"] += float(mask.sum())
+        return int(ewma_lp is not None)
+
+    def _guarded_step(self, local_bad: bool) -> tuple[bool, float]:
+        """``engine.step()`` under the non-finite guard: ``local_bad`` (this rank's loss or gradient
+        is not finite) is all-reduced; a flagged step runs with the inner optimizer suppressed, a step
+        leaving non-finite weights is rolled back. Returns (applied, seconds)."""
+        bad = self._all_reduce([float(local_bad)], "max")[0] > 0
+        before, tc = self._inner_steps, time.perf_counter()
+        self._suppress_step, self._rolled_back = bad, False
+        try:
+            self.engine.step()
+        finally:
+            self._suppress_step = False
+        applied = not bad and not self._rolled_back and self._inner_steps > before and self.engine.was_step_applied()
+        self.nonfinite_weight_steps += int(self._rolled_back)
+        return applied, time.perf_counter() - tc
+
+    def _fold_into_ewma(self, batch: Batch, kept: float, steps_per_version: int) -> bool:
+        """After an applied optimizer step: the EWMA folds the new weights in, then resets when the
+        discrepancy mask on pi_ewma/mu kept less than ``ewma.reset_tau`` (``kept``). Returns whether it
+        reset (False without an EWMA)."""
+        if self.ewma is None:
+            return False
+        if self.ewma.config.beta_source == "lag" and bool(batch.sampled_mask.any()):
+            # measured mean lag of the consumed tokens, in optimizer steps (same batch on every rank)
+            self.ewma.observe_lag(float(batch.staleness[batch.sampled_mask].float().mean()) * steps_per_version)
+        with self._full_params():
+            self.ewma.update(self.engine.module)
+            return self.ewma.maybe_reset(kept, self.engine.module)
 
     def _stage0_grad_norm(self) -> float | None:
         """Pre-clip global gradient norm for stage 0 fp32 (DeepSpeed does not keep it there)."""
@@ -846,111 +728,3 @@ class LearnerCore:
 
 Learner = ray.remote(LearnerCore)
 """The Ray actor wrapping :class:`LearnerCore`: one per data-parallel rank, created concurrently."""
-
-
-class LearnerGroup:
-    """Driver-side handle on ``world_size`` learner actors (one per rank) acting as one learner.
-
-    Rank 0 is pinned to the driver's node, whose IP and a free port there are the rendezvous address;
-    all ranks are created at once (DeepSpeed's init is collective). Every call fans out to all ranks
-    and returns rank 0's answer.
-    """
-
-    def __init__(
-        self,
-        settings: LearnerSettings,
-        world_size: int = 1,
-        num_cpus: float = 1.0,
-        num_gpus: float = 0.0,
-        resources: dict[str, float] | None = None,
-        start_timeout_s: float | None = None,
-    ) -> None:
-        """Raises:
-        TimeoutError: the ranks did not start within ``start_timeout_s`` (the actors are killed).
-        RuntimeError: Ray cannot place a rank (e.g. resources no node has); the message starts
-            with ``learner:``."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        settings = settings.model_copy(
-            update={
-                "master_addr": ray.util.get_node_ip_address() if world_size > 1 else "127.0.0.1",
-                "master_port": free_port(),
-            }
-        )
-        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-        self.world_size, self.zero_stage = world_size, settings.zero_stage
-        self.actors = [
-            Learner.options(
-                num_cpus=num_cpus,
-                num_gpus=num_gpus,
-                resources=resources or {},
-                scheduling_strategy=here if r == 0 else "DEFAULT",
-            ).remote(settings, r, world_size)
-            for r in range(world_size)
-        ]
-        try:  # wait for the collective init
-            ray.get([a.get_version.remote() for a in self.actors], timeout=start_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            for a in self.actors:
-                ray.kill(a)
-            raise TimeoutError(
-                f"learner: {world_size} rank(s) not started within controller.start_timeout_s = {start_timeout_s} s"
-            ) from None
-        except ray.exceptions.ActorUnschedulableError as e:
-            for a in self.actors:
-                ray.kill(a)
-            raise RuntimeError(f"learner: cannot be placed ({str(e).splitlines()[0]})") from None
-
-    def _all(self, method: str, *args: Any) -> list[Any]:
-        return ray.get([getattr(a, method).remote(*args) for a in self.actors])
-
-    def train_step(self, trajectories: Sequence[Trajectory], old_logits: Any = None) -> dict[str, float]:
-        """Every rank gets the same batch (put once in the object store); returns rank 0's metrics."""
-        return ray.get(self.async_train_step(trajectories, old_logits))[0]
-
-    def async_train_step(self, trajectories: Sequence[Trajectory], old_logits: Any = None) -> list[ray.ObjectRef]:
-        """Launch one step on every rank without waiting: one reference per rank to its metrics
-        (rank 0's first; every rank's result must be waited for, a failure shows on any of them).
-
-        ``old_logits``: as for :meth:`LearnerCore.train_step`, or an ``ObjectRef`` to it (e.g. the
-        old-logit service's pending answer), handed to the ranks as is: Ray starts the step once it
-        is ready, and the driver never copies it.
-        """
-        traj_ref = ray.put(list(trajectories))
-        old_ref = old_logits if isinstance(old_logits, ray.ObjectRef) else ray.put(old_logits)
-        return [a.train_step.remote(traj_ref, old_ref) for a in self.actors]
-
-    def publish(self, dtype: str = "float32") -> tuple[WeightManifest, Mapping[str, torch.Tensor]]:
-        """Rank 0's publication (under ZeRO-3 every rank takes part in the gather)."""
-        if self.zero_stage == 3:
-            return self._all("publish", dtype)[0]
-        return ray.get(self.actors[0].publish.remote(dtype, False))
-
-    def async_publish(
-        self, dtype: str = "float32", transport: Transport = "host"
-    ) -> tuple[WeightManifest, ray.ObjectRef]:
-        """Like :meth:`publish`, but the payload stays in Ray's object store: returns the manifest and
-        an ``ObjectRef`` to hand to every consumer, so the driver never copies the weights. The
-        learner returns as soon as the payload is stored (``copy=False``: storing it is the one copy)."""
-        ranks = self.actors if self.zero_stage == 3 else self.actors[:1]
-        refs = [a.publish.options(num_returns=2).remote(dtype, False, transport) for a in ranks]
-        manifest = ray.get(refs[0][0])
-        ray.get([r[0] for r in refs[1:]])  # ZeRO-3: every rank finished its part of the gather
-        return manifest, refs[0][1]
-
-    def version(self) -> int:
-        return self._all("get_version")[0]
-
-    def status(self) -> dict[str, Any]:
-        return self._all("status")[0]
-
-    def save_checkpoint(self, directory: str, extra: dict[str, Any] | None = None) -> str:
-        return self._all("save_checkpoint", directory, extra)[0]
-
-    def load_checkpoint(self, directory: str, tag: str | None = None) -> dict[str, Any]:
-        return self._all("load_checkpoint", directory, tag)[0]
-
-    def shutdown(self) -> None:
-        for a in self.actors:
-            ray.kill(a)
-        self.actors = []
