@@ -1,13 +1,18 @@
 """An exported folder served by the rollout engines: the behaviour log-probs an engine samples with
 from the folder equal the learner's log-probs of the same tokens at the exported version.
 
-``vllm`` starts the real in-process vLLM engine on CPU (about 1-2 minutes and ~2 GiB here), kept in
-this file apart from the export round trip (``test_export.py``); ``transformers`` is the engine
-fallback (seconds). Tolerance ``TOL`` as for the engine's own log-probs (``test_rollout_vllm.py``):
+``vllm`` starts the real vLLM engine on CPU (about 1-2 minutes and ~2 GiB here) in a child process:
+vLLM sets up and tears down torch.distributed's default group in its process, which would leave
+the DeepSpeed learners of later tests in this process with groups that no longer exist.
+``transformers`` is the engine fallback (seconds), in process. Tolerance ``TOL`` as for the engine's own log-probs (``test_rollout_vllm.py``):
 fp32 engine vs fp32 learner, different kernels and an incremental KV cache.
 """
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -22,19 +27,40 @@ pytestmark = pytest.mark.integration
 TOL = 1e-3
 
 
+def generate(kind: str, folder: str, prompts: dict[str, list[int]]) -> dict[str, tuple]:
+    """``{prompt id: (sampled ids, their behaviour log-probs, finish reason)}`` from engine ``kind`` on ``folder``."""
+    engine = make_engine(EngineConfig(kind=kind, model_path=folder, max_model_len=512, max_num_seqs=4))
+    try:
+        return engine.generate(
+            [EngineRequest(k, p, 32, TEMPERATURE, seed=i) for i, (k, p) in enumerate(prompts.items())]
+        )
+    finally:
+        engine.close()
+
+
+GENERATE = """
+import json, sys
+from tests.integration.test_export_engine import generate
+got = generate(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
+print(json.dumps({k: [list(t), [float(x) for x in mu], fin] for k, (t, mu, fin) in got.items()}))
+"""
+
+
 @pytest.mark.parametrize("kind", ["transformers", "vllm"])
 def test_exported_folder_serves_with_the_learners_logprobs(tiny_model_path, tmp_path, kind):
     run_dir, core, _ = trained_run(tmp_path, trajectory_maker(tiny_model_path), "learner.lr=1e-3")
     out = tmp_path / "export"
     assert export_run(run_dir, out).version == core.version == 2
-    engine = make_engine(EngineConfig(kind=kind, model_path=str(out), max_model_len=512, max_num_seqs=4))
     prompts = {"a": [1, 9690, 198, 2683], "b": [1, 4093, 198, 6004, 2, 198]}
-    try:
-        got = engine.generate(
-            [EngineRequest(k, p, 32, TEMPERATURE, seed=i) for i, (k, p) in enumerate(prompts.items())]
-        )
-    finally:
-        engine.close()
+    if kind == "vllm":
+        child = subprocess.run(
+            [sys.executable, "-c", GENERATE, kind, str(out), json.dumps(prompts)],
+            capture_output=True, text=True, timeout=900, check=False,
+        )  # fmt: skip
+        assert child.returncode == 0, child.stderr[-3000:]
+        got = {k: tuple(v) for k, v in json.loads(child.stdout.strip().splitlines()[-1]).items()}
+    else:
+        got = generate(kind, str(out), prompts)
     rows = []
     for k, p in prompts.items():
         toks, mu, fin = got[k]
