@@ -27,7 +27,7 @@ import ray
 from rich.console import Console
 
 from trainer.driver.buffer import TrajectoryBuffer
-from trainer.driver.config import JobConfig, write_private
+from trainer.driver.config import JobConfig, LearnerConfig, write_private
 from trainer.driver.ledger import Ledger
 from trainer.driver.parts import Job
 from trainer.driver.resume import SavedTrajectories, read_trajectories
@@ -151,21 +151,14 @@ def learner_settings(cfg: JobConfig, model_path: Path) -> LearnerSettings:
 
     c, s = cfg.controller, cfg.rollout.sampling
     ewma = cfg.ewma.model_copy(update={"window": max(cfg.ewma.window, c.max_staleness)})
+    # the fields both declare (the same definitions, tested) pass through by name
+    shared = LearnerConfig.model_fields.keys() & LearnerSettings.model_fields.keys()
     return LearnerSettings(
         model_path=str(model_path),
-        zero_stage=cfg.learner.zero_stage,
-        dtype=cfg.learner.dtype,
-        lr=cfg.learner.lr,
-        weight_decay=cfg.learner.weight_decay,
-        grad_clip=cfg.learner.grad_clip,
-        overlong_filter=cfg.learner.overlong_filter,
-        micro_batch_size=cfg.learner.micro_batch_size,
-        ppo_mini_batches=cfg.learner.ppo_mini_batches,
-        ppo_epochs=cfg.learner.ppo_epochs,
+        **cfg.learner.model_dump(include=shared),
         loss=cfg.loss,
         ewma=ewma,
         temperature=s.temperature,
-        logprob_chunk_bytes=cfg.learner.logprob_chunk_bytes,
         max_token_staleness=c.max_token_staleness,
         seed=c.seed,
         lora=cfg.lora,
