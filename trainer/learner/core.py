@@ -389,11 +389,15 @@ class LearnerCore:
         s = self.settings
         minis = batch.mini_batches(min(s.ppo_mini_batches, max(1, batch.size)))
         steps = s.ppo_epochs * len(minis)
-        recompute_s = 0.0
-        if steps > 1 and s.loss.proxy in RECOMPUTE_PROXIES:
-            tr = time.perf_counter()  # the first mini-batch of a single pass reads its own forward
-            minis = [mb if j == 0 and s.ppo_epochs == 1 else self._with_recompute(mb) for j, mb in enumerate(minis)]
-            recompute_s = time.perf_counter() - tr
+        # which mini-batches read a recompute reference taken before the first step: all of them with
+        # several steps and a proxy built from the current log-probs, but the first of a single pass,
+        # whose own forward is at the consuming version
+        taken = [
+            steps > 1 and s.loss.proxy in RECOMPUTE_PROXIES and (j > 0 or s.ppo_epochs > 1) for j in range(len(minis))
+        ]
+        tr = time.perf_counter()
+        minis = [self._with_recompute(mb) if take else mb for mb, take in zip(minis, taken, strict=True)]
+        recompute_s = time.perf_counter() - tr
         probe = (
             self.ewma is not None
             and self.ewma.config.probe_every > 0
@@ -402,10 +406,7 @@ class LearnerCore:
         results = []
         for epoch in range(s.ppo_epochs):
             for j, mb in enumerate(minis):
-                use_recompute = steps > 1 and not (j == 0 and epoch == 0 and s.ppo_epochs == 1)
-                results.append(
-                    self._optimizer_step(mb, probe and epoch == 0 and j == 0, use_recompute, len(minis) * s.ppo_epochs)
-                )
+                results.append(self._optimizer_step(mb, probe and epoch == 0 and j == 0, taken[j], steps))
         self.last_optimizer_steps = results
         applied = any(r["applied"] > 0 for r in results)
         out: dict[str, float] = {"consumed_version": float(self.version)}
