@@ -61,6 +61,21 @@ def weights(core: LearnerCore) -> dict[str, torch.Tensor]:
     return core.state_dict_full()
 
 
+def train_step_with_grads(core: LearnerCore, trajs) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """``core.train_step(trajs)`` with every parameter's gradient summed over its micro-batches."""
+    acc: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        return lambda g: acc.__setitem__(name, acc.get(name, 0) + g.detach().clone())
+
+    handles = [p.register_hook(hook(n)) for n, p in core.engine.module.named_parameters()]
+    try:
+        return acc, core.train_step(trajs)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
@@ -90,15 +105,7 @@ def test_case6_token_mean_independent_of_micro_batches(tiny_model_path, make_tra
     grads = []
     for mbs in (3, 1):
         core = LearnerCore(settings(tiny_model_path, zero_stage=stage, micro_batch_size=mbs))
-        acc: dict[str, torch.Tensor] = {}
-
-        def hook(name, acc=acc):
-            return lambda g: acc.__setitem__(name, acc.get(name, 0) + g.detach().clone())
-
-        handles = [p.register_hook(hook(n)) for n, p in core.engine.module.named_parameters()]
-        m = core.train_step(trajs)
-        for h in handles:
-            h.remove()
+        acc, m = train_step_with_grads(core, trajs)
         assert m["micro_batches"] == (1 if mbs == 3 else 3) and m["applied"] == 1.0
         grads.append((acc, m["loss"], m["grad_norm"]))
     (g1, l1, n1), (g3, l3, n3) = grads
@@ -118,15 +125,7 @@ def test_chunked_logprobs_train_as_whole_sequence_logits(tiny_model_path, make_t
     runs = []
     for chunk_bytes in (5 * 4 * 49152 * 4, 0):
         core = LearnerCore(settings(tiny_model_path, zero_stage=stage, logprob_chunk_bytes=chunk_bytes))
-        acc: dict[str, torch.Tensor] = {}
-
-        def hook(name, acc=acc):
-            return lambda g: acc.__setitem__(name, acc.get(name, 0) + g.detach().clone())
-
-        handles = [p.register_hook(hook(n)) for n, p in core.engine.module.named_parameters()]
-        m = core.train_step(trajs)
-        for h in handles:
-            h.remove()
+        acc, m = train_step_with_grads(core, trajs)
         assert m["applied"] == 1.0
         runs.append((acc, m))
     (g_chunk, m_chunk), (g_full, m_full) = runs
