@@ -96,7 +96,7 @@ def test_a_run_collapsed_when_it_ended_below_where_it_began():
 
 def test_paper_grid_takes_several_updates_per_batch():
     cell = grid("paper")[0]
-    assert cell.name == "recompute-W2-bf16-s0-mb4"
+    assert cell.name == "recompute-W2-bf16-s0-mb4-lr5e-3" and cell.steps == 64
     o = cell.overrides(Path("/tmp/x"))
-    assert o[-3:] == ["learner.ppo_mini_batches=4", "learner.micro_batch_size=8", "learner.lr=3e-3"]
+    assert o[-3:] == ["learner.ppo_mini_batches=4", "learner.micro_batch_size=8", "learner.lr=5e-3"]
     assert {c.method for c in grid("paper")} == {"recompute", "snapshot", "ppo_ewma", "loglinear_prox", "icepop"}
