@@ -1,6 +1,7 @@
 """Config: defaults, presets, overrides, and errors that name the field."""
 
 import re
+from pathlib import Path
 
 import pydantic
 import pytest
@@ -81,18 +82,23 @@ def test_updates_per_batch_reach_the_learner_settings():
         load_config(None, ["learner.ppo_epochs=0"])
 
 
-def test_learner_settings_declare_shared_fields_as_the_config_does():
+def test_learner_options_are_declared_once_for_the_config_and_the_settings():
+    from trainer.driver.assembly import learner_settings
     from trainer.driver.config import LearnerConfig
-    from trainer.learner import LearnerSettings
+    from trainer.learner import LearnerOptions, LearnerSettings
 
-    shared = sorted(set(LearnerConfig.model_fields) & set(LearnerSettings.model_fields))
-    assert shared == [
+    assert issubclass(LearnerConfig, LearnerOptions) and issubclass(LearnerSettings, LearnerOptions)
+    assert sorted(LearnerOptions.model_fields) == [
         "dtype", "grad_clip", "logprob_chunk_bytes", "lr", "micro_batch_size", "overlong_filter", "ppo_epochs",
         "ppo_mini_batches", "weight_decay", "zero_stage",
     ]  # fmt: skip
-    for name in shared:
-        a, b = LearnerConfig.model_fields[name], LearnerSettings.model_fields[name]
-        assert (a.default, a.annotation, a.metadata) == (b.default, b.annotation, b.metadata), name
+    cfg = load_config(None, ["learner.lr=3e-4", "learner.ppo_mini_batches=3", "learner.logprob_chunk_bytes=0"])
+    s = learner_settings(cfg, Path("/m"))
+    assert (s.lr, s.ppo_mini_batches, s.logprob_chunk_bytes, s.model_path) == (3e-4, 3, 0, "/m")
+    from modelkit.scoring import DEFAULT_CHUNK_BYTES
+    from trainer.learner.settings import LOGPROB_CHUNK_BYTES
+
+    assert LOGPROB_CHUNK_BYTES == DEFAULT_CHUNK_BYTES == 64 * 2**20
 
 
 def test_token_redacted_in_resolved_config_and_private_files(tmp_path):

@@ -27,7 +27,7 @@ import ray
 from rich.console import Console
 
 from trainer.driver.buffer import TrajectoryBuffer
-from trainer.driver.config import JobConfig, LearnerConfig, write_private
+from trainer.driver.config import JobConfig, write_private
 from trainer.driver.ledger import Ledger
 from trainer.driver.parts import Job
 from trainer.driver.resume import SavedTrajectories, read_trajectories
@@ -147,15 +147,13 @@ def learner_settings(cfg: JobConfig, model_path: Path) -> LearnerSettings:
     Raises:
         pydantic.ValidationError: the settings refuse the combination (e.g. ``loss.kl_coef > 0``).
     """
-    from trainer.learner import LearnerSettings
+    from trainer.learner import LearnerOptions, LearnerSettings
 
     c, s = cfg.controller, cfg.rollout.sampling
     ewma = cfg.ewma.model_copy(update={"window": max(cfg.ewma.window, c.max_staleness)})
-    # the fields both declare (the same definitions, tested) pass through by name
-    shared = LearnerConfig.model_fields.keys() & LearnerSettings.model_fields.keys()
     return LearnerSettings(
         model_path=str(model_path),
-        **cfg.learner.model_dump(include=shared),
+        **cfg.learner.model_dump(include=set(LearnerOptions.model_fields)),
         loss=cfg.loss,
         ewma=ewma,
         temperature=s.temperature,

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 from protocol import SamplingParams
 from trainer.algorithm.loss_config import EwmaConfig, LossConfig, kl_refusal, loss_config
 from trainer.learner.lora_config import LoraSettings, lora_zero_refusal
+from trainer.learner.settings import LearnerOptions
 
 
 class _Section(BaseModel):
@@ -101,38 +102,13 @@ class RolloutConfig(_Placement):
     """Sampling of every rollout; ``n`` is the group size."""
 
 
-class LearnerConfig(_Placement):
+class LearnerConfig(_Placement, LearnerOptions):
+    """The ``[learner]`` table: placement, ranks and :class:`trainer.learner.settings.LearnerOptions`
+    (ZeRO stage, dtype, lr, weight decay, gradient clip, micro-batch, mini-batches and epochs per
+    rollout batch, log-prob chunking, overlong filter), declared there once."""
+
     world_size: int = Field(1, ge=1, le=64)
     """Data-parallel ranks, one Ray actor each (gloo on CPU, nccl on GPU)."""
-    zero_stage: int = Field(0, ge=0, le=3)
-    """DeepSpeed ZeRO stage."""
-    lr: float = Field(1e-5, gt=0.0)
-    """AdamW learning rate."""
-    weight_decay: float = Field(0.0, ge=0.0)
-    grad_clip: float = Field(1.0, ge=0.0)
-    """Global gradient-norm clip (DeepSpeed ``gradient_clipping``); 0 disables it."""
-    micro_batch_size: int = Field(8, ge=1)
-    """Sequences per forward/backward; the loss does not depend on it (global token count)."""
-    ppo_mini_batches: int = Field(1, ge=1, le=1024)
-    """Optimizer steps per pass over one rollout batch (verl's batch / ``ppo_mini_batch_size``,
-    AReaL's ``ppo_n_minibatches``): the batch's rows split into this many contiguous mini-batches,
-    each a token-mean over its own tokens, micro-batched inside. One rollout batch is still one
-    policy version: it is published once, after all its optimizer steps."""
-    ppo_epochs: int = Field(1, ge=1, le=64)
-    """Passes over one rollout batch (verl's ``ppo_epochs``, TRL's ``num_iterations``); the learner
-    takes ``ppo_epochs * ppo_mini_batches`` optimizer steps per version. From the second step on,
-    the recompute reference is the consuming version's log-probs taken before the first step, exact
-    old logits stay the behaviour version's, and the EWMA has folded in every earlier step."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Learner compute dtype."""
-    logprob_chunk_bytes: int = Field(64 * 2**20, ge=0)
-    """Largest fp32 ``[micro-batch, chunk, vocab]`` logits tensor of the learner's log-probs, bytes
-    (default ``modelkit.scoring.DEFAULT_CHUNK_BYTES``, 64 MiB): the output projection and the
-    log-softmax run over chunks of positions and backward recomputes them; 0 keeps whole-sequence
-    logits for backward."""
-    overlong_filter: bool = False
-    """Mask whole sequences truncated by the length budget (engine finish reason ``length``/``abort``
-    or a multi-turn context cut) out of the loss, DAPO's overlong filtering."""
 
 
 class OldLogitConfig(_Placement):

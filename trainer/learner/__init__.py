@@ -6,7 +6,7 @@ Invariants: one DeepSpeed rank per actor; the version is bumped only by an appli
 (a skipped, non-finite step changes no weight, no optimizer state and no version); imports
 :mod:`trainer.algorithm`, never :mod:`trainer.driver`.
 
-The names below are re-exported from :mod:`trainer.learner.core`, ``group`` and ``rollback`` on first use, so importing a
+The names below are re-exported from :mod:`trainer.learner.core`, ``group``, ``rollback`` and ``settings`` on first use, so importing a
 light submodule (``trainer.learner.lora_config``, ``trainer.learner.ds_ops``) does not import Ray,
 torch or DeepSpeed.
 """
@@ -16,14 +16,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainer.learner.core import Learner, LearnerCore, LearnerSettings, first_loss_position, free_port
+    from trainer.learner.core import Learner, LearnerCore, first_loss_position
     from trainer.learner.group import LearnerGroup
     from trainer.learner.rollback import OptimizerRollback
+    from trainer.learner.settings import LearnerOptions, LearnerSettings, free_port
 
 __all__ = [
     "Learner",
     "LearnerCore",
     "LearnerGroup",
+    "LearnerOptions",
     "LearnerSettings",
     "OptimizerRollback",
     "first_loss_position",
@@ -31,7 +33,10 @@ __all__ = [
 ]
 
 
-_HOMES = {"LearnerGroup": "group", "OptimizerRollback": "rollback"}
+_HOMES = {
+    "LearnerGroup": "group", "OptimizerRollback": "rollback",
+    "LearnerOptions": "settings", "LearnerSettings": "settings", "free_port": "settings",
+}  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

@@ -45,129 +45,28 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import io
 import math
 import os
-import socket
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import ray
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from modelkit.scoring import DEFAULT_CHUNK_BYTES, sequence_logprobs, sequence_logprobs_and_entropy
+from modelkit.scoring import sequence_logprobs, sequence_logprobs_and_entropy
 from modelkit.weights import PackedWeights, Transport, pack_weights
 from protocol import OldLogitAnswer, Trajectory, WeightManifest
 from trainer.algorithm.batch import Batch, collate
 from trainer.algorithm.ewma import EwmaProximal
-from trainer.algorithm.loss_config import EwmaConfig, LossConfig, kl_refusal, loss_config
 from trainer.algorithm.losses import compute_policy_loss, discrepancy_ratio, icepop_mask
 from trainer.algorithm.proximal import RECOMPUTE_PROXIES, proximal_reference
-from trainer.learner.lora_config import LoraSettings, lora_zero_refusal
 from trainer.learner.rollback import OptimizerRollback
+from trainer.learner.settings import LearnerSettings, init_distributed
 from trainer.learner.steps import combine_step_metrics, sum_max_min
-
-
-class LearnerSettings(BaseModel):
-    """Everything one learner rank needs. Field names match ``trainer.driver.config.LearnerConfig``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    model_path: str
-    """HF model folder (``modelkit.modelhub``); loaded in fp32 on CPU, cast by DeepSpeed for bf16."""
-    zero_stage: int = Field(0, ge=0, le=3)
-    """DeepSpeed ZeRO stage; 0-3 all work on CPU with gloo (with LoRA: 0-2, see ``trainer.learner.lora_config``)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype; bf16 keeps fp32 master weights in DeepSpeed's optimizer wrapper."""
-    lr: float = Field(1e-5, gt=0.0)
-    """AdamW learning rate (constant)."""
-    weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = Field(1e-8, gt=0.0)
-    fused_adam: bool = True
-    """Use torch's own fused AdamW kernel (``torch.optim.AdamW(fused=True)``, about 2x faster on CPU
-    than the default loop; no JIT build). DeepSpeed's FusedAdam/CPUAdam are never used."""
-    grad_clip: float = Field(1.0, ge=0.0)
-    """Global gradient-norm clip (DeepSpeed ``gradient_clipping``); 0 disables it."""
-    micro_batch_size: int = Field(8, ge=1)
-    """Sequences per forward/backward on one rank; the loss does not depend on it."""
-    ppo_mini_batches: int = Field(1, ge=1, le=1024)
-    """Optimizer steps per pass over one rollout batch: its rows are split into this many
-    mini-batches (``Batch.mini_batches``), each with its own token-mean denominator."""
-    ppo_epochs: int = Field(1, ge=1, le=64)
-    """Passes over one rollout batch; the learner takes ``ppo_epochs * ppo_mini_batches`` optimizer
-    steps per batch and publishes one version."""
-    loss: LossConfig = Field(default_factory=lambda: loss_config("ppo_ewma"))
-    """Correction method (``trainer.algorithm.loss_config``); proxy "ewma" keeps an EWMA copy of the weights."""
-    ewma: EwmaConfig = Field(default_factory=EwmaConfig)
-    """PPO-EWMA decay and reset threshold (used when ``loss.proxy == "ewma"``)."""
-    temperature: float = Field(1.0, gt=0.0)
-    """The rollouts' sampling temperature; every learner log-prob uses it."""
-    logprob_chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, ge=0)
-    """Largest fp32 ``[micro-batch, chunk, vocab]`` logits tensor of every learner log-prob, bytes:
-    the output projection and log-softmax run over chunks of positions and backward recomputes them
-    (:mod:`modelkit.scoring`); 0: whole-sequence logits, kept for backward."""
-    max_token_staleness: int | None = Field(None, ge=0)
-    """Tokens staler than this are masked out of the loss, kept as context."""
-    overlong_filter: bool = False
-    """Mask sequences truncated by the length budget (read from the finish reason)."""
-    seed: int = 0
-    """Seed of the learner's torch generators."""
-    master_addr: str = "127.0.0.1"
-    """Rendezvous address of rank 0 (``MASTER_ADDR``)."""
-    master_port: int = Field(29500, ge=1, le=65535)
-    """Rendezvous port (``MASTER_PORT``); :class:`LearnerGroup` picks a free one."""
-    dist_backend: str | None = None
-    """torch.distributed backend; None: gloo on CPU, the accelerator's own otherwise."""
-    lora: LoraSettings = Field(default_factory=LoraSettings)
-    """Train a LoRA adapter on the frozen base instead of every weight (``trainer.learner.lora_config``)."""
-
-    @model_validator(mode="after")
-    def _no_kl(self) -> LearnerSettings:
-        if self.loss.kl_coef > 0:
-            raise ValueError(kl_refusal(self.loss.kl_coef))
-        if self.lora.enabled and (msg := lora_zero_refusal(self.zero_stage)):
-            raise ValueError(msg)
-        return self
-
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _init_distributed(settings: LearnerSettings, rank: int, world_size: int) -> None:
-    import logging
-
-    import deepspeed
-    import torch.distributed as dist
-
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines (kernel fallbacks) are noise here
-
-    if dist.is_initialized():
-        if dist.get_world_size() != world_size or dist.get_rank() != rank:
-            raise RuntimeError(
-                f"process group already initialized as rank {dist.get_rank()}/{dist.get_world_size()}, wanted {rank}/{world_size}"
-            )
-        return
-    os.environ.update(
-        MASTER_ADDR=settings.master_addr, MASTER_PORT=str(settings.master_port), RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0") if world_size == 1 else str(rank),
-    )  # fmt: skip
-    backend = settings.dist_backend
-    if backend is None:
-        from deepspeed.accelerator import get_accelerator
-
-        backend = "gloo" if get_accelerator().device_name() == "cpu" else get_accelerator().communication_backend_name()
-    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints "... built successfully" here
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
 
 def first_loss_position(mb: Batch) -> int:
@@ -205,7 +104,7 @@ class LearnerCore:
 
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         self.settings, self.rank, self.world_size = settings, rank, world_size
-        _init_distributed(settings, rank, world_size)
+        init_distributed(settings, rank, world_size)
         torch.manual_seed(settings.seed)
         model = load_causal_lm(settings.model_path, "float32")
         model.config.use_cache = False

@@ -11,7 +11,8 @@ import torch
 
 from modelkit.weights import Transport
 from protocol import Trajectory, WeightManifest
-from trainer.learner.core import Learner, LearnerSettings, free_port
+from trainer.learner.core import Learner
+from trainer.learner.settings import LearnerSettings, free_port
 
 
 class LearnerGroup:

@@ -1,0 +1,138 @@
+"""What one learner rank is told: :class:`LearnerOptions` (the ``[learner]`` table a user sets, shared
+with the job config) and :class:`LearnerSettings` (those plus what the job derives: model folder,
+loss, EWMA, temperature, seed, rendezvous); the process group's start-up.
+
+Imports pydantic only at module level (the job config imports it without torch or DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import socket
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from trainer.algorithm.loss_config import EwmaConfig, LossConfig, kl_refusal, loss_config
+from trainer.learner.lora_config import LoraSettings, lora_zero_refusal
+
+LOGPROB_CHUNK_BYTES = 64 * 2**20
+"""Default of :attr:`LearnerOptions.logprob_chunk_bytes`, 64 MiB (``modelkit.scoring.DEFAULT_CHUNK_BYTES``)."""
+
+
+class LearnerOptions(BaseModel):
+    """The learner's user-facing options, declared once: the job config's ``[learner]`` table and
+    :class:`LearnerSettings` both inherit them, so one value has one name and one definition."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    zero_stage: int = Field(0, ge=0, le=3)
+    """DeepSpeed ZeRO stage; 0-3 all work on CPU with gloo (with LoRA: 0-2, see ``trainer.learner.lora_config``)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype; bf16 keeps fp32 master weights in DeepSpeed's optimizer wrapper."""
+    lr: float = Field(1e-5, gt=0.0)
+    """AdamW learning rate (constant)."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """AdamW decoupled weight decay."""
+    grad_clip: float = Field(1.0, ge=0.0)
+    """Global gradient-norm clip (DeepSpeed ``gradient_clipping``); 0 disables it."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Sequences per forward/backward on one rank; the loss does not depend on it (global token count)."""
+    ppo_mini_batches: int = Field(1, ge=1, le=1024)
+    """Optimizer steps per pass over one rollout batch (verl's batch / ``ppo_mini_batch_size``,
+    AReaL's ``ppo_n_minibatches``): the batch's rows split into this many contiguous mini-batches
+    (``Batch.mini_batches``), each a token-mean over its own tokens, micro-batched inside. One
+    rollout batch is still one policy version: it is published once, after all its optimizer steps."""
+    ppo_epochs: int = Field(1, ge=1, le=64)
+    """Passes over one rollout batch (verl's ``ppo_epochs``, TRL's ``num_iterations``); the learner
+    takes ``ppo_epochs * ppo_mini_batches`` optimizer steps per version. From the second step on,
+    the recompute reference is the consuming version's log-probs taken before the first step, exact
+    old logits stay the behaviour version's, and the EWMA has folded in every earlier step."""
+    logprob_chunk_bytes: int = Field(LOGPROB_CHUNK_BYTES, ge=0)
+    """Largest fp32 ``[micro-batch, chunk, vocab]`` logits tensor of every learner log-prob, bytes:
+    the output projection and the log-softmax run over chunks of positions and backward recomputes
+    them (:mod:`modelkit.scoring`); 0 keeps whole-sequence logits for backward."""
+    overlong_filter: bool = False
+    """Mask whole sequences truncated by the length budget (engine finish reason ``length``/``abort``
+    or a multi-turn context cut) out of the loss, DAPO's overlong filtering."""
+
+
+class LearnerSettings(LearnerOptions):
+    """Everything one learner rank needs: the :class:`LearnerOptions` plus what the job derives."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model_path: str
+    """HF model folder (``modelkit.modelhub``); loaded in fp32 on CPU, cast by DeepSpeed for bf16."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0.0)
+    fused_adam: bool = True
+    """Use torch's own fused AdamW kernel (``torch.optim.AdamW(fused=True)``, about 2x faster on CPU
+    than the default loop; no JIT build). DeepSpeed's FusedAdam/CPUAdam are never used."""
+    loss: LossConfig = Field(default_factory=lambda: loss_config("ppo_ewma"))
+    """Correction method (``trainer.algorithm.loss_config``); proxy "ewma" keeps an EWMA copy of the weights."""
+    ewma: EwmaConfig = Field(default_factory=EwmaConfig)
+    """PPO-EWMA decay and reset threshold (used when ``loss.proxy == "ewma"``)."""
+    temperature: float = Field(1.0, gt=0.0)
+    """The rollouts' sampling temperature; every learner log-prob uses it."""
+    max_token_staleness: int | None = Field(None, ge=0)
+    """Tokens staler than this are masked out of the loss, kept as context."""
+    seed: int = 0
+    """Seed of the learner's torch generators."""
+    master_addr: str = "127.0.0.1"
+    """Rendezvous address of rank 0 (``MASTER_ADDR``)."""
+    master_port: int = Field(29500, ge=1, le=65535)
+    """Rendezvous port (``MASTER_PORT``); :class:`trainer.learner.group.LearnerGroup` picks a free one."""
+    dist_backend: str | None = None
+    """torch.distributed backend; None: gloo on CPU, the accelerator's own otherwise."""
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    """Train a LoRA adapter on the frozen base instead of every weight (``trainer.learner.lora_config``)."""
+
+    @model_validator(mode="after")
+    def _no_kl(self) -> LearnerSettings:
+        if self.loss.kl_coef > 0:
+            raise ValueError(kl_refusal(self.loss.kl_coef))
+        if self.lora.enabled and (msg := lora_zero_refusal(self.zero_stage)):
+            raise ValueError(msg)
+        return self
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(settings: LearnerSettings, rank: int, world_size: int) -> None:
+    """Join (or check) the torch.distributed group of ``world_size`` ranks as ``rank``.
+
+    Raises:
+        RuntimeError: a process group already exists with another rank or size.
+    """
+    import logging
+
+    import deepspeed
+    import torch.distributed as dist
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its INFO lines (kernel fallbacks) are noise here
+
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError(
+                f"process group already initialized as rank {dist.get_rank()}/{dist.get_world_size()}, wanted {rank}/{world_size}"
+            )
+        return
+    os.environ.update(
+        MASTER_ADDR=settings.master_addr, MASTER_PORT=str(settings.master_port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0") if world_size == 1 else str(rank),
+    )  # fmt: skip
+    backend = settings.dist_backend
+    if backend is None:
+        from deepspeed.accelerator import get_accelerator
+
+        backend = "gloo" if get_accelerator().device_name() == "cpu" else get_accelerator().communication_backend_name()
+    with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints "... built successfully" here
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
