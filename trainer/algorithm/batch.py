@@ -227,16 +227,7 @@ def collate(
         ValueError: empty input, a sampled token newer than ``consuming_version``, a misaligned
             old-logit answer, or a non-positive temperature.
     """
-    if not trajectories:
-        raise ValueError("collate: no trajectories")
-    if not temperature > 0:
-        raise ValueError(f"temperature: must be > 0, got {temperature}")
-    if isinstance(old_logits, OldLogitAnswer) and len(old_logits.old_logprobs) != len(trajectories):
-        raise ValueError(
-            f"old-logit answer has {len(old_logits.old_logprobs)} items for {len(trajectories)} trajectories"
-        )
-    if old_logits is not None and not isinstance(old_logits, OldLogitAnswer) and len(old_logits) != len(trajectories):
-        raise ValueError(f"old_logits has {len(old_logits)} entries for {len(trajectories)} trajectories")
+    _check_inputs(trajectories, old_logits, temperature)
     b, t = len(trajectories), max(len(tr.token_ids) for tr in trajectories)
     ids = np.full((b, t), pad_token_id, np.int64)
     attn = np.zeros((b, t), np.int64)
@@ -254,17 +245,7 @@ def collate(
         sampled[i, :n] = s
         mu[i, :n] = np.where(s, tr.behav_logprobs, np.nan)
         ver[i, :n] = np.where(s, tr.versions, NO_VERSION)
-        if isinstance(old_logits, OldLogitAnswer):
-            lp, ok = _old_from_answer(old_logits, i, n)
-        elif old_logits is not None and old_logits[i] is not None:
-            lp = np.asarray(old_logits[i], dtype=np.float32)
-            if len(lp) != n:
-                raise ValueError(f"old_logits[{i}]: length {len(lp)} != trajectory length {n}")
-            ok = np.isfinite(lp)
-        elif old_logits is None and tr.old_logprobs is not None:
-            lp, ok = tr.old_logprobs, np.isfinite(tr.old_logprobs)
-        else:
-            lp, ok = np.full(n, np.nan, np.float32), np.zeros(n, bool)
+        lp, ok = _old_row(old_logits, tr, i)
         ok = ok & s & np.isfinite(lp)
         old[i, :n] = np.where(ok, lp, np.nan)
         exact[i, :n] = ok
@@ -276,32 +257,16 @@ def collate(
             f"trajectory {trajectories[i].trajectory_id!r} token {j}: version {int(ver[i, j])} is newer than "
             f"the consuming learner version {consuming_version}"
         )
-    train = sampled.copy()
-    train[:, 0] = False  # no prefix to score position 0 with
-    stale_masked = 0
-    if max_token_staleness is not None:
-        over = train & (stale > max_token_staleness)
-        stale_masked = int(over.sum())
-        train &= ~over
-    overlong_seqs = 0
-    if overlong_filter:
-        overlong_seqs = int((truncated & train.any(-1)).sum())
-        train &= ~truncated[:, None]
+    train, stale_masked, overlong_seqs = _train_mask(sampled, stale, truncated, max_token_staleness, overlong_filter)
     rewards = torch.tensor([float(tr.reward) for tr in trajectories], dtype=torch.float32)
     group_ids = [tr.group_id for tr in trajectories]
     seq_adv = sequence_advantages(rewards, group_ids, advantage)
     train_t = torch.from_numpy(train)
     exact_t = torch.from_numpy(exact) & train_t
     stats = {
-        "sequences": float(b),
-        "sampled_tokens": float(sampled.sum()),
-        "response_tokens_mean": float(sampled.sum(-1).mean()),
-        "response_tokens_max": float(sampled.sum(-1).max()),
-        "train_tokens": float(train.sum()),
+        **_token_stats(sampled, train, stale),
         "stale_masked_tokens": float(stale_masked),
         "overlong_masked_seqs": float(overlong_seqs),
-        "staleness_mean": float(stale[sampled].mean()) if sampled.any() else 0.0,
-        "staleness_max": float(stale[sampled].max()) if sampled.any() else 0.0,
         "exact_tokens": float(exact_t.sum()),
         "groups": float(len(set(group_ids))),
         "zero_variance_groups": float(zero_variance_groups(rewards, _group_index(group_ids))),
@@ -313,6 +278,86 @@ def collate(
         sampled_mask=torch.from_numpy(sampled), versions=torch.from_numpy(ver), staleness=torch.from_numpy(stale),
         old_logprobs=torch.from_numpy(old), exact_mask=exact_t, rewards=rewards, seq_advantages=seq_adv, stats=stats,
     )  # fmt: skip
+
+
+def _check_inputs(
+    trajectories: Sequence[Trajectory],
+    old_logits: OldLogitAnswer | Sequence[np.ndarray | None] | None,
+    temperature: float,
+) -> None:
+    """:func:`collate`'s argument checks (its ``Raises``, except the per-row ones)."""
+    if not trajectories:
+        raise ValueError("collate: no trajectories")
+    if not temperature > 0:
+        raise ValueError(f"temperature: must be > 0, got {temperature}")
+    if isinstance(old_logits, OldLogitAnswer) and len(old_logits.old_logprobs) != len(trajectories):
+        raise ValueError(
+            f"old-logit answer has {len(old_logits.old_logprobs)} items for {len(trajectories)} trajectories"
+        )
+    if old_logits is not None and not isinstance(old_logits, OldLogitAnswer) and len(old_logits) != len(trajectories):
+        raise ValueError(f"old_logits has {len(old_logits)} entries for {len(trajectories)} trajectories")
+
+
+def _old_row(
+    old_logits: OldLogitAnswer | Sequence[np.ndarray | None] | None, tr: Trajectory, i: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Row ``i``'s exact pi_old ``[n]`` (NaN where unknown) and where it is known ``[n]`` bool: from
+    the answer, the aligned array, or the trajectory's own ``old_logprobs`` when ``old_logits`` is None.
+
+    Raises:
+        ValueError: an aligned array of another length than the trajectory.
+    """
+    n = len(tr.token_ids)
+    if isinstance(old_logits, OldLogitAnswer):
+        return _old_from_answer(old_logits, i, n)
+    if old_logits is not None and old_logits[i] is not None:
+        lp = np.asarray(old_logits[i], dtype=np.float32)
+        if len(lp) != n:
+            raise ValueError(f"old_logits[{i}]: length {len(lp)} != trajectory length {n}")
+        return lp, np.isfinite(lp)
+    if old_logits is None and tr.old_logprobs is not None:
+        return tr.old_logprobs, np.isfinite(tr.old_logprobs)
+    return np.full(n, np.nan, np.float32), np.zeros(n, bool)
+
+
+def _train_mask(
+    sampled: np.ndarray,
+    stale: np.ndarray,
+    truncated: np.ndarray,
+    max_token_staleness: int | None,
+    overlong_filter: bool,
+) -> tuple[np.ndarray, int, int]:
+    """The ``[B, T]`` loss mask: sampled tokens past position 0 (nothing before it to score it with),
+    less those staler than ``max_token_staleness`` and, with ``overlong_filter``, every token of a
+    ``truncated`` ``[B]`` row; with the counts of stale-masked tokens and of overlong rows that had
+    any token left to train on."""
+    train = sampled.copy()
+    train[:, 0] = False
+    stale_masked = 0
+    if max_token_staleness is not None:
+        over = train & (stale > max_token_staleness)
+        stale_masked = int(over.sum())
+        train &= ~over
+    overlong_seqs = 0
+    if overlong_filter:
+        overlong_seqs = int((truncated & train.any(-1)).sum())
+        train &= ~truncated[:, None]
+    return train, stale_masked, overlong_seqs
+
+
+def _token_stats(sampled: np.ndarray, train: np.ndarray, stale: np.ndarray) -> dict[str, float]:
+    """Counts of a batch's ``[B, T]`` sampled / trained tokens and the staleness of the sampled ones
+    (mean and max; 0 when nothing was sampled); reply length = sampled tokens per row."""
+    per_row = sampled.sum(-1)
+    return {
+        "sequences": float(sampled.shape[0]),
+        "sampled_tokens": float(sampled.sum()),
+        "response_tokens_mean": float(per_row.mean()),
+        "response_tokens_max": float(per_row.max()),
+        "train_tokens": float(train.sum()),
+        "staleness_mean": float(stale[sampled].mean()) if sampled.any() else 0.0,
+        "staleness_max": float(stale[sampled].max()) if sampled.any() else 0.0,
+    }
 
 
 def staleness_histogram(batch: Batch) -> dict[int, int]:
