@@ -193,43 +193,45 @@ def evaluate(
     episodes = asyncio.run(play_all(tasks, client, concurrency, progress))
     wall = time.perf_counter() - start
 
-    by_task: dict[str, list[dict]] = {}
-    for t in tasks:
-        by_task.setdefault(t["task_id"], [])
-    for e in episodes:
-        by_task[e["task_id"]].append(e)
-    per_task = []
-    for tid, eps in by_task.items():
-        eps = sorted(eps, key=lambda e: e["trial"])
-        scored = [e for e in eps if e["reward"] is not None]
-        per_task.append(
-            {
-                "task_id": tid,
-                "rewards": [e["reward"] for e in scored],
-                "successes": sum(is_success(e["reward"]) for e in scored),
-                "termination_reasons": [e.get("termination_reason") for e in scored],
-            }
-        )
+    per_task = per_task_results(tasks, episodes)
     totals = summarize({p["task_id"]: p["rewards"] for p in per_task}, trials)
-    redacted = {k: v for k, v in settings.items() if k != "user"}
-    if settings.get("user"):
-        redacted["user"] = {k: v for k, v in dict(settings["user"]).items() if k != "api_key"}
     report = {
-        "domain": domain,
-        "split": split,
-        "base_url": base_url,
-        "trials": trials,
-        "settings": redacted,
-        "totals": totals,
-        "tasks": per_task,
-        "episodes": episodes,
-        "episodes_failed": sum(e["reward"] is None for e in episodes),
-        "wall_s": wall,
-    }
+        "domain": domain, "split": split, "base_url": base_url, "trials": trials,
+        "settings": _redacted(settings), "totals": totals, "tasks": per_task, "episodes": episodes,
+        "episodes_failed": sum(e["reward"] is None for e in episodes), "wall_s": wall,
+    }  # fmt: skip
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))
     return report
+
+
+def per_task_results(tasks: list[dict[str, Any]], episodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per task id, in the order of ``tasks``: its scored episodes' rewards by trial, how many
+    were successes (:func:`is_success`) and their termination reasons; unscored episodes
+    (``reward`` None) are left out. Example: trials with rewards 1.0, None, 0.0 -> rewards
+    ``[1.0, 0.0]``, successes 1."""
+    by_task: dict[str, list[dict]] = {t["task_id"]: [] for t in tasks}
+    for e in episodes:
+        by_task[e["task_id"]].append(e)
+    rows = []
+    for tid, eps in by_task.items():
+        scored = [e for e in sorted(eps, key=lambda e: e["trial"]) if e["reward"] is not None]
+        rows.append({
+            "task_id": tid,
+            "rewards": [e["reward"] for e in scored],
+            "successes": sum(is_success(e["reward"]) for e in scored),
+            "termination_reasons": [e.get("termination_reason") for e in scored],
+        })  # fmt: skip
+    return rows
+
+
+def _redacted(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` as a report may show them: the user simulator's ``api_key`` left out."""
+    out = {k: v for k, v in settings.items() if k != "user"}
+    if settings.get("user"):
+        out["user"] = {k: v for k, v in dict(settings["user"]).items() if k != "api_key"}
+    return out
 
 
 @contextlib.contextmanager

@@ -227,12 +227,8 @@ def play(task: Tau2Task | dict[str, Any], base_url: str, api_key: str = "EMPTY")
     import openai
 
     _tau2()
-    from tau2.agent.llm_agent import LLMAgent, LLMSoloAgent
-    from tau2.data_model.message import AssistantMessage
-    from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
+    from tau2.agent.llm_agent import LLMSoloAgent
     from tau2.orchestrator.orchestrator import Orchestrator
-    from tau2.registry import registry
-    from tau2.user.user_simulator import DummyUser, UserSimulator
 
     t = task if isinstance(task, Tau2Task) else Tau2Task.model_validate(task)
     tau2_task = _task_set(t.domain, t.split).get(t.task_id)
@@ -243,45 +239,11 @@ def play(task: Tau2Task | dict[str, Any], base_url: str, api_key: str = "EMPTY")
         raise ValueError(f"solo: task {t.task_id!r} of {t.domain!r} has no ticket and cannot be played solo")
 
     start = time.perf_counter()
-    make_env = registry.get_env_constructor(t.domain)
-    agent_args = _llm_args(base_url, api_key, t.temperature, t.max_tokens, retries=0)
-    agent_llm = f"openai/{t.agent_model}"
-    if t.solo:
-        env = make_env(solo_mode=True)
-        user_tools = env.get_user_tools() if env.user_tools else []
-        agent = LLMSoloAgent(
-            tools=env.get_tools() + user_tools,
-            domain_policy=env.get_policy(),
-            task=tau2_task,
-            llm=agent_llm,
-            llm_args=agent_args,
-        )
-        user = DummyUser(instructions=str(tau2_task.user_scenario), llm=None, llm_args=None)
-    else:
-        env = make_env()
-        agent = LLMAgent(tools=env.get_tools(), domain_policy=env.get_policy(), llm=agent_llm, llm_args=agent_args)
-        try:
-            user_tools = env.get_user_tools()
-        except Exception:  # tau2's own rule: a domain without user tools raises here
-            user_tools = None
-        u = t.user
-        user = UserSimulator(
-            tools=user_tools,
-            instructions=str(tau2_task.user_scenario),
-            llm=f"openai/{u.model}",
-            llm_args=_llm_args(u.base_url, u.api_key, u.temperature, None, retries=3),
-        )
+    env, agent, user = _players(t, tau2_task, base_url, api_key)
     orch = Orchestrator(
-        domain=t.domain,
-        agent=agent,
-        user=user,
-        environment=env,
-        task=tau2_task,
-        max_steps=t.max_steps,
-        max_errors=t.max_errors,
-        seed=t.seed,
-        solo_mode=t.solo,
-    )
+        domain=t.domain, agent=agent, user=user, environment=env, task=tau2_task,
+        max_steps=t.max_steps, max_errors=t.max_errors, seed=t.seed, solo_mode=t.solo,
+    )  # fmt: skip
     out: dict[str, Any] = {"task_id": t.task_id, "domain": t.domain, "trial": t.trial, "error": None}
     try:
         sim = orch.run()
@@ -290,34 +252,74 @@ def play(task: Tau2Task | dict[str, Any], base_url: str, api_key: str = "EMPTY")
     except Exception as e:  # the policy broke the protocol: scored 0, as tau2's skip_failed_samples does
         msgs = list(orch.trajectory)
         out.update(
-            reward=0.0,
-            termination_reason="agent_error",
-            reward_basis=[],
-            reward_breakdown={},
-            db_match=None,
+            reward=0.0, termination_reason="agent_error", reward_basis=[], reward_breakdown={}, db_match=None,
             error=f"{type(e).__name__}: {e}"[:500],
-        )
+        )  # fmt: skip
     else:
-        info = evaluate_simulation(
-            simulation=sim, task=tau2_task, evaluation_type=EvaluationType.ALL, solo_mode=t.solo, domain=t.domain
-        )
         msgs = list(sim.messages)
-        out.update(
-            reward=float(info.reward),
-            termination_reason=str(getattr(sim.termination_reason, "value", sim.termination_reason)),
-            reward_basis=[str(getattr(b, "value", b)) for b in (info.reward_basis or [])],
-            reward_breakdown={str(getattr(k, "value", k)): float(v) for k, v in (info.reward_breakdown or {}).items()},
-            db_match=None if info.db_check is None else bool(info.db_check.db_match),
-        )
-    # model turns only: tau2's fixed greeting and a task's scripted history carry no raw response
-    agent_msgs = [m for m in msgs if isinstance(m, AssistantMessage) and m.raw_data is not None]
-    out["agent_turns"] = len(agent_msgs)
-    out["tool_calls"] = [
-        {"name": c.name, "arguments": c.arguments} for m in agent_msgs if m.tool_calls for c in m.tool_calls
-    ]
-    out["messages"] = len(msgs)
+        out.update(_graded(sim, tau2_task, t))
+    out.update(_turn_counts(msgs))
     out["duration_s"] = time.perf_counter() - start
     return out
+
+
+def _players(t: Tau2Task, tau2_task: Any, base_url: str, api_key: str) -> tuple[Any, Any, Any]:
+    """tau2's environment, agent (the policy at ``base_url``) and user for one episode: solo, the
+    agent alone with the user's tools and a dummy user; otherwise tau2's LLM user simulator."""
+    from tau2.agent.llm_agent import LLMAgent, LLMSoloAgent
+    from tau2.registry import registry
+    from tau2.user.user_simulator import DummyUser, UserSimulator
+
+    make_env = registry.get_env_constructor(t.domain)
+    agent_args = _llm_args(base_url, api_key, t.temperature, t.max_tokens, retries=0)
+    agent_llm = f"openai/{t.agent_model}"
+    if t.solo:
+        env = make_env(solo_mode=True)
+        user_tools = env.get_user_tools() if env.user_tools else []
+        agent = LLMSoloAgent(
+            tools=env.get_tools() + user_tools, domain_policy=env.get_policy(), task=tau2_task,
+            llm=agent_llm, llm_args=agent_args,
+        )  # fmt: skip
+        return env, agent, DummyUser(instructions=str(tau2_task.user_scenario), llm=None, llm_args=None)
+    env = make_env()
+    agent = LLMAgent(tools=env.get_tools(), domain_policy=env.get_policy(), llm=agent_llm, llm_args=agent_args)
+    try:
+        user_tools = env.get_user_tools()
+    except Exception:  # tau2's own rule: a domain without user tools raises here
+        user_tools = None
+    u = t.user
+    user = UserSimulator(
+        tools=user_tools, instructions=str(tau2_task.user_scenario), llm=f"openai/{u.model}",
+        llm_args=_llm_args(u.base_url, u.api_key, u.temperature, None, retries=3),
+    )  # fmt: skip
+    return env, agent, user
+
+
+def _graded(sim: Any, tau2_task: Any, t: Tau2Task) -> dict[str, Any]:
+    """tau2's own evaluation of a finished simulation: reward, termination reason, reward basis and
+    breakdown, whether the final database matched (None when the task has no database check)."""
+    from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
+
+    info = evaluate_simulation(
+        simulation=sim, task=tau2_task, evaluation_type=EvaluationType.ALL, solo_mode=t.solo, domain=t.domain
+    )
+    return {
+        "reward": float(info.reward),
+        "termination_reason": str(getattr(sim.termination_reason, "value", sim.termination_reason)),
+        "reward_basis": [str(getattr(b, "value", b)) for b in (info.reward_basis or [])],
+        "reward_breakdown": {str(getattr(k, "value", k)): float(v) for k, v in (info.reward_breakdown or {}).items()},
+        "db_match": None if info.db_check is None else bool(info.db_check.db_match),
+    }
+
+
+def _turn_counts(msgs: list[Any]) -> dict[str, Any]:
+    """The model's turns (tau2's fixed greeting and a task's scripted history carry no raw response
+    and are not counted), its tool calls (name and arguments) and the message count."""
+    from tau2.data_model.message import AssistantMessage
+
+    agent_msgs = [m for m in msgs if isinstance(m, AssistantMessage) and m.raw_data is not None]
+    calls = [{"name": c.name, "arguments": c.arguments} for m in agent_msgs if m.tool_calls for c in m.tool_calls]
+    return {"agent_turns": len(agent_msgs), "tool_calls": calls, "messages": len(msgs)}
 
 
 class ModelCallError(RuntimeError):

@@ -127,3 +127,22 @@ def test_cli_eval_tau2_all_episodes_failing_says_so_with_the_first_error(tmp_pat
     assert "First error: http: ModelCallError:" in res.output and "Connection error." in res.output
     report = json.loads(out.read_text())
     assert report["totals"]["avg@k"] is None and report["episodes_failed"] == 1
+
+
+def test_per_task_results_keep_task_order_and_leave_unscored_episodes_out():
+    from rollout.tau2_eval import per_task_results
+
+    tasks = [{"task_id": "b"}, {"task_id": "a"}, {"task_id": "c"}]
+    episodes = [
+        {"task_id": "a", "trial": 1, "reward": 0.0, "termination_reason": "max_steps"},
+        {"task_id": "a", "trial": 0, "reward": 1.0, "termination_reason": "user_stop"},
+        {"task_id": "a", "trial": 2, "reward": None},
+        {"task_id": "b", "trial": 0, "reward": 1.0, "termination_reason": "agent_stop"},
+    ]
+    rows = per_task_results(tasks, episodes)
+    # a: trials sorted 0, 1 (trial 2 unscored) -> rewards [1.0, 0.0], one success; c: nothing played
+    assert rows == [
+        {"task_id": "b", "rewards": [1.0], "successes": 1, "termination_reasons": ["agent_stop"]},
+        {"task_id": "a", "rewards": [1.0, 0.0], "successes": 1, "termination_reasons": ["user_stop", "max_steps"]},
+        {"task_id": "c", "rewards": [], "successes": 0, "termination_reasons": []},
+    ]

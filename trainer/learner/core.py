@@ -27,7 +27,7 @@ One :meth:`LearnerCore.train_step` at learner version ``V``:
    optimizer's ``step`` suppressed (DeepSpeed still clears its gradient buffers, weights and
    optimizer state stay untouched) and the optimizer step is counted as skipped. A step DeepSpeed
    itself skips (its own overflow check) counts the same way. The optimizer's own step is checked
-   too: the parameters and state it updates are copied before it runs (:class:`OptimizerRollback`),
+   too: the parameters and state it updates are copied before it runs (:class:`trainer.learner.guard.StepGuard`),
    and when any updated weight or state tensor is not finite (an infinite learning rate, an
    overflowing update) every rank restores the copy, so weights and optimizer state are exactly
    those of before the step, and the step counts as skipped (``nonfinite_weight_steps``);
@@ -64,7 +64,7 @@ from trainer.algorithm.batch import Batch, collate
 from trainer.algorithm.ewma import EwmaProximal
 from trainer.algorithm.losses import compute_policy_loss, discrepancy_ratio, icepop_mask
 from trainer.algorithm.proximal import RECOMPUTE_PROXIES, proximal_reference
-from trainer.learner.rollback import OptimizerRollback
+from trainer.learner.guard import StepGuard
 from trainer.learner.settings import LearnerSettings, init_distributed
 from trainer.learner.steps import combine_step_metrics, sum_max_min
 
@@ -127,7 +127,7 @@ class LearnerCore:
             [p for p in model.parameters() if p.requires_grad], lr=settings.lr, betas=settings.betas,
             eps=settings.adam_eps, weight_decay=settings.weight_decay, fused=settings.fused_adam or None,
         )  # fmt: skip
-        self._install_step_guard()
+        self._guard = StepGuard(self._optimizer, self._all_reduce)
         ds_config: dict[str, Any] = {
             "train_micro_batch_size_per_gpu": settings.micro_batch_size,
             "gradient_accumulation_steps": 1,
@@ -140,8 +140,7 @@ class LearnerCore:
         if settings.dtype == "bfloat16":
             ds_config["bf16"] = {"enabled": True}
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self._optimizer, config=ds_config)
-        self._grad_bad = torch.zeros((), dtype=torch.bool)
-        self._hooks = [p.register_hook(self._grad_hook) for p in self.engine.module.parameters() if p.requires_grad]
+        self._guard.watch(self.engine.module.parameters())
         self.version = 0
         self.skipped_steps = 0
         self.nonfinite_weight_steps = 0
@@ -163,33 +162,6 @@ class LearnerCore:
     @property
     def _torch_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.settings.dtype == "bfloat16" else torch.float32
-
-    def _install_step_guard(self) -> None:
-        """Wrap the torch optimizer's ``step``: a flagged step runs DeepSpeed's bookkeeping only, and
-        a step that leaves a non-finite weight (or optimizer state) is rolled back on every rank."""
-        inner = self._optimizer.step
-        self._suppress_step = False
-        self._inner_steps = 0
-        self._rolled_back = False
-        rollback = OptimizerRollback(self._optimizer)
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            self._inner_steps += 1
-            if self._suppress_step:
-                return None
-            rollback.save()
-            out = inner(*args, **kwargs)
-            bad = not rollback.optimizer_finite()
-            if self._all_reduce([float(bad)], "max")[0] > 0:
-                rollback.restore()
-                self._rolled_back = True
-            return out
-
-        self._optimizer.step = step  # instance attribute shadows the class method
-
-    def _grad_hook(self, grad: torch.Tensor) -> None:
-        if not bool(torch.isfinite(grad).all()):
-            self._grad_bad.fill_(True)
 
     def _full_params(self) -> contextlib.AbstractContextManager:
         """Context in which ``engine.module``'s parameters are whole tensors (ZeRO-3 gathers them)."""
@@ -374,7 +346,7 @@ class LearnerCore:
         micro = local.micro_batches(self.settings.micro_batch_size, self._micro_count(batch))
         first = first_loss_position(local)  # one for every micro-batch: their sums match a single pass
         n_tok, n_seq = self._all_reduce([float(local.n_tokens), float(local.loss_mask.any(-1).sum())])
-        self._grad_bad.fill_(False)
+        self._guard.clear()
         acc: dict[str, list[float]] = {}
         sums = {"loss": 0.0, "err": 0.0, "err_n": 0.0, "ewma_keep": 0.0, "ewma_n": 0.0}
         timing = {"ewma_forward_s": 0.0, "forward_backward_s": 0.0}
@@ -387,7 +359,9 @@ class LearnerCore:
         grad_norm = self._stage0_grad_norm()
         keys = sorted(sums)
         glob = dict(zip(keys, self._all_reduce([sums[k] for k in keys]), strict=True))
-        applied, timing["optimizer_s"] = self._guarded_step(not math.isfinite(sums["loss"]) or bool(self._grad_bad))
+        local_bad = not math.isfinite(sums["loss"]) or bool(self._guard.grad_bad)
+        applied, rolled_back, timing["optimizer_s"] = self._guard.step(self.engine, local_bad)
+        self.nonfinite_weight_steps += int(rolled_back)
         if grad_norm is None:
             g = self.engine.get_global_grad_norm()
             grad_norm = float(g) if g is not None else math.nan
@@ -457,21 +431,6 @@ class LearnerCore:
                 sums["ewma_keep"] += float((keep.bool() & mask).sum())
                 sums["ewma_n"] += float(mask.sum())
         return int(ewma_lp is not None)
-
-    def _guarded_step(self, local_bad: bool) -> tuple[bool, float]:
-        """``engine.step()`` under the non-finite guard: ``local_bad`` (this rank's loss or gradient
-        is not finite) is all-reduced; a flagged step runs with the inner optimizer suppressed, a step
-        leaving non-finite weights is rolled back. Returns (applied, seconds)."""
-        bad = self._all_reduce([float(local_bad)], "max")[0] > 0
-        before, tc = self._inner_steps, time.perf_counter()
-        self._suppress_step, self._rolled_back = bad, False
-        try:
-            self.engine.step()
-        finally:
-            self._suppress_step = False
-        applied = not bad and not self._rolled_back and self._inner_steps > before and self.engine.was_step_applied()
-        self.nonfinite_weight_steps += int(self._rolled_back)
-        return applied, time.perf_counter() - tc
 
     def _fold_into_ewma(self, batch: Batch, kept: float, steps_per_version: int) -> bool:
         """After an applied optimizer step: the EWMA folds the new weights in, then resets when the
