@@ -43,7 +43,8 @@ Grids:
 * ``eps``: snapshot / ppo_ewma at W = 4 with a wide clip band, eps_low 0.5 / eps_high 1.0.
 * ``paper``: the paper's regime (:data:`PAPER`: 4 optimizer steps per rollout batch, lr
   :data:`PAPER_LR`), the 5 methods of :data:`PAPER_METHODS` at W = 2 and 4, bf16, seeds 0-2
-  (30 runs of :data:`PAPER_STEPS` versions, rows tagged ``mb4-lr5e-3``; ~1 hour here).
+  (30 runs of :data:`PAPER_STEPS` versions, rows tagged ``mb4-lr5e-3``, W = 2's three seeds first;
+  ~2 hours here).
 * ``paper_lr``: recompute and snapshot at W = 2 in that regime with lr 1e-3, 3e-3, 1e-2: which
   learning rate keeps one version mostly inside the clip band (the largest per-step clip fraction).
 * ``paper_real``: the same comparison on SmolLM2 and the demo's task (2 mini-batches of 8 per
@@ -256,8 +257,8 @@ def grid(kind: str) -> list[Cell]:
         extra = (*PAPER, f"learner.lr={PAPER_LR}")
         return [
             Cell(m, W, "bf16", s, PAPER_STEPS, extra, tag=f"mb4-lr{PAPER_LR}")
-            for s in (0, 1, 2)
             for W in (2, 4)
+            for s in (0, 1, 2)
             for m in PAPER_METHODS
         ]
     if kind == "paper_lr":
