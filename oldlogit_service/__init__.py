@@ -6,7 +6,6 @@ from oldlogit_service.proxy_error import ProxyError, ProxyErrorMeter, proxy_erro
 from oldlogit_service.service import (
     ROUTES,
     OldLogitService,
-    Route,
     items_from_trajectories,
     merge_old_logprobs,
     status_from_old_logprobs,
@@ -17,7 +16,6 @@ __all__ = [
     "OldLogitService",
     "ProxyError",
     "ProxyErrorMeter",
-    "Route",
     "items_from_trajectories",
     "merge_old_logprobs",
     "proxy_error",

@@ -52,7 +52,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,10 +61,12 @@ from torch import Tensor
 from modelkit.scoring import sequence_logprobs
 from modelkit.weights import PackedWeights, torch_dtype, unpack_weights
 from protocol import (
+    OLDLOGIT_ROUTES,
     AdapterSpec,
     OldLogitAnswer,
     OldLogitItem,
     OldLogitRequest,
+    OldLogitRoute,
     OldLogitServiceStatus,
     ProtocolError,
     TokenStatus,
@@ -72,8 +74,7 @@ from protocol import (
     WeightManifest,
 )
 
-Route = Literal["snapshot", "old_logit_model", "interrupt_sync", "none"]
-ROUTES: tuple[str, ...] = get_args(Route)
+ROUTES = OLDLOGIT_ROUTES
 
 EVICT_STALENESS = "staleness"
 """Eviction reason: the version is older than ``V - max_staleness`` (no token of it is consumable)."""
@@ -153,7 +154,7 @@ class OldLogitService:
     def __init__(
         self,
         model_path: str | Path | None,
-        route: Route = "snapshot",
+        route: OldLogitRoute = "snapshot",
         max_staleness: int = 2,
         memory_budget_bytes: int | None = None,
         device: str = "cpu",

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from enum import IntEnum
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, Literal, Self, get_args
 
 import numpy as np
 import xxhash
@@ -523,11 +523,21 @@ class OldLogitRequest(Message):
     items: list[OldLogitItem] = Field(min_length=1)
 
 
+OldLogitRoute = Literal["none", "snapshot", "old_logit_model", "interrupt_sync"]
+"""How the learner gets exact pi_old: ``none`` (never; the configured proxy for every token),
+``snapshot`` (a service holding every consumable version, answering per batch), ``old_logit_model``
+(one scorer replica at the newest version scoring finished trajectories on collect),
+``interrupt_sync`` (that, plus in-flight prefixes scored at the outgoing version on each update)."""
+
+OLDLOGIT_ROUTES: tuple[str, ...] = get_args(OldLogitRoute)
+"""Every :data:`OldLogitRoute` name, in that order."""
+
+
 class OldLogitAnswer(Message):
     """Per-item ``old_logprobs`` (nats, NaN where not exact) and per-token :class:`TokenStatus`."""
 
     request_id: str = Field(min_length=1)
-    route: Literal["snapshot", "old_logit_model", "interrupt_sync", "none"]
+    route: OldLogitRoute
     old_logprobs: list[Float32Array]
     status: list[Int8Array]
     seconds: float = Field(ge=0.0)
@@ -570,7 +580,7 @@ class WorkerStatus(Message):
 
 
 class OldLogitServiceStatus(Message):
-    route: Literal["snapshot", "old_logit_model", "interrupt_sync", "none"]
+    route: OldLogitRoute
     versions_held: list[int] = Field(default_factory=list)
     bytes_held: int = Field(0, ge=0)
     tokens_exact: int = Field(0, ge=0)
@@ -653,7 +663,7 @@ class JobStatus(Message):
     buffer_size: int = Field(0, ge=0)
     buffer_staleness_hist: dict[int, int] = Field(default_factory=dict)
     last_batch_staleness_hist: dict[int, int] = Field(default_factory=dict)
-    oldlogit_route: Literal["snapshot", "old_logit_model", "interrupt_sync", "none"] = "none"
+    oldlogit_route: OldLogitRoute = "none"
     """The job's old-logit route (``loss.oldlogit_route``)."""
     exact_token_fraction: float | None = Field(None, ge=0.0, le=1.0)
     """Share of the last batch's trained tokens whose pi_old was exact (None before the first step)."""

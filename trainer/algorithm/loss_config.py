@@ -23,8 +23,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from protocol import OldLogitRoute
+
 Proxy = Literal["behav", "recompute", "linear_prox", "loglinear_prox", "ewma"]
-OldLogitRoute = Literal["none", "snapshot", "old_logit_model", "interrupt_sync"]
 
 
 class LossConfig(BaseModel):

@@ -323,7 +323,7 @@ class Job:
                 self._apply_error = e
             self.last_publish["applied_s"] = time.perf_counter() - t1
 
-        if self.route.name in ("none", "snapshot"):
+        if self.route.background_publish:
             self._applying = threading.Thread(target=apply, name=f"publish-v{manifest.version}", daemon=True)
             self._applying.start()
         else:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from oldlogit_service.calls import PendingCall, RestartWait, ServiceCalls
-from protocol import OldLogitRequest, Trajectory, WeightManifest
+from protocol import OLDLOGIT_ROUTES, OldLogitRequest, Trajectory, WeightManifest
 
 ScorerWeights = tuple[WeightManifest, Any]
 """``(manifest, payload ObjectRef)`` of the float32 publication the old-logit service installs."""
@@ -44,6 +44,9 @@ class NoRoute:
     """Route ``none``: no old-logit service; the learner uses its configured proxy for every token."""
 
     name = "none"
+    background_publish = True
+    """Whether a publication is applied in the background while the loop goes on (the consumers'
+    switch does not have to be in step with collection); False keeps the loop waiting for it."""
 
     def __init__(self, oldlogit: Any = None, restart_timeout_s: float = 600.0) -> None:
         self.oldlogit = oldlogit
@@ -103,6 +106,8 @@ class ScorerRoute(NoRoute):
     version during their weight update, so the workers are updated before the scorer.
     """
 
+    background_publish = False
+
     def __init__(self, name: str, oldlogit: Any, restart_timeout_s: float = 600.0) -> None:
         super().__init__(oldlogit, restart_timeout_s)
         self.name = name
@@ -139,4 +144,4 @@ def make_route(name: str, oldlogit: Any, restart_timeout_s: float = 600.0) -> No
         return SnapshotRoute(oldlogit, restart_timeout_s)
     if name in ("old_logit_model", "interrupt_sync"):
         return ScorerRoute(name, oldlogit, restart_timeout_s)
-    raise ValueError(f"oldlogit_route: {name!r} is not one of none, snapshot, old_logit_model, interrupt_sync")
+    raise ValueError(f"oldlogit_route: {name!r} is not one of {', '.join(OLDLOGIT_ROUTES)}")
