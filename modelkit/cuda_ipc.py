@@ -153,5 +153,8 @@ def pack_cuda_ipc(
     views = payload.open()
     for name, t in items:
         views[name].copy_(t)  # the one copy, cast on the way, on the device
+    from modelkit.fingerprint import weights_fingerprint
+
     specs = [TensorSpec(name=e[0], shape=list(e[2]), dtype=e[1]) for e in index]
-    return WeightManifest(version=version, tensors=specs, checksum=payload.digest(), tied=tied), payload
+    fp = weights_fingerprint(views)
+    return WeightManifest(version=version, tensors=specs, checksum=payload.digest(), tied=tied, fingerprint=fp), payload

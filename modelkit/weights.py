@@ -7,7 +7,9 @@ share the learner's GPU). Invariants:
 * a tensor that shares storage with an earlier one (tied embeddings) is sent once and listed in
   ``manifest.tied``; :func:`unpack_weights` restores the alias, so tied weights stay tied;
 * tensors are cast to the consumer's dtype before packing, once per dtype, and the digest
-  (:func:`protocol.weights_digest`) covers the bytes sent; the producer computes it once;
+  (:func:`protocol.weights_digest`) covers the bytes sent; the producer computes it once, and the
+  served-weights fingerprint of the same tensors (:mod:`modelkit.fingerprint`,
+  ``manifest.fingerprint``), what a consumer serving them reads back;
 * the payload is private to the publication: the learner may step as soon as it is packed.
   :func:`pack_weights` makes that private copy itself, or - with ``copy=False``, for a caller that
   hands the payload straight to Ray's object store - leaves it to ``ray.put``'s copy, so the bytes
@@ -35,6 +37,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from modelkit.fingerprint import weights_fingerprint
 from protocol import ProtocolError, TensorSpec, WeightManifest, verify_weight_payload, weights_digest
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -213,7 +216,8 @@ def _manifest(payload: Mapping[str, torch.Tensor], version: int, tied: dict[str,
         TensorSpec(name=n, shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch.")) for n, t in payload.items()
     ]
     checksum = weights_digest(list(payload), (raw_bytes(t) for t in payload.values()))
-    return WeightManifest(version=version, tensors=specs, checksum=checksum, tied=tied)
+    fp = weights_fingerprint(payload)
+    return WeightManifest(version=version, tensors=specs, checksum=checksum, tied=tied, fingerprint=fp)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -185,6 +185,7 @@ class OldLogitService:
         self._held: OrderedDict[int, dict[str, Tensor]] = OrderedDict()  # ascending versions
         self._held_bytes: dict[int, int] = {}
         self._checksums: dict[int, str] = {}
+        self._published_names: dict[int, list[str]] = {}  # per held version: its manifest's tensor names
         self.evicted: dict[int, str] = {}
         """Versions once held and evicted, with the reason (:data:`EVICT_STALENESS`, ...)."""
         self.latest_version: int | None = None
@@ -281,6 +282,7 @@ class OldLogitService:
         self._held.pop(version)
         self._held_bytes.pop(version)
         self._checksums.pop(version, None)
+        self._published_names.pop(version, None)
         self.evicted[version] = reason
         self.evictions[reason] += 1
 
@@ -381,6 +383,7 @@ class OldLogitService:
             own[alias] = own[src]
         self._store(v, self._peft_named(own) if self.adapter is not None else own)
         self._checksums[v] = manifest.checksum
+        self._published_names[v] = [spec.name for spec in manifest.tensors]
         self.seconds["update"] += time.perf_counter() - t0
         return v
 
@@ -585,6 +588,21 @@ class OldLogitService:
         self.seconds[kind] += seconds
         self.requests += 1
         self.last_request_seconds = seconds
+
+    def fingerprint(self) -> dict[str, Any]:
+        """``{"version", "served"}``: the newest published version and the fingerprint
+        (:mod:`modelkit.fingerprint`, in the service dtype) of its tensors as held here - the ones
+        its forwards run with - over the names its publication carried (an adapter's factors with
+        adapters); ``served`` None when that version is not held or came from the folder."""
+        from modelkit.fingerprint import weights_fingerprint
+        from modelkit.lora import adapter_to_peft
+
+        v = self.latest_version
+        names = self._published_names.get(v) if v in self._held else None
+        if names is None:
+            return {"version": v, "served": None}
+        key = adapter_to_peft if self.adapter is not None else str
+        return {"version": v, "served": weights_fingerprint({n: self._held[v][key(n)] for n in names})}
 
     def status(self) -> OldLogitServiceStatus:
         """Versions and bytes held, exact/missing token counts (by reason), seconds, requests and start time."""

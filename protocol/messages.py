@@ -153,6 +153,9 @@ class RolloutRequest(Message):
 
 FinishReason = Literal["stop", "length", "abort"]
 
+FINGERPRINT_PATTERN = r"^[0-9a-f]{16}$"
+"""A served-weights fingerprint: 16 lowercase hex characters (``modelkit.fingerprint``)."""
+
 
 class Trajectory(Message):
     """A finished (or aborted) sequence with everything the learner needs, per token.
@@ -173,6 +176,9 @@ class Trajectory(Message):
     """Policy version that sampled each token; :data:`NO_VERSION` on context tokens."""
     policy_version: int = Field(ge=0)
     """The sender's (worker's) weight version when the trajectory was emitted."""
+    served_fingerprint: str | None = Field(None, pattern=FINGERPRINT_PATTERN)
+    """Fingerprint of the weights the worker's engine served at ``policy_version``, read back from
+    the engine after that version was applied (``modelkit.fingerprint``); None when not known."""
     prompt_len: int = Field(ge=0)
     finish_reason: FinishReason
     reward: float = 0.0
@@ -371,6 +377,9 @@ class WeightManifest(Message):
     """Names left out of the payload because they share storage with another: ``{alias: source}``."""
     adapter: AdapterSpec | None = None
     """Set when the payload is a LoRA adapter to merge into the consumer's base weights; None: full weights."""
+    fingerprint: str | None = Field(None, pattern=FINGERPRINT_PATTERN)
+    """``modelkit.fingerprint`` of the payload's tensors (sampled values, in the payload's dtype): what
+    a consumer that holds these tensors reports after applying them; None when not computed."""
 
     @model_validator(mode="after")
     def _unique(self) -> WeightManifest:
@@ -577,6 +586,8 @@ class WorkerStatus(Message):
     errors: int = Field(0, ge=0)
     state: Literal["starting", "running", "paused", "stopping", "failed"] = "running"
     last_error: str = ""
+    served_fingerprint: str | None = Field(None, pattern=FINGERPRINT_PATTERN)
+    """Fingerprint of the weights the engine serves now, read back after the last update (None: not known)."""
 
 
 class OldLogitServiceStatus(Message):
@@ -682,6 +693,8 @@ class JobStatus(Message):
     dropped: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
     """Dropped trajectories by reason (``stale``, ``buffer_full``, ``aborted``, ...)."""
     skipped_steps: int = Field(0, ge=0)
+    fingerprint_mismatch: int = Field(0, ge=0)
+    """Consumers found serving other weights than the version published to them (each restarted)."""
     scale_pending: int | None = Field(None, ge=0)
     """A scale request recorded but not applied yet (the latest one wins)."""
     scale_note: str = ""

@@ -171,8 +171,9 @@ class Episode:
     def num_generated(self) -> int:
         return sum(self.loss_mask)
 
-    def to_trajectory(self, worker_id: str, policy_version: int) -> Trajectory:
-        """Freeze into a :class:`protocol.Trajectory` (raises pydantic ValidationError if inconsistent)."""
+    def to_trajectory(self, worker_id: str, policy_version: int, served_fingerprint: str | None = None) -> Trajectory:
+        """Freeze into a :class:`protocol.Trajectory` (raises pydantic ValidationError if inconsistent);
+        ``served_fingerprint``: that of the weights the worker serves at ``policy_version``."""
         return Trajectory(
             trajectory_id=self.trajectory_id,
             group_id=self.request.group_id,
@@ -182,6 +183,7 @@ class Episode:
             behav_logprobs=np.asarray(self.logprobs, np.float32),
             versions=np.asarray(self.versions, np.int32),
             policy_version=policy_version,
+            served_fingerprint=served_fingerprint,
             prompt_len=self.prompt_len,
             finish_reason=self.finish_reason or "abort",
             reward=float(sum(self.turn_rewards)),

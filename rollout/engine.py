@@ -64,6 +64,10 @@ class EngineConfig(BaseModel):
     """Most sequences decoded in one step."""
     device: str = "cpu"
     """transformers engine only: torch device."""
+    test_skip_weight_loads: bool = False
+    """Tests only, never in a job: ``update_weights`` checks the update and moves ``version`` but
+    copies nothing into the model, so the engine keeps serving the old weights under the new
+    version (the consumer fault the served-fingerprint check exists to catch)."""
 
 
 @dataclass
@@ -197,12 +201,32 @@ class GenerationEngine(abc.ABC):
         target = getattr(torch, self.config.dtype)
         cast = {n: named[n].detach().to(dtype=target) for n in want}  # no copy when already in the engine dtype
         try:
-            self._apply(cast)
+            if not self.config.test_skip_weight_loads:
+                self._apply(cast)
         except Exception as e:  # weights may be half applied: never serve them under any version
             self.failed = f"weight update to version {version} failed mid-copy: {e!r}"
             raise EngineError(self.failed) from e
         self.version = version
         return version
+
+    def served_fingerprint(self) -> str | None:
+        """:func:`modelkit.fingerprint.weights_fingerprint` of the checkpoint's tensors as the engine
+        holds them now, read back from the engine's own model (not from any update it was given),
+        in the engine's dtype; None from an engine that cannot read its weights back.
+
+        Raises:
+            KeyError: a checkpoint tensor cannot be found in the engine's model.
+        """
+        from modelkit.fingerprint import fingerprint_of_samples
+
+        shapes = {n: shape for n, (shape, _) in self.expected_weights().items()}
+        samples = self._read_samples(shapes)
+        return None if samples is None else fingerprint_of_samples(samples)
+
+    def _read_samples(self, shapes: dict[str, list[int]]) -> dict[str, list[float]] | None:
+        """``{hf_name: values at modelkit.fingerprint.sample_positions}`` read from the model, or
+        None (the default) when the engine cannot read its weights back."""
+        return None
 
     def generate(self, requests: list[EngineRequest]) -> dict[str, tuple[list[int], list[float], str]]:
         """Run requests to completion: ``{request_id: (token_ids, logprobs, finish_reason)}``."""
@@ -289,6 +313,12 @@ class VintageWorkerExtension:
         self.model_runner.get_model().load_weights(weights=iter(named))  # type: ignore[attr-defined]
         torch.cuda.synchronize()  # the sources (e.g. CUDA IPC views) may be released on return
         return len(named)
+
+    def vintage_samples(self, shapes: dict[str, list[int]], dtype: str) -> dict[str, list[float]]:
+        from rollout.readback import read_samples
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return read_samples(model, shapes, getattr(torch, dtype))
 
     def vintage_param(self, name: str) -> torch.Tensor:
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
@@ -408,6 +438,9 @@ class VllmEngine(GenerationEngine):
         if not self._llm.reset_prefix_cache():
             raise EngineError("reset_prefix_cache refused after a weight update")
 
+    def _read_samples(self, shapes: dict[str, list[int]]) -> dict[str, list[float]]:
+        return self._llm.collective_rpc("vintage_samples", args=(shapes, self.config.dtype))[0]
+
     def param(self, name: str) -> torch.Tensor:
         """A copy of one engine parameter by vLLM name (for tests and checks)."""
         return self._llm.collective_rpc("vintage_param", args=(name,))[0]
@@ -521,6 +554,12 @@ class TransformersEngine(GenerationEngine):
         params = dict(self.model.named_parameters())
         for name, t in named.items():
             params[name].copy_(t)
+
+    def _read_samples(self, shapes: dict[str, list[int]]) -> dict[str, list[float]]:
+        from modelkit.fingerprint import sampled_values
+
+        params = dict(self.model.named_parameters())
+        return {n: sampled_values(n, params[n]) for n in shapes}
 
     def close(self) -> None:
         self._seqs.clear()

@@ -27,6 +27,10 @@ Invariants:
   copy of the base weights (the engine's model folder, loaded at the first adapter) by
   :func:`modelkit.lora.merged_weights` and applied like full weights; every version is merged
   from that base, never from the previous version;
+* after every applied update (and at the start) the worker reads its engine's weights back
+  (:meth:`rollout.engine.GenerationEngine.served_fingerprint`) into ``served_fingerprint``, which
+  every trajectory it emits carries, and keeps ``applied_fingerprint``, that of the tensors it
+  handed to the engine (the merged weights for an adapter); :meth:`fingerprint` reports both;
 * every submitted sample leaves exactly once through :meth:`poll`, finished (``stop``/``length``)
   or ``abort`` with the reason in ``info["error"]``.
 """
@@ -103,6 +107,10 @@ class RolloutWorkerCore:
         self.last_error = ""
         self.state = "running"
         self._base: dict[str, Any] | None = None  # pristine base weights, kept once an adapter arrives
+        self.applied_fingerprint: str | None = None
+        """Fingerprint of the tensors handed to the engine at the last update (None before one)."""
+        self.served_fingerprint: str | None = self._read_fingerprint()
+        """Fingerprint of the weights the engine serves, read back from it after the last update."""
 
     # --- public API --------------------------------------------------------------------------
 
@@ -190,6 +198,8 @@ class RolloutWorkerCore:
                 except Exception as e:  # those tokens stay NaN: the learner uses its proxy, and says so
                     self._record_error(f"score_prefixes failed: {e!r}")
             self.engine.update_weights(named, manifest.version)
+            self.applied_fingerprint = self._fingerprint_of(named)
+            self.served_fingerprint = self._read_fingerprint()
             self.updates += 1
             self.last_update_seconds = time.perf_counter() - t0
         self._wake.set()
@@ -213,6 +223,33 @@ class RolloutWorkerCore:
             self._base = {k: v.to(dtype) for k, v in load_base_weights(self.engine.config.model_path).items()}
         return merged_weights(self._base, adapter, spec)
 
+    def fingerprint(self) -> dict[str, Any]:
+        """``{"version", "served", "applied"}``: the serving version, the fingerprint read back from
+        the engine (None if it cannot be read) and that of the tensors the last update handed to it
+        (None before one). See :mod:`modelkit.fingerprint`."""
+        with self._locked():
+            return {
+                "version": self.engine.version,
+                "served": self.served_fingerprint,
+                "applied": self.applied_fingerprint,
+            }
+
+    def _read_fingerprint(self) -> str | None:
+        try:
+            return self.engine.served_fingerprint()
+        except Exception as e:  # an engine that cannot be read back serves unknown weights: say so
+            self._record_error(f"served_fingerprint failed: {e!r}")
+            return None
+
+    def _fingerprint_of(self, named: Mapping[str, Any]) -> str | None:
+        from modelkit.fingerprint import weights_fingerprint
+
+        try:
+            names = self.engine.expected_weights()
+        except (FileNotFoundError, OSError):  # an engine without a checkpoint folder (test fakes)
+            return None
+        return weights_fingerprint({n: named[n] for n in names}, self.engine.config.dtype)
+
     def status(self) -> WorkerStatus:
         """Version, in-flight samples, throughput (tokens / second spent stepping) and errors."""
         with self._locked():
@@ -226,6 +263,7 @@ class RolloutWorkerCore:
                 errors=self.errors,
                 state=self.state,
                 last_error=self.last_error[-500:],
+                served_fingerprint=self.served_fingerprint,
             )
 
     def step(self) -> int:
@@ -420,7 +458,7 @@ class RolloutWorkerCore:
 
     def _finalize(self, ep: Episode) -> None:
         try:
-            self._done.append(ep.to_trajectory(self.worker_id, self.engine.version))
+            self._done.append(ep.to_trajectory(self.worker_id, self.engine.version, self.served_fingerprint))
             self.generated_trajectories += 1
         except Exception as e:  # an internal bug; say so loudly rather than emit a bad sample
             self._record_error(f"trajectory {ep.trajectory_id} invalid, dropped: {e}")
@@ -544,6 +582,9 @@ class RolloutWorkerActor:
 
     def status(self) -> WorkerStatus:
         return self.core.status()
+
+    def fingerprint(self) -> dict[str, Any]:
+        return self.core.fingerprint()
 
     def start(self) -> None:
         self.core.start()

@@ -25,7 +25,7 @@ class Learner:
 
 class Manifest:
     def __init__(self, version):
-        self.version, self.total_bytes = version, 100
+        self.version, self.total_bytes, self.adapter, self.fingerprint = version, 100, None, None
 
 
 class GatedPool:
@@ -41,12 +41,16 @@ class GatedPool:
             raise RuntimeError(f"worker refused version {manifest.version}")
         self.applied.append((manifest.version, ref))
 
+    def fingerprints(self):
+        return {}  # no worker reports a fingerprint: nothing to judge
+
 
 class Scorer:
     """A stand-in old-logit service handle: ``update_weights.remote`` records the call order."""
 
     def __init__(self, log):
         self.update_weights = self
+        self.fingerprint = _Method({"version": None, "served": None})
         self.log = log
 
     def remote(self, manifest, ref):
@@ -54,10 +58,19 @@ class Scorer:
         return "done"
 
 
+class _Method:
+    def __init__(self, answer):
+        self.answer = answer
+
+    def remote(self):
+        return self.answer
+
+
 def job(pool, route):
     j = Job.__new__(Job)  # only the parts publish uses
     j.cfg = load_config(None, [])
     j.learner, j.pool, j.route, j.times, j.last_publish = Learner(), pool, route, Counter(), {}
+    j.fingerprint_mismatch = 0
     return j
 
 

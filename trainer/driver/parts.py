@@ -30,13 +30,14 @@ import ray
 from rich.console import Console
 
 from oldlogit_service.calls import PendingCall
-from protocol import OldLogitAnswer, OldLogitServiceStatus, Trajectory
+from protocol import OldLogitAnswer, OldLogitServiceStatus, Trajectory, WeightManifest
 from trainer.driver import report
 from trainer.driver.buffer import TrajectoryBuffer
 from trainer.driver.config import JobConfig
+from trainer.driver.fingerprints import FINGERPRINT_MISMATCH, is_mismatch, mismatched_workers
 from trainer.driver.ledger import Ledger
 from trainer.driver.resume import write_trajectories
-from trainer.driver.routes import NoRoute
+from trainer.driver.routes import NoRoute, ScorerWeights
 from trainer.driver.server import StatusBoard
 from trainer.driver.sources import TrajectorySource
 
@@ -168,6 +169,8 @@ class Job:
         self.first_launch: float | None = None  # perf_counter at the first learner step's launch
         self.tokens_exact = self.tokens_total = 0
         self.last_publish: dict[str, float] = {}
+        self.fingerprint_mismatch = 0
+        """Consumers found serving other weights than the version published to them, restarted."""
         self.ledger = ledger
         self.source: TrajectorySource = source(self)
         """Where training trajectories come from (:mod:`trainer.driver.sources`): it admits, collects and evaluates."""
@@ -319,6 +322,7 @@ class Job:
             t1 = time.perf_counter()
             try:
                 self.route.publish(lambda: self.pool.update_weights(manifest, ref), scorer_weights)
+                self.check_fingerprints(manifest, scorer_weights)
             except BaseException as e:  # raised by the next wait_published
                 self._apply_error = e
             self.last_publish["applied_s"] = time.perf_counter() - t1
@@ -329,6 +333,37 @@ class Job:
         else:
             apply()
             self.wait_published()
+
+    def check_fingerprints(self, manifest: WeightManifest, scorer_weights: ScorerWeights | None) -> None:
+        """After a publication is applied, restart every consumer that serves other weights than
+        it (:mod:`trainer.driver.fingerprints`) and count each in :attr:`fingerprint_mismatch`: a
+        rollout worker is killed and replaced like a dead one (:meth:`replace_dead_workers`, its
+        in-flight samples dropped as ``fingerprint_mismatch``); the old-logit service is killed for
+        Ray to restart it (only while ``oldlogit.max_restarts`` > 0; otherwise it is counted and
+        named on the console) and given the publication again."""
+        bad = mismatched_workers(manifest, self.pool.fingerprints())
+        if bad:
+            self.pool.kill(bad, FINGERPRINT_MISMATCH)
+            self.console.print(
+                f"[yellow]{', '.join(bad)}: served fingerprint differs from v{manifest.version}, restarting"
+            )
+        self.fingerprint_mismatch += len(bad)
+        calls = self.route.calls
+        if scorer_weights is None or calls is None:
+            return
+        if not is_mismatch(scorer_weights[0], calls.call("fingerprint"), merges_adapters=False):
+            return
+        self.fingerprint_mismatch += 1
+        if self.cfg.oldlogit.max_restarts == 0:
+            self.console.print(
+                "[yellow]old-logit service: served fingerprint differs (oldlogit.max_restarts = 0: kept)"
+            )
+            return
+        self.console.print(
+            f"[yellow]old-logit service: served fingerprint differs from v{manifest.version}, restarting"
+        )
+        ray.kill(self.route.oldlogit, no_restart=False)
+        calls.call("update_weights", *scorer_weights)
 
     def wait_published(self) -> None:
         """Wait until every consumer has applied the last publication; re-raise its failure, if any."""

@@ -373,6 +373,21 @@ class WorkerPool:
             self._latest = (manifest, payload_ref)
         return list(self._call_all("update_weights", manifest, payload_ref, wait_s=self.hang_timeout_s).values())
 
+    def fingerprints(self) -> dict[str, dict[str, Any]]:
+        """``{worker id: served-fingerprint report}`` (:meth:`rollout.worker.RolloutWorkerCore.fingerprint`)
+        of each live worker; workers with a late call are left out."""
+        return self._call_all("fingerprint", wait_s=self._wait_s)
+
+    def kill(self, wids: list[str], reason: str) -> None:
+        """Kill workers ``wids`` now; :meth:`take_deaths` reports them with ``reason`` and their
+        in-flight samples, so the caller replaces them as it replaces dead ones."""
+        with self._lock:
+            actors = [self.workers[w] for w in wids if w in self.workers]
+            for wid in wids:
+                self._bury(wid, reason)
+        for actor in actors:
+            ray.kill(actor)
+
     def statuses(self) -> list[WorkerStatus]:
         """Each live worker's status (workers with a late call are left out)."""
         return list(self._call_all("status", wait_s=self._wait_s).values())

@@ -71,6 +71,7 @@ def step_report(job: Job, batch: list[Trajectory], m: dict[str, Any]) -> StepRep
             "publish_s": job.last_publish.get("seconds", 0.0),
             "publish_bytes": float(job.last_publish.get("bytes", 0.0)),
             "run_segment": job.run_segment,
+            "fingerprint_mismatch": job.fingerprint_mismatch,
             **service,
             **{f"dropped_{k}": v for k, v in job.buffer.dropped.items()},
         }
@@ -107,6 +108,7 @@ def status_fields(job: Job, oldlogit: OldLogitServiceStatus | None, m: StepMetri
         oldlogit=oldlogit,
         last_publish_s=job.last_publish.get("seconds"),
         last_publish_unix=job.last_publish.get("unix"),
+        fingerprint_mismatch=job.fingerprint_mismatch,
         gateway=job.source.status(),
     )
     if m is not None:
@@ -223,6 +225,7 @@ def run_summary(
         "in_flight": job.buffer.in_flight,
         "accounting_ok": job.buffer.accounting_ok(),
         "worker_restarts": job.restarts,
+        "fingerprint_mismatch": job.fingerprint_mismatch,
         "run_segment": job.run_segment,
         "loop_s": loop_s,
         "train_steps": job.train_steps,

@@ -47,6 +47,9 @@ class StatusBoard:
             ),
             "ewma_resets": Gauge("vintage_ewma_resets", "EWMA resets so far", registry=r),
             "skipped_steps": Gauge("vintage_skipped_steps", "Non-finite steps skipped", registry=r),
+            "fingerprint_mismatch": Gauge(
+                "vintage_fingerprint_mismatch", "Consumers found serving other weights than published", registry=r
+            ),
             "generated": Gauge("vintage_trajectories_generated", "Trajectories submitted to workers", registry=r),
             "consumed": Gauge("vintage_trajectories_consumed", "Trajectories trained on", registry=r),
         }
