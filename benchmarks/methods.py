@@ -404,8 +404,15 @@ def cell_record(cell: Cell, rows: list[dict[str, Any]], summary: dict[str, Any],
     }
 
 
+def is_complete(rec: dict[str, Any], cell: Cell) -> bool:
+    """Whether a saved record is ``cell`` run to its end: state ``finished`` with every one of its
+    steps done (a run stopped by a signal also finishes, with fewer steps)."""
+    return rec.get("state") == "finished" and rec.get("steps") == rec.get("steps_done") == cell.steps
+
+
 def run_cell(cell: Cell, out_dir: Path, console: Console) -> dict[str, Any]:
-    """Run one cell (or load it when ``cells/<name>.json`` says it finished) and return its record."""
+    """Run one cell (or load it when ``cells/<name>.json`` says it finished all its steps; a run
+    interrupted before its last step runs again) and return its record."""
     from trainer.driver.config import load_config
     from trainer.driver.job import run_job
     from trainer.driver.metrics_log import read_metrics
@@ -413,7 +420,7 @@ def run_cell(cell: Cell, out_dir: Path, console: Console) -> dict[str, Any]:
     path = out_dir / "cells" / f"{cell.name}.json"
     if path.is_file():
         rec = json.loads(path.read_text())
-        if rec.get("state") == "finished" and rec.get("steps") == cell.steps:
+        if is_complete(rec, cell):
             console.print(f"[dim]{cell.name}: done before, loaded[/dim]")
             return rec
     run_dir = out_dir / "runs" / cell.name

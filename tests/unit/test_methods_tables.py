@@ -100,3 +100,13 @@ def test_paper_grid_takes_several_updates_per_batch():
     o = cell.overrides(Path("/tmp/x"))
     assert o[-3:] == ["learner.ppo_mini_batches=4", "learner.micro_batch_size=8", "learner.lr=5e-3"]
     assert {c.method for c in grid("paper")} == {"recompute", "snapshot", "ppo_ewma", "loglinear_prox", "icepop"}
+
+
+def test_a_cell_interrupted_before_its_last_step_is_not_complete():
+    from benchmarks.methods import is_complete
+
+    cell = grid("paper")[0]  # 64 steps
+    assert is_complete({"state": "finished", "steps": 64, "steps_done": 64}, cell)
+    assert not is_complete({"state": "finished", "steps": 64, "steps_done": 0}, cell)  # stopped by SIGINT
+    assert not is_complete({"state": "failed", "steps": 64, "steps_done": 64}, cell)
+    assert not is_complete({"state": "finished", "steps": 32, "steps_done": 32}, cell)
