@@ -44,7 +44,7 @@ from modelkit.modelhub import load_causal_lm, make_tiny_model, prepare_smollm2  
 from modelkit.scoring import sequence_logprobs  # noqa: E402
 from modelkit.weights import pack_weights  # noqa: E402
 from oldlogit_service import OldLogitService  # noqa: E402
-from oldlogit_service.service import right_padded  # noqa: E402
+from oldlogit_service.items import right_padded  # noqa: E402
 from protocol import OldLogitItem, OldLogitRequest  # noqa: E402
 
 BLOCKS = {

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,13 @@ from torch import Tensor
 
 from modelkit.scoring import sequence_logprobs
 from modelkit.weights import PackedWeights, torch_dtype, unpack_weights
+from oldlogit_service.items import (
+    as_item,
+    merge_old_logprobs,
+    nan_extended,
+    right_padded,
+)
+from oldlogit_service.store import VersionStore, dedup, unique_bytes
 from protocol import (
     OLDLOGIT_ROUTES,
     AdapterSpec,
@@ -75,28 +82,6 @@ from protocol import (
 )
 
 ROUTES = OLDLOGIT_ROUTES
-
-EVICT_STALENESS = "staleness"
-"""Eviction reason: the version is older than ``V - max_staleness`` (no token of it is consumable)."""
-EVICT_BUDGET = "memory_budget"
-"""Eviction reason: the held copies exceeded ``memory_budget_bytes`` (oldest first)."""
-EVICT_SUPERSEDED = "superseded"
-"""Eviction reason (single-replica routes): a newer broadcast replaced the loaded version."""
-
-
-def _dedup(weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Tensors that are views of the same memory become one object (tied weights stay tied)."""
-    same: dict[tuple, Tensor] = {}
-    return {k: same.setdefault((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()), t) for k, t in weights.items()}
-
-
-def _unique_bytes(tensors: Mapping[str, Tensor]) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (tied aliases counted once)."""
-    seen: dict[int, int] = {}
-    for t in tensors.values():
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
 
 
 class _Bound:
@@ -179,15 +164,10 @@ class OldLogitService:
         self.adapter = None if adapter is None else AdapterSpec.from_wire(adapter, "adapter")
         """The adapter spec when versions are LoRA adapters over one kept base, else None."""
         self._base: dict[str, Tensor] = {}  # adapter mode: the base weights, in the wrapped model's names
-        self._base_bytes = 0
         self._adapter_shapes: dict[str, tuple[int, ...]] = {}  # publication name -> shape
 
-        self._held: OrderedDict[int, dict[str, Tensor]] = OrderedDict()  # ascending versions
-        self._held_bytes: dict[int, int] = {}
-        self._checksums: dict[int, str] = {}
-        self._published_names: dict[int, list[str]] = {}  # per held version: its manifest's tensor names
-        self.evicted: dict[int, str] = {}
-        """Versions once held and evicted, with the reason (:data:`EVICT_STALENESS`, ...)."""
+        self.store = VersionStore()
+        """The held weight copies by version, their bytes and the eviction record."""
         self.latest_version: int | None = None
         """Newest version published to the service (held or not)."""
 
@@ -195,7 +175,6 @@ class OldLogitService:
         """Model forwards run so far (one per distinct held version per request)."""
         self.tokens_exact = 0
         self.tokens_missing: Counter[str] = Counter()
-        self.evictions: Counter[str] = Counter()
         self.seconds: Counter[str] = Counter()
         """Wall seconds by kind: ``score``, ``segments``, ``prefixes`` (interruption stall), ``update``."""
         self.requests = 0
@@ -210,6 +189,11 @@ class OldLogitService:
             return
         if model_path is None:
             raise ValueError(f"model_path: required for route {route!r}")
+        self._load_template(model_path, initial_version)
+
+    def _load_template(self, model_path: str | Path, initial_version: int | None) -> None:
+        """Load the model folder: its weights become ``initial_version`` (unless None), its module
+        the weightless template every forward binds a held version to."""
         from modelkit.modelhub import load_causal_lm
 
         model = load_causal_lm(model_path, dtype=str(self.dtype).removeprefix("torch.")).to(self.device)
@@ -226,9 +210,9 @@ class OldLogitService:
                     k: torch.zeros(shape, dtype=self.dtype, device=self._store_device)
                     for k, shape in self._adapter_shapes.items()
                 }
-                self._store(initial_version, self._peft_named(zero))
+                self.store.put(initial_version, self._peft_named(zero))
             else:
-                self._store(initial_version, {k: v.detach().to(self._store_device) for k, v in state.items()})
+                self.store.put(initial_version, {k: v.detach().to(self._store_device) for k, v in state.items()})
         with torch.no_grad():  # the template keeps its code and buffers, not its weights
             for p in model.parameters():
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
@@ -247,8 +231,8 @@ class OldLogitService:
                 self._adapter_shapes[key] = tuple(t.shape)
             elif peft_to_hf(name) is not None:
                 self._base[name] = t.detach().to(self._store_device)
-        self._base = _dedup(self._base)
-        self._base_bytes = _unique_bytes(self._base)
+        self._base = dedup(self._base)
+        self.store.base_bytes = unique_bytes(self._base)
         return model
 
     @staticmethod
@@ -264,27 +248,19 @@ class OldLogitService:
     @property
     def versions_held(self) -> list[int]:
         """Versions whose weights are held now, ascending."""
-        return list(self._held)
+        return self.store.versions
 
     @property
     def bytes_held(self) -> int:
         """Host (or device) bytes of the held weight copies, tied tensors counted once; with
         adapters: the base once plus every held adapter."""
-        return self._base_bytes + sum(self._held_bytes.values())
+        return self.store.bytes
 
-    def _store(self, version: int, weights: dict[str, Tensor]) -> None:
-        weights = _dedup(weights)
-        self._held[version] = weights
-        self._held_bytes[version] = _unique_bytes(weights)
-        self.evicted.pop(version, None)
-
-    def _evict(self, version: int, reason: str) -> None:
-        self._held.pop(version)
-        self._held_bytes.pop(version)
-        self._checksums.pop(version, None)
-        self._published_names.pop(version, None)
-        self.evicted[version] = reason
-        self.evictions[reason] += 1
+    @property
+    def evicted(self) -> dict[int, str]:
+        """Versions once held (or refused by the budget) and gone, with the reason
+        (:data:`oldlogit_service.store.EVICT_STALENESS`, ...)."""
+        return self.store.evicted
 
     def update_weights(
         self, manifest: WeightManifest | Mapping[str, Any], payload: Mapping[str, Tensor], verify: bool = True
@@ -323,27 +299,59 @@ class OldLogitService:
         """
         t0 = time.perf_counter()
         manifest = WeightManifest.from_wire(manifest, "manifest")
+        v = manifest.version
+        try:
+            if self._already_published(manifest):
+                return v
+            if self.route == "none":
+                self.latest_version = v
+                return v
+            full = unpack_weights(manifest, payload, verify=verify)
+            self._check_shapes(full)
+            self.store.replace(v)  # the folder's copy of this version gives way to the published one
+            self.latest_version = v
+            new_bytes = sum(math.prod(spec.shape) for spec in manifest.tensors) * self.dtype.itemsize
+            window = self.max_staleness if self.route == "snapshot" else None
+            if not self.store.make_room(v, new_bytes, window, self.memory_budget_bytes):
+                return v
+            own = self._owned_copy(manifest, payload, full)
+            self.store.put(v, self._peft_named(own) if self.adapter is not None else own)
+            self.store.checksums[v] = manifest.checksum
+            self.store.published_names[v] = [spec.name for spec in manifest.tensors]
+            return v
+        finally:
+            self.seconds["update"] += time.perf_counter() - t0
+
+    def _already_published(self, manifest: WeightManifest) -> bool:
+        """Whether ``manifest`` republishes the newest version (a no-op when its checksum matches).
+
+        Raises:
+            protocol.ProtocolError: full weights where this service holds adapters, or the reverse.
+            ValueError: an older version than the newest published, or the newest with another checksum.
+        """
         if self.route != "none" and manifest.adapter != self.adapter:
             have = "full weights" if self.adapter is None else f"adapters {self.adapter.model_dump()}"
             got = "full weights (None)" if manifest.adapter is None else f"{manifest.adapter.model_dump()}"
             raise ProtocolError(f"manifest.adapter: {got}, but this service holds {have}")
-        v = manifest.version
-        if self.latest_version is not None:
-            if v < self.latest_version:
+        v, latest = manifest.version, self.latest_version
+        if latest is None:
+            return False
+        if v < latest:
+            raise ValueError(
+                f"manifest.version: {v} is older than the newest published version {latest}; versions only move forward"
+            )
+        checksums = self.store.checksums
+        if v == latest and (v in checksums or self.route == "none" or v in self.evicted):
+            if checksums.get(v, manifest.checksum) != manifest.checksum:
                 raise ValueError(
-                    f"manifest.version: {v} is older than the newest published version {self.latest_version}; versions only move forward"
+                    f"manifest.version: {v} republished with a different checksum ({manifest.checksum} != {checksums[v]})"
                 )
-            if v == self.latest_version and (v in self._checksums or self.route == "none" or v in self.evicted):
-                if self._checksums.get(v, manifest.checksum) != manifest.checksum:
-                    raise ValueError(
-                        f"manifest.version: {v} republished with a different checksum ({manifest.checksum} != {self._checksums[v]})"
-                    )
-                return v
-        if self.route == "none":
-            self.latest_version = v
-            self.seconds["update"] += time.perf_counter() - t0
-            return v
-        full = unpack_weights(manifest, payload, verify=verify)
+            return True
+        return False
+
+    def _check_shapes(self, full: Mapping[str, Tensor]) -> None:
+        """Raise :class:`protocol.ProtocolError` unless ``full`` has exactly the model's (or the
+        adapter's) tensor names and shapes; the message names the tensor."""
         shapes = self._adapter_shapes if self.adapter is not None else self._shapes
         if set(full) != set(shapes):
             missing, extra = sorted(set(shapes) - set(full)), sorted(set(full) - set(shapes))
@@ -351,28 +359,13 @@ class OldLogitService:
         for name, t in full.items():
             if tuple(t.shape) != shapes[name]:
                 raise ProtocolError(f"payload[{name!r}].shape: {list(t.shape)} != model {list(shapes[name])}")
-        if v in self._held:  # the folder's copy of this version is replaced by the published one
-            self._held.pop(v)
-            self._held_bytes.pop(v)
-        new_bytes = sum(math.prod(spec.shape) for spec in manifest.tensors) * self.dtype.itemsize
-        self.latest_version = v
-        if self.route == "snapshot":
-            for old in [u for u in self._held if u < v - self.max_staleness]:
-                self._evict(old, EVICT_STALENESS)
-            budget = self.memory_budget_bytes
-            if budget is not None:
-                while self._held and self.bytes_held + new_bytes > budget:
-                    self._evict(next(iter(self._held)), EVICT_BUDGET)
-                if self._base_bytes + new_bytes > budget:  # cannot hold even this one copy
-                    self.evicted[v] = EVICT_BUDGET
-                    self.evictions[EVICT_BUDGET] += 1
-                    self.seconds["update"] += time.perf_counter() - t0
-                    return v
-        else:
-            for old in list(self._held):
-                self._evict(old, EVICT_SUPERSEDED)
-        # the object store's read-only shared memory is immutable: hold it as it is when it already
-        # has the store's device and dtype; anything else is copied (the publisher may reuse it)
+
+    def _owned_copy(
+        self, manifest: WeightManifest, payload: Mapping[str, Tensor], full: Mapping[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """The tensors to hold, tied aliases restored. The object store's read-only shared memory is
+        immutable: it is held as it is when it already has the store's device and dtype; anything
+        else is copied (the publisher may reuse it)."""
         shared = isinstance(payload, PackedWeights) and payload.readonly
         own: dict[str, Tensor] = {}
         for spec in manifest.tensors:
@@ -381,11 +374,7 @@ class OldLogitService:
             own[spec.name] = t if keep else t.to(self._store_device, self.dtype, copy=True)
         for alias, src in manifest.tied.items():
             own[alias] = own[src]
-        self._store(v, self._peft_named(own) if self.adapter is not None else own)
-        self._checksums[v] = manifest.checksum
-        self._published_names[v] = [spec.name for spec in manifest.tensors]
-        self.seconds["update"] += time.perf_counter() - t0
-        return v
+        return own
 
     # ------------------------------------------------------------------------------------------
     # scoring
@@ -411,7 +400,7 @@ class OldLogitService:
 
     @torch.no_grad()
     def _forward(self, version: int, ids: Tensor, mask: Tensor, temperature: float) -> Tensor:
-        weights = self._held[version]
+        weights = self.store.held[version]
         if self.adapter is not None:  # the kept base with this version's adapter
             weights = {**self._base, **weights}
         if self._store_device != self.device:
@@ -436,7 +425,7 @@ class OldLogitService:
             for it in items
         ]
         present = sorted({int(v) for it in items for v in np.unique(it.versions[it.loss_mask.astype(bool)])})
-        held = [v for v in present if v in self._held]
+        held = [v for v in present if v in self.store.held]
         for v in present:
             if v not in held:
                 reason = self._missing_reason(v)
@@ -497,11 +486,11 @@ class OldLogitService:
         self, items: Sequence[Any], temperature: float, kind: str, known: Sequence[np.ndarray | None] | None
     ) -> list[np.ndarray]:
         t0 = time.perf_counter()
-        its = [_as_item(x, i) for i, x in enumerate(items)]
+        its = [as_item(x, i) for i, x in enumerate(items)]
         if known is not None:
             if len(known) != len(its):
                 raise ValueError(f"old_logprobs: {len(known)} arrays for {len(its)} items")
-            prev = [_extend(k, len(it.token_ids), i) for i, (k, it) in enumerate(zip(known, its, strict=True))]
+            prev = [nan_extended(k, len(it.token_ids), i) for i, (k, it) in enumerate(zip(known, its, strict=True))]
             # tokens that already carry a value are not scored (nor counted) again
             its = [
                 it.model_copy(update={"loss_mask": np.where(np.isnan(p), it.loss_mask, 0).astype(np.int8)})
@@ -598,11 +587,12 @@ class OldLogitService:
         from modelkit.lora import adapter_to_peft
 
         v = self.latest_version
-        names = self._published_names.get(v) if v in self._held else None
+        held = self.store.held
+        names = self.store.published_names.get(v) if v in held else None
         if names is None:
             return {"version": v, "served": None}
         key = adapter_to_peft if self.adapter is not None else str
-        return {"version": v, "served": weights_fingerprint({n: self._held[v][key(n)] for n in names})}
+        return {"version": v, "served": weights_fingerprint({n: held[v][key(n)] for n in names})}
 
     def status(self) -> OldLogitServiceStatus:
         """Versions and bytes held, exact/missing token counts (by reason), seconds, requests and start time."""
@@ -627,11 +617,11 @@ class OldLogitService:
         missing = sum(self.tokens_missing.values())
         out.update(
             forwards=self.forwards,
-            base_bytes=self._base_bytes,
+            base_bytes=self.store.base_bytes,
             adapter=self.adapter.model_dump() if self.adapter is not None else None,
             latest_version=self.latest_version,
             evicted=dict(self.evicted),
-            evictions=dict(self.evictions),
+            evictions=dict(self.store.evictions),
             seconds=dict(self.seconds),
             seconds_per_request=scored / self.requests if self.requests else 0.0,
             last_request_seconds=self.last_request_seconds,
@@ -640,67 +630,3 @@ class OldLogitService:
             else 1.0,
         )
         return out
-
-
-def right_padded(items: Sequence[OldLogitItem]) -> tuple[Tensor, Tensor]:
-    """``(token_ids, attention_mask)``, both ``[len(items), longest]`` int64, right-padded with 0."""
-    seq = max(len(it.token_ids) for it in items)
-    ids = torch.zeros(len(items), seq, dtype=torch.long)
-    mask = torch.zeros(len(items), seq, dtype=torch.long)
-    for r, it in enumerate(items):
-        ids[r, : len(it.token_ids)] = torch.from_numpy(it.token_ids.astype(np.int64))
-        mask[r, : len(it.token_ids)] = 1
-    return ids, mask
-
-
-def _as_item(x: OldLogitItem | Trajectory | Mapping[str, Any], i: int) -> OldLogitItem:
-    if isinstance(x, OldLogitItem):
-        return x
-    if isinstance(x, Trajectory):
-        return OldLogitItem(
-            trajectory_id=x.trajectory_id, token_ids=x.token_ids, loss_mask=x.loss_mask, versions=x.versions
-        )
-    if isinstance(x, Mapping):
-        return OldLogitItem.from_wire(x, f"items[{i}]")
-    raise TypeError(f"items[{i}]: expected OldLogitItem, Trajectory or a mapping, got {type(x).__name__}")
-
-
-def _extend(known: np.ndarray | None, n: int, i: int) -> np.ndarray:
-    out = np.full(n, np.nan, np.float32)
-    if known is not None:
-        k = np.asarray(known, np.float32).reshape(-1)
-        if len(k) > n:
-            raise ValueError(f"old_logprobs[{i}]: length {len(k)} > item length {n}")
-        out[: len(k)] = k
-    return out
-
-
-def merge_old_logprobs(base: np.ndarray | None, new: np.ndarray) -> np.ndarray:
-    """Fill the NaN positions of ``base`` (``[seq]``, nats) with ``new``; ``base=None`` takes ``new``.
-
-    Raises:
-        ValueError: the lengths differ.
-    """
-    new = np.asarray(new, np.float32)
-    if base is None:
-        return new.copy()
-    base = np.asarray(base, np.float32)
-    if base.shape != new.shape:
-        raise ValueError(f"old_logprobs: length {base.shape} != new {new.shape}")
-    return np.where(np.isnan(base), new, base).astype(np.float32)
-
-
-def items_from_trajectories(trajectories: Sequence[Trajectory]) -> list[OldLogitItem]:
-    """The :class:`protocol.OldLogitItem` of each trajectory (token ids, loss mask, versions)."""
-    return [_as_item(t, i) for i, t in enumerate(trajectories)]
-
-
-def status_from_old_logprobs(old_logprobs: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
-    """Per-token status of an attached ``old_logprobs`` ``[seq]``: EXACT where finite on a sampled
-    token, CONTEXT where ``loss_mask`` is 0, MISSING_EVICTED elsewhere (it was not scored in time)."""
-    m = np.asarray(loss_mask).astype(bool)
-    fin = np.isfinite(np.asarray(old_logprobs))
-    st = np.full(m.shape, TokenStatus.MISSING_EVICTED, np.int8)
-    st[m & fin] = TokenStatus.EXACT
-    st[~m] = TokenStatus.CONTEXT
-    return st

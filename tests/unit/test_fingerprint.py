@@ -184,6 +184,6 @@ def test_service_reports_the_weights_it_holds(tiny_model_path):
     svc.update_weights(manifest, payload)
     assert svc.fingerprint() == {"version": 1, "served": manifest.fingerprint}
     name = manifest.tensors[0].name
-    held = svc._held[1][name]
-    svc._held[1][name] = held.clone().fill_(7.0)
+    held = svc.store.held[1][name]
+    svc.store.held[1][name] = held.clone().fill_(7.0)
     assert svc.fingerprint()["served"] != manifest.fingerprint

@@ -173,7 +173,7 @@ def test_eviction_by_staleness_bound_and_missing_reasons(tiny_model_path, learne
     ]
     one = svc.stats()
     assert one["tokens_missing"] == {"MISSING_EVICTED": 1, "MISSING_NEVER_STORED": 1, "MISSING_FUTURE": 1}
-    assert one["bytes_held"] == 2 * svc._held_bytes[5] > 0
+    assert one["bytes_held"] == 2 * svc.store.held_bytes[5] > 0
     assert one["evictions"] == {"staleness": 3}
 
 
@@ -395,8 +395,8 @@ def test_object_store_payload_is_held_without_a_copy(tiny_model_path):
     held = OldLogitService(tiny_model_path, route="snapshot", initial_version=None)
     copied.update_weights(man, pay)
     held.update_weights(man, shared)
-    assert all(held._held[1][n].data_ptr() == shared[n].data_ptr() for n in shared)
-    assert all(copied._held[1][n].data_ptr() != pay[n].data_ptr() for n in pay)
+    assert all(held.store.held[1][n].data_ptr() == shared[n].data_ptr() for n in shared)
+    assert all(copied.store.held[1][n].data_ptr() != pay[n].data_ptr() for n in pay)
     item = make_item("z", [1, 1, 1], seed=23)
     assert np.array_equal(
         held.score(request(item)).old_logprobs[0], copied.score(request(item)).old_logprobs[0], equal_nan=True

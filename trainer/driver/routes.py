@@ -84,7 +84,7 @@ class SnapshotRoute(NoRoute):
     name = "snapshot"
 
     def async_old_logits(self, batch: Sequence[Trajectory], version: int, temperature: float) -> PendingCall:
-        from oldlogit_service.service import items_from_trajectories
+        from oldlogit_service.items import items_from_trajectories
 
         req = OldLogitRequest(
             request_id=f"step-{version}", temperature=temperature, items=items_from_trajectories(batch)
