@@ -76,6 +76,16 @@ def items_from_trajectories(trajectories: Sequence[Trajectory]) -> list[OldLogit
     return [as_item(t, i) for i, t in enumerate(trajectories)]
 
 
+def items_before(trajectories: Sequence[Trajectory], version: int) -> list[OldLogitItem]:
+    """The items of ``trajectories`` scoring only tokens of versions below ``version`` (the tokens of
+    ``version`` itself stay context: the learner consuming at ``version`` gives their pi_old)."""
+    out = []
+    for it in items_from_trajectories(trajectories):
+        keep = it.loss_mask.astype(bool) & (it.versions < version)
+        out.append(it.model_copy(update={"loss_mask": keep.astype(np.int8)}))
+    return out
+
+
 def status_from_old_logprobs(old_logprobs: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
     """Per-token status of an attached ``old_logprobs`` ``[seq]``: EXACT where finite on a sampled
     token, CONTEXT where ``loss_mask`` is 0, MISSING_EVICTED elsewhere (it was not scored in time)."""

@@ -406,3 +406,32 @@ def test_ewma_folds_in_every_optimizer_step_with_the_window_in_steps(tiny_model_
     assert m["ewma_updates"] == 4 and m["ewma_beta"] == pytest.approx(0.8)
     assert m["tokens"] == 64 and m["micro_batches"] == 4.0  # one pass of 8 x 8 tokens; 1 micro-batch per step
     assert m["entropy"] > 0 and m["response_tokens_mean"] == 8.0
+
+
+def test_the_learner_gives_its_own_versions_pi_old_bit_for_bit(tiny_model_path, make_trajs):
+    """Snapshot route, one optimizer step per batch, version-0 tokens consumed at version 0: with no
+    answer for them (the service left them unscored) the learner's own forward supplies pi_old, and
+    loss, ratios and weights equal those trained with the service's exact values to the bit."""
+    trajs = make_trajs(n=8, seed=7)
+    runs = []
+    for own in (False, True):
+        core = LearnerCore(settings(tiny_model_path, loss=loss_config("snapshot"), lr=1e-2, current_from_learner=own))
+        old = None
+        if not own:
+            lp = core.logprobs(collate(trajs, consuming_version=0)).numpy()
+            old = [lp[i, : len(t.token_ids)].copy() for i, t in enumerate(trajs)]
+        m = core.train_step(trajs, old_logits=old)
+        runs.append((m, _params(core)))
+    (m_svc, w_svc), (m_own, w_own) = runs
+    assert m_svc["exact_token_fraction"] == m_own["exact_token_fraction"] == 1.0
+    assert m_svc["current_exact_tokens"] == 0.0 and m_own["current_exact_tokens"] == m_own["tokens"]
+    # no token needed the proxy: the EWMA forward ran only as the version-0 probe, in both
+    assert m_own["ewma_forward_micro_batches"] == m_svc["ewma_forward_micro_batches"] == 1.0
+    assert (m_svc["loss"], m_svc["ratio_max"], m_svc["ratio_min"]) == (
+        m_own["loss"],
+        m_own["ratio_max"],
+        m_own["ratio_min"],
+    )
+    assert all(torch.equal(w_svc[k], w_own[k]) for k in w_svc)
+    with pytest.raises(ValueError, match="current_from_learner: needs one optimizer step"):
+        settings(tiny_model_path, loss=loss_config("snapshot"), ppo_mini_batches=2, current_from_learner=True)

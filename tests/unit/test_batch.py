@@ -216,3 +216,31 @@ def test_mini_batches_split_rows_contiguously_near_equal():
 def test_collation_reports_response_lengths():
     b = collate([traj(versions=(0, 0, 0)), traj(tid="u", versions=(0,))], consuming_version=0)
     assert b.stats["response_tokens_mean"] == 2.0 and b.stats["response_tokens_max"] == 3.0
+
+
+def test_tokens_of_the_consuming_version_without_an_exact_value_come_from_the_learner():
+    from trainer.algorithm.batch import learner_gives_current
+
+    # prompt 2, sampled versions 3, 4, 4 consumed at 4: the version-3 token has an exact value,
+    # the two version-4 tokens have none -> current_mask on them only; off without the flag
+    nan = float("nan")
+    t = traj(versions=(3, 4, 4), old=np.array([nan, nan, -1.0, nan, nan], np.float32))
+    b = collate([t], consuming_version=4, current_from_learner=True)
+    assert b.exact_mask[0].tolist() == [False, False, True, False, False]
+    assert b.current_mask[0].tolist() == [False, False, False, True, True]
+    assert b.stats["current_exact_tokens"] == 2.0 and b.stats["exact_tokens"] == 1.0
+    off = collate([t], consuming_version=4)
+    assert not off.current_mask.any() and off.stats["current_exact_tokens"] == 0.0
+    # the mask travels with the rows of every split
+    assert b.micro_batches(1)[0].current_mask[0].tolist()[:5] == [False, False, False, True, True]
+    assert [learner_gives_current(r, s) for r, s in [("snapshot", 1), ("snapshot", 2), ("none", 1), ("old_logit_model", 1)]] == [
+        True, False, False, False,
+    ]  # fmt: skip
+
+
+def test_a_snapshot_request_leaves_the_consuming_versions_tokens_to_the_learner():
+    from oldlogit_service.items import items_before
+
+    # sampled versions 3, 4, 4 at positions 2-4; scored for consumption at 4: only position 2
+    (item,) = items_before([traj(versions=(3, 4, 4))], 4)
+    assert item.loss_mask.tolist() == [0, 0, 1, 0, 0] and item.versions.tolist() == [-1, -1, 3, 4, 4]

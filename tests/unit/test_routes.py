@@ -3,6 +3,7 @@ calls are checked with a recording handle)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from trainer.driver.routes import NoRoute, ScorerRoute, SnapshotRoute, make_route
@@ -53,3 +54,28 @@ def test_make_route_names_a_bad_route():
         make_route("exact", SERVICE)
     with pytest.raises(ValueError, match="oldlogit_route: 'snapshot' needs a running old-logit service"):
         make_route("snapshot", None)
+
+
+def test_the_snapshot_route_asks_only_for_older_versions_when_the_learner_gives_its_own():
+    from protocol import Trajectory
+
+    class Calls:
+        def __init__(self):
+            self.sent = []
+
+        def submit(self, method, req):
+            self.sent.append((method, req))
+
+    t = Trajectory(
+        trajectory_id="t", group_id="g", token_ids=np.arange(5), loss_mask=np.array([0, 1, 1, 1, 1], np.int8),
+        behav_logprobs=np.full(5, -0.5, np.float32), versions=np.array([-1, 2, 3, 3, 3]), prompt_len=1,
+        policy_version=3, finish_reason="stop", reward=1.0,
+    )  # fmt: skip
+    masks = []
+    for steps in (1, 2):  # one optimizer step per batch: the learner gives version 3's tokens
+        route = make_route("snapshot", SERVICE, optimizer_steps=steps)
+        route.calls = Calls()
+        route.async_old_logits([t], 3, 1.0)
+        ((method, req),) = route.calls.sent
+        masks.append(req.items[0].loss_mask.tolist())
+    assert method == "score" and masks == [[0, 1, 0, 0, 0], [0, 1, 1, 1, 1]]

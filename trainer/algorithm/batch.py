@@ -15,7 +15,10 @@ One :class:`Batch` is what one optimizer step consumes. Conventions (``docs/arch
 * ``versions`` is the sampling version per token, ``-1`` off sampled tokens; ``staleness`` is
   ``consuming_version - versions`` on sampled tokens and 0 elsewhere (queue time counts).
 * ``old_logprobs`` is exact pi_old where a route supplied it (NaN elsewhere), ``exact_mask`` the
-  tokens where it is usable (sampled, flagged exact, finite).
+  tokens where it is usable (sampled, flagged exact, finite). ``current_mask``: trained tokens of
+  the consuming version itself that no route scored (:func:`learner_gives_current`): their pi_old
+  is the learner's own forward at that version, taken in the batch's only optimizer step, so they
+  are exact too; disjoint from ``exact_mask``.
 * ``advantages`` ``[batch, seq]``: one value per sequence from its group's rewards
   (GRPO/RLOO/REINFORCE, computed over the whole batch before any split), broadcast to the sampled
   tokens, 0 elsewhere.
@@ -35,7 +38,7 @@ from trainer.algorithm.advantages import TRUNCATED_REASONS, grpo_advantages, rlo
 
 _ROW_TENSORS = (
     "token_ids", "attention_mask", "loss_mask", "sampled_mask", "behav_logprobs", "versions", "staleness",
-    "old_logprobs", "exact_mask", "advantages", "rewards", "seq_advantages", "recompute_logprobs",
+    "old_logprobs", "exact_mask", "advantages", "rewards", "seq_advantages", "recompute_logprobs", "current_mask",
 )  # fmt: skip
 
 
@@ -66,6 +69,9 @@ class Batch:
     recompute_logprobs: Tensor | None = None  # [B, T] fp32 nats, NaN where not taken
     """Log-probs under the weights of ``consuming_version`` taken before the batch's first optimizer
     step (the recompute reference of its second and later mini-batches); NaN when not taken."""
+    current_mask: Tensor | None = None  # [B, T] bool
+    """Trained tokens sampled by ``consuming_version`` with no exact value from a route: the learner's
+    own forward gives their pi_old (:func:`learner_gives_current`); all False by default."""
     stats: dict[str, float] = field(default_factory=dict)
     """Counts from collation: ``stale_masked_tokens``, ``overlong_masked_seqs``, ``sampled_tokens``..."""
 
@@ -88,6 +94,8 @@ class Batch:
             self.seq_advantages = torch.zeros(b)
         if self.recompute_logprobs is None:
             self.recompute_logprobs = torch.full((b, t), float("nan"))
+        if self.current_mask is None:
+            self.current_mask = torch.zeros((b, t), dtype=torch.bool)
         for name in _ROW_TENSORS:
             v = getattr(self, name)
             want = (b,) if name in ("rewards", "seq_advantages") else (b, t)
@@ -205,6 +213,7 @@ def collate(
     max_token_staleness: int | None = None,
     overlong_filter: bool = False,
     advantage: str = "grpo",
+    current_from_learner: bool = False,
 ) -> Batch:
     """Build the padded :class:`Batch` that the learner at ``consuming_version`` trains on.
 
@@ -222,6 +231,9 @@ def collate(
         overlong_filter: mask whole sequences whose engine ``finish_reason`` is "length" or "abort"
             or that are flagged ``truncated`` (decided by the finish reason, never an EOS id).
         advantage: "grpo", "rloo" or "reinforce" (see :func:`sequence_advantages`).
+        current_from_learner: mark the trained tokens of ``consuming_version`` that lack an exact
+            value as ``current_mask`` (the learner's own forward supplies them,
+            :func:`learner_gives_current`).
 
     Raises:
         ValueError: empty input, a sampled token newer than ``consuming_version``, a misaligned
@@ -263,11 +275,13 @@ def collate(
     seq_adv = sequence_advantages(rewards, group_ids, advantage)
     train_t = torch.from_numpy(train)
     exact_t = torch.from_numpy(exact) & train_t
+    current_t = train_t & ~exact_t & torch.from_numpy(stale == 0) if current_from_learner else None
     stats = {
         **_token_stats(sampled, train, stale),
         "stale_masked_tokens": float(stale_masked),
         "overlong_masked_seqs": float(overlong_seqs),
         "exact_tokens": float(exact_t.sum()),
+        "current_exact_tokens": float(current_t.sum()) if current_t is not None else 0.0,
         "groups": float(len(set(group_ids))),
         "zero_variance_groups": float(zero_variance_groups(rewards, _group_index(group_ids))),
     }
@@ -276,8 +290,22 @@ def collate(
         behav_logprobs=torch.from_numpy(mu), advantages=torch.where(train_t, seq_adv[:, None], 0.0),
         consuming_version=consuming_version, temperature=float(temperature),
         sampled_mask=torch.from_numpy(sampled), versions=torch.from_numpy(ver), staleness=torch.from_numpy(stale),
-        old_logprobs=torch.from_numpy(old), exact_mask=exact_t, rewards=rewards, seq_advantages=seq_adv, stats=stats,
+        old_logprobs=torch.from_numpy(old), exact_mask=exact_t, rewards=rewards, seq_advantages=seq_adv,
+        current_mask=current_t, stats=stats,
     )  # fmt: skip
+
+
+def learner_gives_current(oldlogit_route: str, optimizer_steps: int) -> bool:
+    """Whether the learner itself supplies pi_old of the tokens sampled by the version that consumes
+    them, so the old-logit service never scores them (no forward done twice).
+
+    True on the ``snapshot`` route with one optimizer step per rollout batch: that step's forward
+    runs under the consuming version's weights, so its detached log-probs are those tokens' exact
+    pi_old. With several steps the later ones run under moved weights, and the service keeps
+    scoring them; the scorer routes attach values on collect, before the consuming version is
+    known; route ``none`` uses its proxy for every token by definition.
+    """
+    return oldlogit_route == "snapshot" and optimizer_steps == 1
 
 
 def _check_inputs(

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from rich.console import Console
 
+from trainer.algorithm.batch import learner_gives_current
 from trainer.driver.buffer import TrajectoryBuffer
 from trainer.driver.config import JobConfig, write_private
 from trainer.driver.ledger import Ledger
@@ -59,7 +60,10 @@ def start_job(cfg: JobConfig, console: Console) -> Job:
     buffer = TrajectoryBuffer(capacity=c.buffer_capacity, max_staleness=c.max_staleness)
     learner = start_learner(cfg, learner_settings(cfg, model_path), console)
     route = make_route(
-        cfg.oldlogit_route, start_oldlogit_service(cfg, model_path, console), cfg.oldlogit.restart_timeout_s
+        cfg.oldlogit_route,
+        start_oldlogit_service(cfg, model_path, console),
+        cfg.oldlogit.restart_timeout_s,
+        cfg.learner.ppo_epochs * cfg.learner.ppo_mini_batches,
     )
     pool = start_workers(cfg, model_path, route, console)
     version = run_segment = lost_before = 0
@@ -160,6 +164,9 @@ def learner_settings(cfg: JobConfig, model_path: Path) -> LearnerSettings:
         max_token_staleness=c.max_token_staleness,
         seed=c.seed,
         lora=cfg.lora,
+        current_from_learner=learner_gives_current(
+            cfg.oldlogit_route, cfg.learner.ppo_epochs * cfg.learner.ppo_mini_batches
+        ),
     )
 
 

@@ -39,6 +39,9 @@ class StepMetrics(BaseModel):
     """Trained (loss-masked) tokens of the batch, all ranks."""
     exact_token_fraction: float = 0.0
     """Share of the trained tokens whose pi_old was exact (the rest used the configured proxy)."""
+    current_exact_tokens: float = Field(0.0, ge=0)
+    """Of the exact ones, tokens of the consuming version whose pi_old the learner's own forward gave
+    (the old-logit service did not score them; ``trainer.algorithm.batch.learner_gives_current``)."""
     mask_kept_fraction: float | None = None
     """Share of the trained tokens the discrepancy mask keeps (reported even when not applied)."""
     zero_variance_groups: int = Field(0, ge=0)

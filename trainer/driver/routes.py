@@ -35,6 +35,7 @@ from typing import Any
 
 from oldlogit_service.calls import PendingCall, RestartWait, ServiceCalls
 from protocol import OLDLOGIT_ROUTES, OldLogitRequest, Trajectory, WeightManifest
+from trainer.algorithm.batch import learner_gives_current
 
 ScorerWeights = tuple[WeightManifest, Any]
 """``(manifest, payload ObjectRef)`` of the float32 publication the old-logit service installs."""
@@ -83,13 +84,19 @@ class SnapshotRoute(NoRoute):
 
     name = "snapshot"
 
-    def async_old_logits(self, batch: Sequence[Trajectory], version: int, temperature: float) -> PendingCall:
-        from oldlogit_service.items import items_from_trajectories
+    def __init__(self, oldlogit: Any, restart_timeout_s: float = 600.0, learner_gives_current: bool = False) -> None:
+        super().__init__(oldlogit, restart_timeout_s)
+        self.learner_gives_current = learner_gives_current
+        """The consuming learner supplies pi_old of its own version's tokens
+        (:func:`trainer.algorithm.batch.learner_gives_current`): the service scores only older ones."""
 
-        req = OldLogitRequest(
-            request_id=f"step-{version}", temperature=temperature, items=items_from_trajectories(batch)
+    def async_old_logits(self, batch: Sequence[Trajectory], version: int, temperature: float) -> PendingCall:
+        from oldlogit_service.items import items_before, items_from_trajectories
+
+        items = items_before(batch, version) if self.learner_gives_current else items_from_trajectories(batch)
+        return self.calls.submit(
+            "score", OldLogitRequest(request_id=f"step-{version}", temperature=temperature, items=items)
         )
-        return self.calls.submit("score", req)
 
     def publish(self, update_workers: Callable[[], Any], scorer_weights: ScorerWeights | None) -> None:
         # the service and the workers take the same publication concurrently
@@ -129,9 +136,11 @@ class ScorerRoute(NoRoute):
         self.calls.call("update_weights", *scorer_weights)
 
 
-def make_route(name: str, oldlogit: Any, restart_timeout_s: float = 600.0) -> NoRoute:
+def make_route(name: str, oldlogit: Any, restart_timeout_s: float = 600.0, optimizer_steps: int = 1) -> NoRoute:
     """The route object for ``loss.oldlogit_route`` ``name`` around the service handle ``oldlogit``;
-    its calls wait at most ``restart_timeout_s`` seconds for a restarting service (:class:`RestartWait`).
+    its calls wait at most ``restart_timeout_s`` seconds for a restarting service (:class:`RestartWait`);
+    ``optimizer_steps`` per rollout batch decide whether the learner gives its own version's pi_old
+    (:func:`trainer.algorithm.batch.learner_gives_current`).
 
     Raises:
         ValueError: an unknown route name, or a route other than ``none`` without a service handle.
@@ -141,7 +150,7 @@ def make_route(name: str, oldlogit: Any, restart_timeout_s: float = 600.0) -> No
     if oldlogit is None:
         raise ValueError(f"oldlogit_route: {name!r} needs a running old-logit service")
     if name == "snapshot":
-        return SnapshotRoute(oldlogit, restart_timeout_s)
+        return SnapshotRoute(oldlogit, restart_timeout_s, learner_gives_current(name, optimizer_steps))
     if name in ("old_logit_model", "interrupt_sync"):
         return ScorerRoute(name, oldlogit, restart_timeout_s)
     raise ValueError(f"oldlogit_route: {name!r} is not one of {', '.join(OLDLOGIT_ROUTES)}")

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from protocol import OldLogitAnswer, Trajectory
-from trainer.algorithm.batch import Batch, collate
+from trainer.algorithm.batch import Batch, collate, learner_gives_current
 
 if TYPE_CHECKING:
     from trainer.driver.config import JobConfig
@@ -76,6 +76,9 @@ def learner_batch(
         max_token_staleness=cfg.controller.max_token_staleness,
         overlong_filter=cfg.learner.overlong_filter,
         advantage=cfg.loss.advantage,
+        current_from_learner=learner_gives_current(
+            cfg.oldlogit_route, cfg.learner.ppo_epochs * cfg.learner.ppo_mini_batches
+        ),
     )
 
 
@@ -87,7 +90,7 @@ def sample_record(
     n = len(t.token_ids)
     ids = t.token_ids.astype(np.int64).tolist()
     trained = batch.loss_mask[row, :n].numpy()
-    exact = batch.exact_mask[row, :n].numpy()
+    exact = (batch.exact_mask | batch.current_mask)[row, :n].numpy()
     versions = batch.versions[row, :n].numpy()
     p = t.prompt_len
     segments, start = [], p

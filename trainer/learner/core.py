@@ -217,6 +217,7 @@ class LearnerCore:
         batch = collate(
             trajectories, self.version, old_logits=old_logits, temperature=s.temperature, pad_token_id=self.pad_token_id,
             max_token_staleness=s.max_token_staleness, overlong_filter=s.overlong_filter, advantage=s.loss.advantage,
+            current_from_learner=s.current_from_learner,
         )  # fmt: skip
         return self.train_batch(batch)
 
@@ -394,18 +395,20 @@ class LearnerCore:
         ``sums`` and ``timing``; ``counts`` are the mini-batch's global token and sequence counts.
         Returns 1 when the EWMA forward ran (a sampled token lacked exact old logits, or ``probe``)."""
         cfg, mask = self.settings.loss, mb.loss_mask
+        exact_mask = mb.exact_mask | mb.current_mask  # the consuming version's own tokens are exact here
         ta = time.perf_counter()
         ewma_lp = None
-        if self.ewma is not None and (bool((mask & ~mb.exact_mask).any()) or probe):
+        if self.ewma is not None and (bool((mask & ~exact_mask).any()) or probe):
             ewma_lp = self._ewma_logprobs(mb, first)
         tb = time.perf_counter()
         lp, entropy = sequence_logprobs_and_entropy(
             self.engine, mb.token_ids, mb.attention_mask, mb.temperature, first,
             chunk_bytes=self.settings.logprob_chunk_bytes,
         )  # fmt: skip
+        old = torch.where(mb.current_mask, lp.detach(), mb.old_logprobs)
         loss, m = compute_policy_loss(
-            lp, mb.behav_logprobs, mb.advantages, mask, cfg, old_logprobs=mb.old_logprobs,
-            exact_mask=mb.exact_mask, staleness=mb.staleness, recompute_logprobs=recompute,
+            lp, mb.behav_logprobs, mb.advantages, mask, cfg, old_logprobs=old,
+            exact_mask=exact_mask, staleness=mb.staleness, recompute_logprobs=recompute,
             # every sampled token has exact old logits when the EWMA forward was skipped: the
             # proxy is never read there, so the current log-probs stand in for it
             ewma_logprobs=ewma_lp if ewma_lp is not None or self.ewma is None else lp.detach(),
@@ -418,13 +421,13 @@ class LearnerCore:
         m["entropy"] = float(entropy[mask].sum() / mask.sum().clamp(min=1))
         sum_max_min(m, float(mask.sum()), acc)
         with torch.no_grad():
-            exact = mb.exact_mask & mask
+            exact = exact_mask & mask
             if bool(exact.any()) and (ewma_lp is not None or self.ewma is None):
                 proxy = proximal_reference(
                     cfg.proxy, lp, mb.behav_logprobs, staleness=mb.staleness, ewma_logprobs=ewma_lp,
                     recompute_logprobs=recompute,
                 )  # fmt: skip
-                sums["err"] += float((proxy - mb.old_logprobs).abs()[exact].sum())
+                sums["err"] += float((proxy - old).abs()[exact].sum())
                 sums["err_n"] += float(exact.sum())
             if ewma_lp is not None:
                 keep = icepop_mask(discrepancy_ratio(ewma_lp, mb.behav_logprobs, mask), cfg.mask_low, cfg.mask_high)

@@ -79,6 +79,11 @@ class LearnerSettings(LearnerOptions):
     """The rollouts' sampling temperature; every learner log-prob uses it."""
     max_token_staleness: int | None = Field(None, ge=0)
     """Tokens staler than this are masked out of the loss, kept as context."""
+    current_from_learner: bool = False
+    """Trained tokens of the consuming version without an exact value take pi_old from this learner's
+    own forward (exact: one optimizer step per batch runs under that version's weights); the job sets
+    it where the snapshot route leaves those tokens unscored
+    (:func:`trainer.algorithm.batch.learner_gives_current`)."""
     seed: int = 0
     """Seed of the learner's torch generators."""
     master_addr: str = "127.0.0.1"
@@ -92,6 +97,11 @@ class LearnerSettings(LearnerOptions):
 
     @model_validator(mode="after")
     def _no_kl(self) -> LearnerSettings:
+        if self.current_from_learner and self.ppo_epochs * self.ppo_mini_batches != 1:
+            raise ValueError(
+                f"current_from_learner: needs one optimizer step per batch, got ppo_epochs * ppo_mini_batches = "
+                f"{self.ppo_epochs * self.ppo_mini_batches}"
+            )
         if self.loss.kl_coef > 0:
             raise ValueError(kl_refusal(self.loss.kl_coef))
         if self.lora.enabled and (msg := lora_zero_refusal(self.zero_stage)):
