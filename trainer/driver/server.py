@@ -7,7 +7,6 @@ require ``Authorization: Bearer <token>`` and only record the request; the drive
 
 from __future__ import annotations
 
-import hmac
 import secrets
 import threading
 from typing import Annotated
@@ -16,7 +15,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from protocol import JobStatus, ScaleRequest, ScaleResponse, WorkerStatus
-from rollout.httpserve import BodyLimit, ThreadedServer, is_loopback_host
+from rollout.httpserve import BodyLimit, ThreadedServer, bearer_token, is_loopback_host, token_matches
 
 
 class StatusBoard:
@@ -139,9 +138,10 @@ def build_app(
     A scale request above ``max_workers`` is refused (422)."""
 
     def require_token(authorization: Annotated[str | None, Header()] = None) -> None:
-        if authorization is None or not authorization.startswith("Bearer "):
+        given = bearer_token(authorization)
+        if given is None:
             raise HTTPException(status_code=401, detail="missing bearer token", headers={"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(authorization.removeprefix("Bearer ").encode(), token.encode()):
+        if not token_matches(given, token):
             raise HTTPException(status_code=403, detail="invalid bearer token")
 
     app = FastAPI(
