@@ -5,6 +5,7 @@
 * :mod:`rollout.gateway.router` - the HTTP routes (FastAPI ``APIRouter``, auth as dependencies);
 * :mod:`rollout.gateway.sessions` - the session table (open, reward, end, counts);
 * :mod:`rollout.gateway.session` - stitching calls into trajectories;
+* :mod:`rollout.gateway.groups` - ended sessions held by GRPO group, partial groups with baselines;
 * :mod:`rollout.gateway.bodies` - request bodies and the sampling checks;
 * :mod:`rollout.gateway.prompts` - a call's prompt ids;
 * :mod:`rollout.gateway.replies` - OpenAI-shaped replies and streams;
@@ -15,6 +16,7 @@
 
 from rollout.gateway.app import ApiError, EndedSession, Gateway, GatewayServer
 from rollout.gateway.backend import WorkerBackend
+from rollout.gateway.groups import GroupGate
 from rollout.gateway.session import CallRecord, Completion, Segment, Session
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "EndedSession",
     "Gateway",
     "GatewayServer",
+    "GroupGate",
     "Segment",
     "Session",
     "WorkerBackend",

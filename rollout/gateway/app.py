@@ -10,7 +10,8 @@ Endpoints (FastAPI on uvicorn, bound to 127.0.0.1 by default):
   with ``Retry-After`` beyond it) and returns ``{"id", "key", "base_url"}``;
   ``POST /v1/sessions/{id}/reward`` takes ``{"reward": r}`` and/or ``{"rewards": {call_id: r}}``
   (or a list, one per call); ``POST /v1/sessions/{id}/end`` ends it (optionally with a reward)
-  and turns it into trajectories; ``GET /v1/status`` reports :class:`protocol.GatewayStatus`.
+  and turns it into trajectories, held until its GRPO group fills or waits ``group_wait_s``
+  (:mod:`rollout.gateway.groups`); ``GET /v1/status`` reports :class:`protocol.GatewayStatus`.
 
 Rules:
 
@@ -87,10 +88,16 @@ class Gateway(SessionTable):
         retry_after_s: ``Retry-After`` seconds sent with a 429 or a 503.
         tool_call_feedback: answer a reply holding an unparseable ``<tool_call>`` with an error
             note (see the module docstring); False leaves it as text.
-        clock: seconds, for the per-call time split (``overhead_ms_mean``, ``turn_wait_ms_mean``).
+        clock: seconds (monotonic), for the per-call time split (``overhead_ms_mean``,
+            ``turn_wait_ms_mean``) and ``group_wait_s``.
+        group_size: sessions of a full GRPO group (``rollout.sampling.n``); 1 hands every ended
+            session over at once.
+        group_wait_s: longest wait for a group to fill after its first session ended, seconds; then
+            it is handed over short of ``group_size``, with baselines (:mod:`rollout.gateway.groups`).
 
     Raises:
-        ValueError: an ``admin_token`` shorter than 16 characters.
+        ValueError: an ``admin_token`` shorter than 16 characters, ``group_size < 1``, or a
+            ``group_wait_s`` that is not a positive number (each names its setting).
     """
 
     def __init__(
@@ -107,8 +114,10 @@ class Gateway(SessionTable):
         retry_after_s: int = 1,
         tool_call_feedback: bool = True,
         clock: Callable[[], float] = time.perf_counter,
+        group_size: int = 1,
+        group_wait_s: float = 120.0,
     ):
-        super().__init__(backend.version, admin_token, admission, retry_after_s)
+        super().__init__(backend.version, admin_token, admission, retry_after_s, group_size, group_wait_s, clock)
         self.backend, self.chat, self.max_model_len = backend, chat, max_model_len
         self.token_for_reads = False
         """Require the admin token for ``/v1/status`` too (set when serving beyond loopback)."""

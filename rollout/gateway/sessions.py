@@ -2,7 +2,10 @@
 
 Thread-safe (one lock): used by the HTTP routes and, in-process, by the agent runner. A session
 is found by its id (the base URL ``/sessions/{id}/v1``) or by its key (the API key of a call).
-Ending a training session turns it into trajectories queued for :meth:`SessionTable.take_ended`.
+Ending a training session turns it into trajectories; they are held by GRPO group
+(:class:`rollout.gateway.groups.GroupGate`) and handed to :meth:`SessionTable.take_ended` when their
+group fills or has waited ``group_wait_s`` (then with a stated baseline); a dropped session is
+handed over at once.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -19,6 +23,7 @@ from typing import Any
 from protocol import Trajectory
 from rollout.gateway.bodies import finite
 from rollout.gateway.errors import ApiError, ended
+from rollout.gateway.groups import GroupGate
 from rollout.gateway.session import Session
 from rollout.httpserve import token_matches
 
@@ -67,9 +72,13 @@ class SessionTable:
         admission: ``admit(n) -> bool``, the staleness admission rule for ``n`` new sessions
             (``None`` admits everything); it must record what it admits.
         retry_after_s: ``Retry-After`` seconds sent with a 429 or a 503.
+        group_size: sessions of a full GRPO group (``rollout.sampling.n``).
+        group_wait_s: longest wait for a group to fill after its first session ended, seconds.
+        clock: seconds (monotonic), for ``group_wait_s``.
 
     Raises:
-        ValueError: an ``admin_token`` shorter than 16 characters (names ``gateway.token``).
+        ValueError: an ``admin_token`` shorter than 16 characters (names ``gateway.token``), a
+            ``group_size`` below 1 or a ``group_wait_s`` that is not a positive number.
     """
 
     def __init__(
@@ -78,6 +87,9 @@ class SessionTable:
         admin_token: str | None = None,
         admission: Callable[[int], bool] | None = None,
         retry_after_s: int = 1,
+        group_size: int = 1,
+        group_wait_s: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         if admin_token is not None and len(admin_token) < 16:
             raise ValueError(f"gateway.token: {len(admin_token)} characters, at least 16 required")
@@ -89,6 +101,7 @@ class SessionTable:
         self._ended_keys: set[str] = set()
         self._call_locks: dict[str, asyncio.Lock] = {}
         self._ended: list[EndedSession] = []
+        self.groups = GroupGate(group_size, group_wait_s, clock)
         self.stats = GatewayStats()
 
     # --- sessions ------------------------------------------------------------------------------
@@ -219,14 +232,17 @@ class SessionTable:
         else:
             self.stats.dropped[dropped] += 1
         out = EndedSession(s.session_id, s.group_id, trajs, dropped, s.total_reward())
-        if s.train:
+        if s.train and dropped is not None:
             self._ended.append(out)
+        elif s.train:  # a session opened without a group_id is its own group: nothing can join it
+            self._ended += self.groups.add(out, alone=s.group_id == s.session_id)
         return out
 
     def take_ended(self) -> list[EndedSession]:
-        """Training sessions ended since the last call, oldest first."""
+        """Training sessions handed over since the last call, oldest first: dropped ones, and those
+        of groups that filled or waited ``group_wait_s`` (see :mod:`rollout.gateway.groups`)."""
         with self._lock:
-            out, self._ended = self._ended, []
+            out, self._ended = self._ended + self.groups.due(), []
         return out
 
     # --- per-call state and counts ---------------------------------------------------------------
@@ -288,6 +304,9 @@ class SessionTable:
                 truncated_sessions=st.truncated,
                 errors=dict(st.errors),
                 unavailable=dict(st.unavailable),
+                sessions_waiting_for_group=self.groups.waiting,
+                groups_partial=self.groups.groups_partial,
+                sessions_in_partial_groups=self.groups.sessions_partial,
                 overhead_ms_mean=1e3 * st.overhead_s / st.calls if st.calls else 0.0,
                 turn_wait_ms_mean=1e3 * st.turn_wait_s / st.calls if st.calls else 0.0,
             )

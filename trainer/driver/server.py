@@ -68,6 +68,16 @@ class StatusBoard:
                 "vintage_gateway_tool_call_errors", "Gateway replies answered with a tool-call error note", registry=r
             ),
             "calls_pending": Gauge("vintage_gateway_calls_pending", "Gateway calls waiting for a worker", registry=r),
+            "sessions_waiting_for_group": Gauge(
+                "vintage_gateway_sessions_waiting_for_group",
+                "Ended gateway sessions held until their GRPO group fills or waits gateway.group_wait_s",
+                registry=r,
+            ),
+            "groups_partial": Gauge(
+                "vintage_gateway_groups_partial",
+                "Gateway groups trained short of rollout.sampling.n sessions, with a baseline",
+                registry=r,
+            ),
         }
         self._gw_unavailable = Gauge(
             "vintage_gateway_unavailable", "Gateway calls answered 503, by reason", ["reason"], registry=r
