@@ -135,8 +135,9 @@ class Session:
         old_logprobs: list[float] | None = None,
     ) -> CallRecord:
         """:meth:`stitch` of a call given field by field."""
-        c = Completion(list(completion_ids), list(behav_logprobs), list(versions), finish_reason, policy_version)
-        c.old_logprobs = old_logprobs
+        c = Completion(
+            list(completion_ids), list(behav_logprobs), list(versions), finish_reason, policy_version, old_logprobs
+        )
         return self.stitch(call_id, prompt_ids, c)
 
     def stitch(self, call_id: str, prompt_ids: list[int], c: Completion) -> CallRecord:
