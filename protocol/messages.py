@@ -191,6 +191,11 @@ class Trajectory(Message):
     """Exact pi_old (learner numerics, same version) when a route attached it; NaN where missing."""
     purpose: Purpose = "train"
     """The request's ``purpose`` (``train`` or ``eval``)."""
+    baseline: float | None = None
+    """Reward baseline the sender gave because it closed the trajectory's group short of the group
+    size (a gateway group that could not fill, :mod:`rollout.gateway.groups`): the buffer takes such a
+    group as it is and the advantage is ``reward - baseline``. ``None``: the learner's estimator
+    computes it from the group."""
     info: dict[str, Any] = Field(default_factory=dict)
 
     def with_old_logprobs(self, old_logprobs: np.ndarray) -> Trajectory:
@@ -622,7 +627,8 @@ class GatewayStatus(Message):
     sessions_open: int = Field(0, ge=0)
     sessions_ended: int = Field(0, ge=0)
     sessions_emitted: int = Field(0, ge=0)
-    """Ended sessions turned into trajectories (training sessions) or scored (evaluation sessions)."""
+    """Ended sessions turned into trajectories (training sessions) or scored (evaluation sessions);
+    a training session's may still wait for its group (``sessions_waiting_for_group``)."""
     sessions_dropped: dict[str, int] = Field(default_factory=dict)
     """Ended sessions that gave no trajectory, by reason (``no_calls``, ``agent_error``, ...)."""
     sessions_refused: int = Field(0, ge=0)
@@ -651,6 +657,13 @@ class GatewayStatus(Message):
     ``poll_failed``, ``aborted`` (the worker aborted the generation)."""
     calls_pending: int = Field(0, ge=0)
     """Calls waiting now for a worker to take them or for their result."""
+    sessions_waiting_for_group: int = Field(0, ge=0)
+    """Ended training sessions held until their GRPO group fills or waits ``gateway.group_wait_s``."""
+    groups_partial: int = Field(0, ge=0)
+    """Groups handed to training short of ``rollout.sampling.n`` sessions, each trajectory with a baseline
+    (:mod:`rollout.gateway.groups`); a session opened without a ``group_id`` is one such group."""
+    sessions_in_partial_groups: int = Field(0, ge=0)
+    """Sessions handed over in those groups."""
     resubmissions: int = Field(0, ge=0)
     """Submissions repeated because no worker took the call (every worker late, or none running)."""
     late_results_discarded: int = Field(0, ge=0)

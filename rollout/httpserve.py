@@ -2,12 +2,15 @@
 
 ``port=0`` binds a free port (see :attr:`ThreadedServer.port`); the socket is bound before the
 thread starts, so the URL is known at once and two servers never race for one port.
-:class:`BodyLimit` bounds request bodies in size and in time for both servers.
+:class:`BodyLimit` bounds request bodies in size and in time for both servers;
+:func:`bearer_token` and :func:`token_matches` read and check ``Authorization: Bearer <token>``
+for both.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import ipaddress
 import json
 import socket
@@ -31,6 +34,26 @@ def is_loopback_host(host: str) -> bool:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     return ip.is_loopback
+
+
+BEARER = "Bearer "
+"""Scheme prefix of an ``Authorization`` header holding a bearer token (RFC 6750, section 2.1)."""
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header value.
+
+    Returns None when the header is missing or uses another scheme, and ``""`` for ``"Bearer "``
+    followed by nothing (the scheme is matched case-sensitively, as both servers always did).
+    """
+    if authorization is None or not authorization.startswith(BEARER):
+        return None
+    return authorization[len(BEARER) :]
+
+
+def token_matches(given: str | None, expected: str) -> bool:
+    """True when ``given`` is non-empty and equals ``expected``, compared in constant time (:func:`hmac.compare_digest`)."""
+    return bool(given) and hmac.compare_digest(given.encode(), expected.encode())
 
 
 class ThreadedServer:

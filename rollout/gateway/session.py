@@ -2,7 +2,7 @@
 
 A session is one episode of an outside agent. Each call contributes the prompt ids the gateway
 rendered and the ids the worker sampled, with their behaviour log-probs (mu, nats) and the policy
-version of every sampled token. Stitching rule (:meth:`Session.add_call`):
+version of every sampled token. Stitching rule (:meth:`Session.stitch`):
 
 * when a call's prompt ids start with the current segment's ids (the previous prompt + completion
   + whatever came after), the call extends that segment: the new prompt tokens are context
@@ -22,7 +22,26 @@ from typing import Any
 
 import numpy as np
 
-from protocol import NO_VERSION, Trajectory
+from protocol import Trajectory
+from rollout.agent import TokenTrace
+
+
+@dataclass
+class Completion:
+    """What one call sampled, per sampled token: ids, mu (nats) and versions; the finish reason,
+    the worker's policy version, and pi_old when the worker attached it."""
+
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    policy_version: int
+    old_logprobs: list[float] | None = None
+
+    def head(self, k: int, finish_reason: str) -> Completion:
+        """The first ``k`` sampled tokens, ended for ``finish_reason`` (a stop string cut)."""
+        old = self.old_logprobs[:k] if self.old_logprobs else self.old_logprobs
+        return Completion(self.ids[:k], self.logprobs[:k], self.versions[:k], finish_reason, self.policy_version, old)
 
 
 @dataclass
@@ -42,19 +61,13 @@ class CallRecord:
 
 
 @dataclass
-class Segment:
-    """Token state of one trajectory of a session; arrays are per token, ``[seq]``."""
+class Segment(TokenTrace):
+    """Token state of one trajectory of a session (:class:`rollout.agent.TokenTrace`), plus pi_old
+    per token (NaN where none), the ids of its calls and the newest version it holds."""
 
-    token_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    behav_logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
     old_logprobs: list[float] = field(default_factory=list)
-    prompt_len: int = 0
-    turn_boundaries: list[tuple[int, int]] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)
     finish_reason: str = "stop"
-    truncated: bool = False
     policy_version: int = 0
 
     def extends(self, prompt_ids: list[int]) -> bool:
@@ -63,20 +76,21 @@ class Segment:
         return n > 0 and len(prompt_ids) >= n and prompt_ids[:n] == self.token_ids
 
     def add_context(self, ids: list[int]) -> None:
-        self.token_ids += ids
-        self.loss_mask += [0] * len(ids)
-        self.behav_logprobs += [0.0] * len(ids)
-        self.versions += [NO_VERSION] * len(ids)
+        """Append context tokens (:meth:`rollout.agent.TokenTrace.add_context`), pi_old NaN."""
+        super().add_context(ids)
         self.old_logprobs += [math.nan] * len(ids)
 
-    def add_sampled(self, ids: list[int], mu: list[float], versions: list[int], old: list[float] | None) -> None:
+    def add_completion(self, call_id: str, c: Completion) -> None:
+        """Append one call's sampled tokens as one model turn (checked as in
+        :meth:`rollout.agent.TokenTrace.append_sampled`)."""
         start = len(self.token_ids)
-        self.token_ids += ids
-        self.loss_mask += [1] * len(ids)
-        self.behav_logprobs += mu
-        self.versions += versions
-        self.old_logprobs += old if old is not None else [math.nan] * len(ids)
+        self.append_sampled(c.ids, c.logprobs, c.versions)
+        self.old_logprobs += list(c.old_logprobs) if c.old_logprobs is not None else [math.nan] * len(c.ids)
         self.turn_boundaries.append((start, len(self.token_ids)))
+        self.calls.append(call_id)
+        self.finish_reason = c.finish_reason
+        self.truncated = self.truncated or c.finish_reason == "length"
+        self.policy_version = max([self.policy_version, c.policy_version, *c.versions])
 
 
 @dataclass
@@ -120,20 +134,28 @@ class Session:
         policy_version: int,
         old_logprobs: list[float] | None = None,
     ) -> CallRecord:
+        """:meth:`stitch` of a call given field by field."""
+        c = Completion(
+            list(completion_ids), list(behav_logprobs), list(versions), finish_reason, policy_version, old_logprobs
+        )
+        return self.stitch(call_id, prompt_ids, c)
+
+    def stitch(self, call_id: str, prompt_ids: list[int], c: Completion) -> CallRecord:
         """Stitch one call into the session (extend the current segment or start a new one).
 
         Raises:
             ValueError: the per-token lists differ in length, or a sampled version is older than
-                an earlier one in the same segment (versions never decrease within a trajectory).
+                an earlier one in the same segment (versions never decrease within a trajectory);
+                the session is left as it was.
         """
-        n = len(completion_ids)
-        if len(behav_logprobs) != n or len(versions) != n:
-            raise ValueError(f"completion: {n} ids, {len(behav_logprobs)} logprobs, {len(versions)} versions")
+        n = len(c.ids)
+        if len(c.logprobs) != n or len(c.versions) != n:
+            raise ValueError(f"completion: {n} ids, {len(c.logprobs)} logprobs, {len(c.versions)} versions")
         seg = self.current
         if seg is not None and seg.extends(prompt_ids):
-            last = max((v for v in seg.versions if v >= 0), default=NO_VERSION)
-            if versions and min(versions) < last:
-                raise ValueError(f"versions: {min(versions)} is older than an earlier token's version {last}")
+            last = seg.last_version()
+            if c.versions and min(c.versions) < last:
+                raise ValueError(f"versions: {min(c.versions)} is older than an earlier token's version {last}")
             seg.add_context(prompt_ids[len(seg.token_ids) :])
         else:
             if seg is not None:
@@ -142,21 +164,11 @@ class Session:
             seg.add_context(list(prompt_ids))
             seg.prompt_len = len(prompt_ids)
             self.segments.append(seg)
-        seg.add_sampled(list(completion_ids), list(behav_logprobs), list(versions), old_logprobs)
-        seg.calls.append(call_id)
-        seg.finish_reason = finish_reason
-        seg.truncated = seg.truncated or finish_reason == "length"
-        seg.policy_version = max([seg.policy_version, policy_version, *versions])
+        seg.add_completion(call_id, c)
         rec = CallRecord(
-            call_id,
-            list(prompt_ids),
-            list(completion_ids),
-            list(behav_logprobs),
-            list(versions),
-            finish_reason,
-            len(self.segments) - 1,
-            old_logprobs,
-        )
+            call_id, list(prompt_ids), list(c.ids), list(c.logprobs), list(c.versions), c.finish_reason,
+            len(self.segments) - 1, c.old_logprobs,
+        )  # fmt: skip
         self.calls.append(rec)
         return rec
 
@@ -182,17 +194,11 @@ class Session:
                     trajectory_id=self.session_id if len(self.segments) == 1 else f"{self.session_id}/{k}",
                     group_id=self.group_id,
                     worker_id=worker_id,
-                    token_ids=np.asarray(seg.token_ids, np.int32),
-                    loss_mask=np.asarray(seg.loss_mask, np.int8),
-                    behav_logprobs=np.asarray(seg.behav_logprobs, np.float32),
-                    versions=np.asarray(seg.versions, np.int32),
                     policy_version=seg.policy_version,
-                    prompt_len=seg.prompt_len,
                     finish_reason=seg.finish_reason if seg.finish_reason in ("stop", "length", "abort") else "stop",
                     reward=reward,
                     turn_rewards=[float(self.call_rewards.get(c, 0.0)) for c in seg.calls],
-                    turn_boundaries=list(seg.turn_boundaries),
-                    truncated=seg.truncated or self.truncated,
+                    **{**seg.trajectory_fields(), "truncated": seg.truncated or self.truncated},
                     old_logprobs=old if np.isfinite(old).any() else None,
                     info={
                         "session_id": self.session_id,

@@ -265,12 +265,12 @@ def test_adapter_snapshots_exact_per_version_and_memory(tiny_model_path, lora_le
     """W = 2: the service holds the base once + adapters of versions [1, 3]; each token of a mixed
     batch equals the peft learner's forward at its own version (same layout: bit for bit)."""
     svc = OldLogitService(tiny_model_path, route="snapshot", max_staleness=2, adapter=lora_learner.spec)
-    base_bytes = svc.bytes_held - svc._held_bytes[0]
+    base_bytes = svc.bytes_held - svc.store.held_bytes[0]
     # the tiny model's parameters (tied embedding once), fp32
     assert base_bytes == sum(p.numel() for p in load_causal_lm(tiny_model_path).parameters()) * 4
     # per layer: q 128->128, v 128->64, down 256->128 at rank 4: 4 * (256 + 192 + 384) elements; 2 layers
     one = adapter_bytes([(128, 128), (64, 128), (128, 256)] * 2, rank=4)
-    assert one == 26624 and svc._held_bytes[0] == one  # the folder's version: a zero adapter
+    assert one == 26624 and svc.store.held_bytes[0] == one  # the folder's version: a zero adapter
     for v in (1, 2, 3):
         assert lora_learner.publish(svc, v).total_bytes == one
     assert svc.versions_held == [1, 2, 3] and svc.evicted == {0: "staleness"}

@@ -26,6 +26,7 @@ One :class:`Batch` is what one optimizer step consumes. Conventions (``docs/arch
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -178,21 +179,35 @@ def _group_index(group_ids: Sequence[str]) -> Tensor:
     return torch.tensor([codes[g] for g in group_ids], dtype=torch.long)
 
 
-def sequence_advantages(rewards: Tensor, group_ids: Sequence[str], estimator: str = "grpo") -> Tensor:
+def sequence_advantages(
+    rewards: Tensor, group_ids: Sequence[str], estimator: str = "grpo", baselines: Tensor | None = None
+) -> Tensor:
     """Per-sequence advantages ``[B]`` from outcome rewards ``[B]`` grouped by ``group_ids``.
 
     "grpo": (r - mean_g) / max(std_g, 1e-3), population std (``trainer.algorithm.advantages``); "rloo":
-    leave-one-out baseline; "reinforce": the raw reward (gamma = 1, no baseline). Raises ValueError
-    on an unknown estimator.
+    leave-one-out baseline; "reinforce": the raw reward (gamma = 1, no baseline). ``baselines``
+    ``[B]`` (NaN where none): a sequence with a baseline given by its sender (a group closed short
+    of its size, :attr:`protocol.Trajectory.baseline`) gets ``r - baseline`` under "grpo" and
+    "rloo" (the mean-centred, unscaled form; its group is left out of the others' statistics) and
+    the raw reward under "reinforce". Raises ValueError on an unknown estimator.
+
+    Example: rewards ``[1, 0, 0.8]``, groups ``["a", "a", "s"]``, baselines ``[nan, nan, 0.5]``,
+    "grpo": ``[1, -1, 0.3]`` (group a: mean 0.5, std 0.5; the last: 0.8 - 0.5).
     """
-    gid = _group_index(group_ids)
-    if estimator == "grpo":
-        return grpo_advantages(rewards, gid)
-    if estimator == "rloo":
-        return rloo_advantages(rewards, gid)
+    if estimator not in ("grpo", "rloo", "reinforce"):
+        raise ValueError(f"unknown advantage estimator={estimator!r}; expected grpo, rloo or reinforce")
     if estimator == "reinforce":
         return rewards.float().clone()
-    raise ValueError(f"unknown advantage estimator={estimator!r}; expected grpo, rloo or reinforce")
+    given = torch.zeros(len(group_ids), dtype=torch.bool) if baselines is None else ~torch.isnan(baselines)
+    out = torch.zeros(len(group_ids), dtype=torch.float32)
+    rest = (~given).nonzero().flatten().tolist()
+    if rest:
+        gid = _group_index([group_ids[i] for i in rest])
+        fn = grpo_advantages if estimator == "grpo" else rloo_advantages
+        out[rest] = fn(rewards[rest], gid).float()
+    if given.any():
+        out[given] = (rewards[given] - baselines[given]).float()
+    return out
 
 
 def _old_from_answer(answer: OldLogitAnswer, i: int, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -272,7 +287,8 @@ def collate(
     train, stale_masked, overlong_seqs = _train_mask(sampled, stale, truncated, max_token_staleness, overlong_filter)
     rewards = torch.tensor([float(tr.reward) for tr in trajectories], dtype=torch.float32)
     group_ids = [tr.group_id for tr in trajectories]
-    seq_adv = sequence_advantages(rewards, group_ids, advantage)
+    baselines = torch.tensor([math.nan if tr.baseline is None else tr.baseline for tr in trajectories])
+    seq_adv = sequence_advantages(rewards, group_ids, advantage, baselines)
     train_t = torch.from_numpy(train)
     exact_t = torch.from_numpy(exact) & train_t
     current_t = train_t & ~exact_t & torch.from_numpy(stale == 0) if current_from_learner else None

@@ -164,6 +164,8 @@ class AgentRunner:
             admission=self.admit,
             model_name=g.model_name,
             tool_call_feedback=g.tool_call_feedback,
+            group_size=s.n,
+            group_wait_s=g.group_wait_s,
         )
         self.server = GatewayServer(self.gateway, g.host, g.port, max_body_bytes=g.max_body_bytes).start()
         self.loop = asyncio.new_event_loop()

@@ -146,16 +146,24 @@ class TrajectoryBuffer:
         return len(stale)
 
     def _choose(self, n: int, consuming_version: int, group_size: int) -> list[str] | None:
-        """Keys of the first whole groups (FIFO) of trajectories within the bound at ``consuming_version``."""
+        """Keys of the first whole groups (FIFO) of trajectories within the bound at ``consuming_version``.
+
+        A group is whole with ``group_size`` trajectories or more, or when its trajectories carry a
+        :attr:`protocol.Trajectory.baseline` (their sender closed the group short of its size); such
+        a group takes the place of one group of ``group_size`` in the batch.
+        """
         groups: OrderedDict[str, list[str]] = OrderedDict()
         for k, t in self._items.items():
             if sequence_staleness(t, consuming_version) <= self.max_staleness:
                 groups.setdefault(t.group_id, []).append(k)
         chosen: list[str] = []
+        used = 0
         for keys in groups.values():
-            if len(keys) >= group_size and len(chosen) + group_size <= n:
+            closed = self._items[keys[0]].baseline is not None
+            if (closed or len(keys) >= group_size) and used + group_size <= n:
                 chosen += keys
-        return chosen if len(chosen) >= n else None
+                used += group_size if closed else len(keys)
+        return chosen if used >= n else None
 
     def take(
         self, n: int, consuming_version: int, group_size: int = 1, *, hold: bool = False
@@ -165,7 +173,8 @@ class TrajectoryBuffer:
         Stale trajectories are dropped first. Returns None (taking nothing) if fewer than ``n``
         trajectories in complete groups are available. A group holding more than ``group_size``
         trajectories (an agent session split into segments that share its reward) is taken whole,
-        so the batch may then hold more than ``n``. The batch counts as consumed, or with ``hold``
+        so the batch may then hold more than ``n``; a group closed short of ``group_size`` by its
+        sender (trajectories with a ``baseline``) counts as one group, so it may hold fewer. The batch counts as consumed, or with ``hold``
         as held until :meth:`consume` (its step starts) or :meth:`put_back`.
         """
         self.drop_stale(consuming_version)

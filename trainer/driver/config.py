@@ -281,6 +281,12 @@ class GatewayConfig(_Section):
     call_timeout_s: float = Field(600.0, gt=0.0)
     """Longest wait for a taken call's result, seconds (its worker may have died or hung); then it is answered
     503 (``unavailable.timeout``) and its result, should it come later, is discarded."""
+    group_wait_s: float = Field(120.0, gt=0.0, allow_inf_nan=False)
+    """Longest wait, seconds, for a GRPO group of ``rollout.sampling.n`` sessions to fill after its first session
+    ended; then its ended sessions are trained on anyway, each trajectory with a baseline (the mean reward of
+    the group's other sessions, or for a session alone the mean of the last 32 sessions' rewards; see
+    ``rollout.gateway.groups``), counted in ``groups_partial``. A session opened without a ``group_id`` is
+    such a group of one at once."""
 
 
 class JobConfig(_Section):

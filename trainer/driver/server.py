@@ -7,7 +7,6 @@ require ``Authorization: Bearer <token>`` and only record the request; the drive
 
 from __future__ import annotations
 
-import hmac
 import secrets
 import threading
 from typing import Annotated
@@ -16,7 +15,7 @@ from fastapi import Depends, FastAPI, Header, HTTPException, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from protocol import JobStatus, ScaleRequest, ScaleResponse, WorkerStatus
-from rollout.httpserve import BodyLimit, ThreadedServer, is_loopback_host
+from rollout.httpserve import BodyLimit, ThreadedServer, bearer_token, is_loopback_host, token_matches
 
 
 class StatusBoard:
@@ -72,6 +71,16 @@ class StatusBoard:
                 "vintage_gateway_tool_call_errors", "Gateway replies answered with a tool-call error note", registry=r
             ),
             "calls_pending": Gauge("vintage_gateway_calls_pending", "Gateway calls waiting for a worker", registry=r),
+            "sessions_waiting_for_group": Gauge(
+                "vintage_gateway_sessions_waiting_for_group",
+                "Ended gateway sessions held until their GRPO group fills or waits gateway.group_wait_s",
+                registry=r,
+            ),
+            "groups_partial": Gauge(
+                "vintage_gateway_groups_partial",
+                "Gateway groups trained short of rollout.sampling.n sessions, with a baseline",
+                registry=r,
+            ),
         }
         self._gw_unavailable = Gauge(
             "vintage_gateway_unavailable", "Gateway calls answered 503, by reason", ["reason"], registry=r
@@ -142,9 +151,10 @@ def build_app(
     A scale request above ``max_workers`` is refused (422)."""
 
     def require_token(authorization: Annotated[str | None, Header()] = None) -> None:
-        if authorization is None or not authorization.startswith("Bearer "):
+        given = bearer_token(authorization)
+        if given is None:
             raise HTTPException(status_code=401, detail="missing bearer token", headers={"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(authorization.removeprefix("Bearer ").encode(), token.encode()):
+        if not token_matches(given, token):
             raise HTTPException(status_code=403, detail="invalid bearer token")
 
     app = FastAPI(
