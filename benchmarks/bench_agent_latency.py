@@ -14,9 +14,10 @@ on their tools while the learner trains. ``agent.concurrency`` is ``(max_stalene
 admission, not the concurrency cap, bounds the episodes in flight.
 
 Reported per latency and mode: wall seconds of the training loop per optimizer step (``loop_s / steps``,
-start-up and the wait for the first batch included, as ``bench_async``), trained tokens per second
+as ``bench_async``: start-up excluded, the wait for the first batch included), trained tokens per second
 (loss-masked sampled tokens over ``loop_s``), model calls per session, and the ratio async/sync of the
-seconds per step (goal <= 0.5 at 2 s tools). Prints a table, writes ``results/agent_latency.json``.
+seconds per step (goal <= 0.5 at 2 s tools). Prints a table, writes ``results/agent_latency.json``
+(with the machine's facts and its 1-minute load average before and after: the box may be shared).
 
 Could TRL run the same agent? No. TRL is not installed in vintage's environment (the optional ``trl``
 group pins 1.16.0); what follows is read from the source of the TRL 1.13.0 wheel
@@ -43,6 +44,7 @@ import json
 import os
 import random
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,7 @@ def run_row(summary: dict[str, Any], latency_s: float, max_staleness: int) -> di
         "after_first_batch_s_per_step": summary.get("loop_s_per_step"),
         "train_s_per_step": summary.get("train_s_per_step"),
         "model_calls_per_session": g.get("calls", 0) / ended if ended else float("nan"),
+        "generated": summary.get("generated"),
         "consumed": summary.get("consumed"),
         "dropped": summary.get("dropped"),
     }
@@ -172,16 +175,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if min(a.tool_latency) < 0:
         ap.error(f"--tool-latency: {min(a.tool_latency)} s is negative")
 
+    from benchmarks.machine import machine_facts
     from trainer.driver.netguard import reexec_with_loopback
 
     reexec_with_loopback()  # the private cluster, this driver included, listens on loopback only
+    t0, load_before = time.perf_counter(), os.getloadavg()[0]
     rows = [one_run(a, lat, s) for lat in a.tool_latency for s in (0, a.max_staleness)]
     pairs = compare(rows)
     result = {
         "model": a.model, "engine": a.engine, "steps": a.steps, "tool_calls_per_episode": a.tool_calls,
         "episodes_per_step": a.groups * a.group_size, "max_tokens": a.max_tokens, "async_max_staleness": a.max_staleness,
         "pairs": pairs, "goal": {"tool_latency_s": GOAL_LATENCY_S, "async_over_sync_max": GOAL_RATIO},
-        "goal_met": goal_met(pairs),
+        "goal_met": goal_met(pairs), **machine_facts(t0), "load_average_1m": [load_before, os.getloadavg()[0]],
     }  # fmt: skip
     print(table(pairs))
     print(f"goal: async/sync <= {GOAL_RATIO} at {GOAL_LATENCY_S} s tools -> {result['goal_met']}")
