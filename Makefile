@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED := 1
 # DeepSpeed JIT-builds its CPU comm op; one build per venv (a shared cache rebuilds per venv switch).
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install test test-fast demo bench bench-methods bench-trl lint model clean
+.PHONY: install test test-fast demo bench bench-latency bench-methods bench-trl lint model clean
 
 install: $(STAMP)
 
@@ -61,6 +61,10 @@ bench: install
 	# bench_vs_trl needs the optional trl group and runs for tens of minutes: `make bench-trl`
 	for b in $(filter-out benchmarks/bench_vs_trl.py,$(wildcard benchmarks/bench_*.py)); do \
 		$(PY) -m benchmarks.$$(basename $$b .py) || exit 1; done
+
+# async vs sync when agents' tool calls wait 0.5 s and 2 s (tiny model, ~8 minutes); JSON results/agent_latency.json
+bench-latency: install
+	$(VENV)/bin/vintage bench latency
 
 bench-methods: install
 	$(VENV)/bin/vintage model prepare

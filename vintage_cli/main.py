@@ -181,6 +181,29 @@ def bench_lora(
     lora_main(argv)
 
 
+@bench_app.command("latency")
+def bench_latency(
+    tool_latency: Annotated[
+        list[float] | None, typer.Option(help="Seconds per tool call (repeatable; default 0.5 and 2.0).")
+    ] = None,
+    model: Annotated[str, typer.Option(help="tiny (random 2-layer Llama, fast) or smollm2.")] = "tiny",
+    engine: Annotated[str, typer.Option(help="transformers or vllm.")] = "transformers",
+    steps: Annotated[int, typer.Option(min=1, help="Optimizer steps per run (equal in both modes).")] = 4,
+    tool_calls: Annotated[int, typer.Option(min=2, help="Tool rounds per episode.")] = 2,
+    max_staleness: Annotated[int, typer.Option(min=1, help="controller.max_staleness of the async run.")] = 2,
+    out: Annotated[Path, typer.Option(help="JSON results file.")] = Path("results/agent_latency.json"),
+) -> None:
+    """Agents whose tools wait: async vs synchronous seconds per step and tokens/s per tool latency,
+    through the gateway with the openai client; prints a table, writes JSON (see benchmarks/bench_agent_latency.py)."""
+    from benchmarks.bench_agent_latency import main as latency_main
+
+    argv = ["--model", model, "--engine", engine, "--steps", str(steps), "--tool-calls", str(tool_calls)]
+    argv += ["--max-staleness", str(max_staleness), "--out", str(out)]
+    if tool_latency:
+        argv += ["--tool-latency", *map(str, tool_latency)]
+    latency_main(argv)
+
+
 @eval_app.command("tau2")
 def eval_tau2(
     domain: Annotated[str, typer.Option(help="tau2 domain: mock, retail, airline or telecom.")],
