@@ -255,28 +255,7 @@ def collate(
             old-logit answer, or a non-positive temperature.
     """
     _check_inputs(trajectories, old_logits, temperature)
-    b, t = len(trajectories), max(len(tr.token_ids) for tr in trajectories)
-    ids = np.full((b, t), pad_token_id, np.int64)
-    attn = np.zeros((b, t), np.int64)
-    sampled = np.zeros((b, t), bool)
-    mu = np.full((b, t), np.nan, np.float32)
-    ver = np.full((b, t), NO_VERSION, np.int64)
-    old = np.full((b, t), np.nan, np.float32)
-    exact = np.zeros((b, t), bool)
-    truncated = np.zeros(b, bool)
-    for i, tr in enumerate(trajectories):
-        n = len(tr.token_ids)
-        ids[i, :n] = tr.token_ids
-        attn[i, :n] = 1
-        s = tr.loss_mask.astype(bool)
-        sampled[i, :n] = s
-        mu[i, :n] = np.where(s, tr.behav_logprobs, np.nan)
-        ver[i, :n] = np.where(s, tr.versions, NO_VERSION)
-        lp, ok = _old_row(old_logits, tr, i)
-        ok = ok & s & np.isfinite(lp)
-        old[i, :n] = np.where(ok, lp, np.nan)
-        exact[i, :n] = ok
-        truncated[i] = tr.finish_reason in TRUNCATED_REASONS or tr.truncated
+    ids, attn, sampled, mu, ver, old, exact, truncated = _padded_rows(trajectories, old_logits, pad_token_id)
     stale = np.where(sampled, consuming_version - ver, 0)
     if (stale < 0).any():
         i, j = map(int, np.argwhere(stale < 0)[0])
@@ -322,6 +301,39 @@ def learner_gives_current(oldlogit_route: str, optimizer_steps: int) -> bool:
     known; route ``none`` uses its proxy for every token by definition.
     """
     return oldlogit_route == "snapshot" and optimizer_steps == 1
+
+
+def _padded_rows(
+    trajectories: Sequence[Trajectory],
+    old_logits: OldLogitAnswer | Sequence[np.ndarray | None] | None,
+    pad_token_id: int,
+) -> tuple[np.ndarray, ...]:
+    """The trajectories right-padded to ``[B, T]``: token ids, attention mask, sampled mask, mu and
+    versions (NaN / -1 off sampled tokens), exact pi_old and where it is known (sampled, flagged,
+    finite), and the ``[B]`` truncation flags (finish reason or a context cut)."""
+    b, t = len(trajectories), max(len(tr.token_ids) for tr in trajectories)
+    ids = np.full((b, t), pad_token_id, np.int64)
+    attn = np.zeros((b, t), np.int64)
+    sampled = np.zeros((b, t), bool)
+    mu = np.full((b, t), np.nan, np.float32)
+    ver = np.full((b, t), NO_VERSION, np.int64)
+    old = np.full((b, t), np.nan, np.float32)
+    exact = np.zeros((b, t), bool)
+    truncated = np.zeros(b, bool)
+    for i, tr in enumerate(trajectories):
+        n = len(tr.token_ids)
+        ids[i, :n] = tr.token_ids
+        attn[i, :n] = 1
+        s = tr.loss_mask.astype(bool)
+        sampled[i, :n] = s
+        mu[i, :n] = np.where(s, tr.behav_logprobs, np.nan)
+        ver[i, :n] = np.where(s, tr.versions, NO_VERSION)
+        lp, ok = _old_row(old_logits, tr, i)
+        ok = ok & s & np.isfinite(lp)
+        old[i, :n] = np.where(ok, lp, np.nan)
+        exact[i, :n] = ok
+        truncated[i] = tr.finish_reason in TRUNCATED_REASONS or tr.truncated
+    return ids, attn, sampled, mu, ver, old, exact, truncated
 
 
 def _check_inputs(
