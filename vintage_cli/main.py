@@ -456,6 +456,10 @@ def status(
     )
     if s.ewma:
         console.print(f"EWMA beta {s.ewma.beta:.3f}  resets {s.ewma.resets}")
+    if s.held_out_version is not None:
+        console.print(
+            f"held-out reward {s.held_out:.3f}  success {s.held_out_success:.3f}  at version {s.held_out_version}"
+        )
     console.print(f"buffer staleness {s.buffer_staleness_hist}  last batch staleness {s.last_batch_staleness_hist}")
     t = Table("worker", "version", "in flight", "tokens/s", "state")
     for w in s.workers:

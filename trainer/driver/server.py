@@ -47,6 +47,10 @@ class StatusBoard:
             ),
             "ewma_resets": Gauge("vintage_ewma_resets", "EWMA resets so far", registry=r),
             "skipped_steps": Gauge("vintage_skipped_steps", "Non-finite steps skipped", registry=r),
+            "held_out": Gauge("vintage_held_out_reward", "Mean reward of the latest held-out evaluation", registry=r),
+            "held_out_version": Gauge(
+                "vintage_held_out_version", "Policy version of the latest held-out evaluation", registry=r
+            ),
             "generated": Gauge("vintage_trajectories_generated", "Trajectories submitted to workers", registry=r),
             "consumed": Gauge("vintage_trajectories_consumed", "Trajectories trained on", registry=r),
         }
