@@ -1,8 +1,13 @@
-"""Held-out evaluation during training, for real: a tiny-model job (local Ray, DeepSpeed on CPU,
-the transformers engine) with ``controller.eval_every = 2`` over 4 versions.
+"""Held-out evaluation during training and ``vintage eval env``, for real: a tiny-model job (local
+Ray, DeepSpeed on CPU, the transformers engine) with ``controller.eval_every = 2`` over 4 versions,
+then the command on its checkpoints.
 
 The env is the alphabet task (reward: the share of the reply's characters in a-m), whose rewards
-on the random model are fractions between 0 and 1.
+on the random model are fractions between 0 and 1, so equal means are not an accident of all-zero
+rewards. The transformers engine seeds each held-out prompt and samples each sequence alone, so
+the job's evaluation (which may share the worker with training samples) and the command's sample
+the same tokens from the same weights (:mod:`trainer.driver.eval_env` says why vLLM agrees only in
+expectation).
 """
 
 from __future__ import annotations
@@ -13,11 +18,13 @@ import time
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
 from tests.tiny_job import TINY_JOB
 from trainer.driver.config import load_config
 from trainer.driver.job import run_job
 from trainer.driver.metrics_log import read_metrics
+from vintage_cli.main import app
 
 pytestmark = pytest.mark.integration
 
@@ -76,3 +83,24 @@ def test_evaluations_at_versions_0_2_4_each_pinned_to_its_version(eval_run):
     # /v1/status showed the latest figure with its version (0 until the evaluation at 2 ended, then 2)
     by_version = {e["version"]: e["held_out"] for e in evals}
     assert {(0, by_version[0]), (2, by_version[2])} <= seen <= set(by_version.items())
+
+
+@pytest.mark.parametrize("version", ["2", "latest"])
+def test_vintage_eval_env_reproduces_the_jobs_evaluation_of_a_checkpoint(eval_run, version, tmp_path):
+    """The command on checkpoint 2 gives the job's evaluation during training at 2, and on the
+    latest (4) the job's evaluation after training: the same mean over the same 4 episodes."""
+    run_dir, _, _ = eval_run
+    out = tmp_path / "eval.json"
+    res = CliRunner().invoke(app, ["eval", "env", str(run_dir), "--version", version, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    report = json.loads(out.read_text())
+    want = {"2": 2, "latest": 4}[version]
+    job_eval = next(e for e in read_metrics(run_dir / "metrics.jsonl", kind="eval") if e["version"] == want)
+    assert report["version"] == want and report["engine"] == "transformers"
+    assert report["episodes"] == job_eval["n"] == 4
+    assert report["reward"] == job_eval["held_out"] and report["success_rate"] == job_eval["success_rate"]
+    assert [e["env_seed"] for e in report["per_episode"]] == [50, 51, 52, 53]  # env.train_seeds = 50, 4 after
+    ok = round(report["success_rate"] * 4)
+    assert (
+        f"held-out success {report['success_rate']:.3f} ({ok} of 4), mean reward {report['reward']:.3f}" in res.output
+    )

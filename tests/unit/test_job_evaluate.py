@@ -65,12 +65,23 @@ def test_eval_requests_are_tagged_and_training_trajectories_held_back():
         "version": 3,
         "sampled_versions": [3],
     }
-    # one sample each, seeded per prompt: controller.seed 0 * 100_003 + env seed
+    # one sample each, no seed on vLLM (the default engine)
     assert [(r.request_id, r.purpose, r.env.seed, r.sampling.n, r.sampling.seed) for r in pool.submitted] == [
-        ("eval-after-10", "eval", 10, 1, 10),
-        ("eval-after-11", "eval", 11, 1, 11),
+        ("eval-after-10", "eval", 10, 1, None),
+        ("eval-after-11", "eval", 11, 1, None),
     ]
     assert j._held_back == [train]
+
+
+def test_eval_requests_are_seeded_per_prompt_on_the_transformers_engine():
+    from trainer.driver.heldout import held_out_requests
+
+    cfg = load_config(
+        None, ["env.eval_prompts=2", "env.train_seeds=10", "controller.seed=2", 'rollout.engine="transformers"']
+    )
+    # controller.seed 2 * 100_003 + env seed 10, 11
+    assert [r.sampling.seed for r in held_out_requests(cfg, "after", 3)] == [200_016, 200_017]
+    assert [r.sampling.seed for r in held_out_requests(cfg, "after", 3, engine="vllm")] == [None, None]
 
 
 def test_eval_that_never_finishes_raises_naming_the_timeout():

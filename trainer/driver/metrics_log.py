@@ -148,6 +148,13 @@ def read_metrics(path: Path, kind: str = "step") -> list[dict[str, Any]]:
     return [r for r in rows if r.get("kind", "step") == kind]
 
 
+def held_out_series(path: Path) -> tuple[list[int], list[float], int]:
+    """The held-out curve of a ``metrics.jsonl``: the evaluations' versions and mean rewards in file
+    order, and the last one's episode count (0 without evaluations)."""
+    evals = read_metrics(path, kind="eval")
+    return [e["version"] for e in evals], [e["held_out"] for e in evals], evals[-1]["n"] if evals else 0
+
+
 def plot_run(run_dir: Path) -> list[Path]:
     """PNG plots from ``metrics.jsonl``, returning their paths: ``reward.png`` (the batch reward per
     step and the held-out reward of every evaluation at its pinned version) and ``staleness.png``."""
@@ -164,10 +171,9 @@ def plot_run(run_dir: Path) -> list[Path]:
     out = []
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [r["reward_mean"] for r in rows], marker="o", label="train reward (batch mean)")
-    evals = read_metrics(Path(run_dir) / "metrics.jsonl", kind="eval")
-    if evals:  # the held-out prompts, one sample each, at the version each evaluation was pinned to
-        label = f"held-out reward ({evals[-1]['n']} prompts)"
-        ax.plot([e["version"] for e in evals], [e["held_out"] for e in evals], marker="s", label=label)
+    versions, held_out, n = held_out_series(Path(run_dir) / "metrics.jsonl")
+    if versions:  # the held-out prompts, one sample each, at the version each evaluation was pinned to
+        ax.plot(versions, held_out, marker="s", label=f"held-out reward ({n} prompts)")
     ax.set_ylabel("reward")
     out.append(_save(plt, fig, ax, Path(run_dir) / "reward.png"))
     fig, ax = plt.subplots(figsize=(6, 3.5))
