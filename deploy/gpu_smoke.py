@@ -213,7 +213,7 @@ def check_run(a: argparse.Namespace) -> dict:
     }
     metrics = run_dir / "metrics.jsonl"
     rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()] if metrics.exists() else []
-    rows = [r for r in rows if "step" in r]
+    rows = [r for r in rows if "step" in r and r.get("kind", "step") == "step"]  # not the evaluations' records
     out["steps_logged"] = len(rows)
     if rows:
         times = [r["time"] for r in rows if "time" in r]

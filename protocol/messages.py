@@ -715,6 +715,12 @@ class JobStatus(Message):
     oldlogit: OldLogitServiceStatus | None = None
     gateway: GatewayStatus | None = None
     """The OpenAI-compatible gateway's sessions and calls, when the job runs agents through it."""
+    held_out: float | None = None
+    """Mean reward of the latest held-out evaluation (None before the first)."""
+    held_out_success: float | None = Field(None, ge=0.0, le=1.0)
+    """Its share of episodes with reward > 0.5."""
+    held_out_version: int | None = Field(None, ge=0)
+    """The policy version that evaluation was pinned to."""
 
 
 class ScaleRequest(Message):

@@ -122,6 +122,9 @@ class RolloutWorkerCore:
     def submit(self, requests: list[RolloutRequest] | RolloutRequest) -> int:
         """Queue requests (``n`` samples each). Returns the number of samples queued.
 
+        Samples of ``purpose = "eval"`` requests are queued ahead of the training samples waiting
+        (in their own order), so a held-out evaluation waits only for the sequences already running.
+
         A request given as a mapping is decoded strictly (:meth:`protocol.Message.from_wire`).
 
         Raises:
@@ -143,12 +146,16 @@ class RolloutWorkerCore:
             dup = sorted({t for t in ids if t in self._known or ids.count(t) > 1})
             if dup:
                 raise ValueError(f"request_id: {dup[:3]} already queued on {self.worker_id}")
+            evals = []
             for ep in built:
                 self._known.add(ep.trajectory_id)
                 if ep.finish_reason:  # no room for even one token
                     self._finalize(ep)
+                elif ep.request.purpose == "eval":
+                    evals.append(ep)
                 else:
                     self._pending.append(ep)
+            self._pending.extendleft(reversed(evals))  # held-out episodes go before waiting training ones
         self._wake.set()
         return len(built)
 

@@ -22,7 +22,9 @@ model_app = typer.Typer(help="Model preparation (offline).", no_args_is_help=Tru
 app.add_typer(model_app, name="model")
 bench_app = typer.Typer(help="Benchmarks that compare methods or routes side by side.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
-eval_app = typer.Typer(help="Evaluate a model on an outside benchmark.", no_args_is_help=True)
+eval_app = typer.Typer(
+    help="Evaluate a model: a run's held-out env tasks (env) or tau2-bench (tau2).", no_args_is_help=True
+)
 app.add_typer(eval_app, name="eval")
 console = Console(soft_wrap=True)  # one line per step at any width, terminal or not
 
@@ -277,6 +279,60 @@ def eval_tau2(
         raise typer.Exit(1)
 
 
+@eval_app.command("env")
+def eval_env(
+    run_dir: Annotated[
+        Path | None, typer.Argument(help="A run folder (logging.run_dir) with checkpoints/ and its saved config.")
+    ] = None,
+    version: Annotated[str, typer.Option(help="With RUN_DIR: a checkpointed version number, or latest.")] = "latest",
+    model_path: Annotated[
+        str | None, typer.Option(help="Or an HF folder (as vintage export writes), smollm2 or tiny; needs --config.")
+    ] = None,
+    config: Annotated[Path | None, typer.Option(help="With --model-path: the TOML config whose [env] to run.")] = None,
+    engine: Annotated[
+        str | None, typer.Option(help="vllm or transformers (default: the config's rollout.engine).")
+    ] = None,
+    out: Annotated[Path, typer.Option(help="JSON report: totals and per-episode rewards.")] = Path("eval-env.json"),
+) -> None:
+    """The run's held-out env episodes (env.eval_prompts seeds after env.train_seeds, one sample each,
+    the job's sampling and seeds) on a CPU engine: prints mean success and reward with the count."""
+    from transformers.utils import logging as hf_logging
+
+    from trainer.driver.config import load_config, one_line
+    from trainer.driver.eval_env import evaluate_model_path, evaluate_run
+    from trainer.driver.export import ExportError, parse_version
+
+    if (run_dir is None) == (model_path is None):
+        raise typer.BadParameter("give exactly one of RUN_DIR and --model-path", param_hint="RUN_DIR")
+    if model_path is not None and config is None:
+        raise typer.BadParameter("--model-path needs --config (the TOML whose [env] to run)", param_hint="--config")
+    if engine not in (None, "vllm", "transformers"):
+        raise typer.BadParameter(f"{engine!r} is not vllm or transformers", param_hint="--engine")
+    hf_logging.disable_progress_bar()
+    try:
+        if run_dir is not None:
+            report = evaluate_run(run_dir, parse_version(version), engine)
+        else:
+            report = evaluate_model_path(model_path, load_config(config), engine)
+    except (ExportError, OSError, ValueError) as e:  # pydantic.ValidationError is a ValueError
+        console.print(f"[red]eval error:[/red] {one_line(e)}", soft_wrap=True)
+        raise typer.Exit(2) from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    console.print(eval_env_line(report), soft_wrap=True)
+    console.print(f"report: {out}")
+
+
+def eval_env_line(r: dict) -> str:
+    """``held-out success 0.250 (2 of 8), mean reward 0.431, version 4, 3.1 s on transformers``."""
+    ok = round(r["success_rate"] * r["episodes"])
+    version = "" if r.get("version") is None else f", version {r['version']}"
+    return (
+        f"held-out success {r['success_rate']:.3f} ({ok} of {r['episodes']}), mean reward {r['reward']:.3f}"
+        f"{version}, {r['seconds']:.1f} s on {r['engine']}"
+    )
+
+
 @app.command()
 def run(
     config: Annotated[Path | None, typer.Argument(help="TOML config file (defaults when omitted).")] = None,
@@ -479,6 +535,10 @@ def status(
     )
     if s.ewma:
         console.print(f"EWMA beta {s.ewma.beta:.3f}  resets {s.ewma.resets}")
+    if s.held_out_version is not None:
+        console.print(
+            f"held-out reward {s.held_out:.3f}  success {s.held_out_success:.3f}  at version {s.held_out_version}"
+        )
     console.print(f"buffer staleness {s.buffer_staleness_hist}  last batch staleness {s.last_batch_staleness_hist}")
     t = Table("worker", "version", "in flight", "tokens/s", "state")
     for w in s.workers:

@@ -82,3 +82,31 @@ def test_out_not_empty_and_merge_without_lora_are_refused(tmp_path):
     assert code == 2 and lines == [
         "export error: --merge: the run trained full weights (lora.enabled = false); its export is a full model"
     ]
+
+
+def eval_env(*args: str) -> tuple[int, list[str]]:
+    r = CliRunner().invoke(app, ["eval", "env", *args])
+    return r.exit_code, r.output.strip().splitlines()
+
+
+def test_eval_env_refuses_a_version_not_checkpointed_before_any_engine_starts(tmp_path):
+    run = fake_run(tmp_path)
+    code, lines = eval_env(str(run), "--version", "6", "--out", str(tmp_path / "e.json"))
+    assert code == 2 and lines == [
+        f"eval error: --version 6: not checkpointed in {run / 'checkpoints'} (checkpointed: 2, 4)"
+    ]
+    code, lines = eval_env(str(run), "--version", "six")
+    assert code == 2 and lines == ["eval error: --version: 'six' is not a version number or 'latest'"]
+    assert not (tmp_path / "e.json").exists()
+
+
+def test_eval_env_needs_one_model_and_a_config_with_model_path(tmp_path):
+    code, out = eval_env()
+    assert code == 2 and "give exactly one of RUN_DIR and --model-path" in " ".join(out)
+    code, out = eval_env("--model-path", "tiny")
+    assert code == 2 and "--model-path needs --config" in " ".join(out)
+    (tmp_path / "c.toml").write_text("[env]\neval_prompts = 2\n")
+    code, lines = eval_env("--model-path", str(tmp_path / "nowhere"), "--config", str(tmp_path / "c.toml"))
+    assert code == 2 and lines == [
+        f"eval error: --model-path: '{tmp_path / 'nowhere'}' is not a folder, 'smollm2' or 'tiny'"
+    ]

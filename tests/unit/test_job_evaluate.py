@@ -1,11 +1,10 @@
-"""Held-out evaluation in the driver: its requests are tagged ``purpose="eval"``, training
-trajectories that finish meanwhile are held back for the next collect, and a worker that never
-answers stops the job with an error naming ``env.eval_timeout_s`` (a recording pool stands in for
-the Ray workers)."""
+"""Held-out evaluation in the driver: its requests are tagged ``purpose="eval"`` and seeded per
+prompt, training trajectories that finish meanwhile are held back for the next collect, an
+evaluation started beside training picks its episodes out of the training polls, an episode of
+another version than the pinned one is refused, and a worker that never answers stops the job with
+an error naming ``env.eval_timeout_s`` (a recording pool stands in for the Ray workers)."""
 
 from __future__ import annotations
-
-from collections import Counter
 
 import numpy as np
 import pytest
@@ -16,15 +15,15 @@ from trainer.driver.config import load_config
 from trainer.driver.sources import EnvSource
 
 
-def traj(tid, reward, purpose):
+def traj(tid, reward, purpose, versions=(3, 3)):
     return Trajectory(
         trajectory_id=tid,
         group_id=tid,
         token_ids=np.arange(3),
         loss_mask=[0, 1, 1],
         behav_logprobs=[0.0, -0.5, -0.5],
-        versions=[-1, 0, 0],
-        policy_version=0,
+        versions=[-1, *versions],
+        policy_version=versions[-1],
         prompt_len=1,
         finish_reason="stop",
         reward=reward,
@@ -51,19 +50,38 @@ class Pool:
 
 def job(pool, *overrides):
     cfg = load_config(None, ["env.eval_prompts=2", "env.train_seeds=10", *overrides])  # the env loop at version 3
-    return EnvSource(cfg, pool, TrajectoryBuffer(capacity=16, max_staleness=1), lambda: 3, Counter())
+    return EnvSource(cfg, pool, TrajectoryBuffer(capacity=16, max_staleness=1), lambda: 3)
 
 
 def test_eval_requests_are_tagged_and_training_trajectories_held_back():
     train = traj("v2-5-0/1", 1.0, "train")
     pool = Pool([[train, traj("eval-after-10", 1.0, "eval")], [traj("eval-after-11", 0.25, "eval")]])
     j = job(pool)
-    assert j.evaluate("after") == {"reward": 0.625, "success_rate": 0.5, "episodes": 2}
-    assert [(r.request_id, r.purpose, r.env.seed, r.sampling.n) for r in pool.submitted] == [
-        ("eval-after-10", "eval", 10, 1),
-        ("eval-after-11", "eval", 11, 1),
+    # rewards 1.0 and 0.25: mean 0.625, one of two above 0.5; both sampled at the learner's version 3
+    assert j.evaluate("after") == {
+        "reward": 0.625,
+        "success_rate": 0.5,
+        "episodes": 2,
+        "version": 3,
+        "sampled_versions": [3],
+    }
+    # one sample each, no seed on vLLM (the default engine)
+    assert [(r.request_id, r.purpose, r.env.seed, r.sampling.n, r.sampling.seed) for r in pool.submitted] == [
+        ("eval-after-10", "eval", 10, 1, None),
+        ("eval-after-11", "eval", 11, 1, None),
     ]
     assert j._held_back == [train]
+
+
+def test_eval_requests_are_seeded_per_prompt_on_the_transformers_engine():
+    from trainer.driver.heldout import held_out_requests
+
+    cfg = load_config(
+        None, ["env.eval_prompts=2", "env.train_seeds=10", "controller.seed=2", 'rollout.engine="transformers"']
+    )
+    # controller.seed 2 * 100_003 + env seed 10, 11
+    assert [r.sampling.seed for r in held_out_requests(cfg, "after", 3)] == [200_016, 200_017]
+    assert [r.sampling.seed for r in held_out_requests(cfg, "after", 3, engine="vllm")] == [None, None]
 
 
 def test_eval_that_never_finishes_raises_naming_the_timeout():
@@ -134,5 +152,68 @@ def test_eval_requests_no_worker_took_are_submitted_again():
             return len(reqs[:1])
 
     pool = OneAtATime([[], [traj("eval-after-10", 1.0, "eval")], [traj("eval-after-11", 0.0, "eval")]])
-    assert job(pool).evaluate("after") == {"reward": 0.5, "success_rate": 0.5, "episodes": 2}
+    assert job(pool).evaluate("after") == {
+        "reward": 0.5,
+        "success_rate": 0.5,
+        "episodes": 2,
+        "version": 3,
+        "sampled_versions": [3],
+    }
     assert [r.request_id for r in pool.submitted] == ["eval-after-10", "eval-after-11"]
+
+
+def test_eval_started_beside_training_takes_its_episodes_out_of_the_polls():
+    """start_eval returns at once; each training poll passes the training trajectories on and keeps
+    the evaluation's; finish_eval waits only for what is left. An episode of an abandoned evaluation
+    that arrives later is discarded, never trained on."""
+    t1, t2 = traj("v3-1-0/0", 1.0, "train"), traj("v3-1-0/1", 0.0, "train")
+    pool = Pool([[t1, traj("eval-during-10", 0.75, "eval")], [t2], [traj("eval-during-11", 0.0, "eval")]])
+    j = job(pool)
+    assert j.start_eval("during") and j.eval_running
+    assert j.poll() == [t1]  # the evaluation's first episode is kept for it
+    assert j.poll() == [t2]
+    # rewards 0.75 and 0.0: mean 0.375, one of two above 0.5
+    assert j.finish_eval() == {
+        "reward": 0.375,
+        "success_rate": 0.5,
+        "episodes": 2,
+        "version": 3,
+        "sampled_versions": [3],
+    }
+    assert not j.eval_running and j.finish_eval() == {}
+    j2 = job(Pool([[], [traj("eval-during-10", 1.0, "eval"), t1]]))
+    assert j2.start_eval("during")
+    j2.abandon_eval()
+    assert j2.poll() == [] and j2.poll() == [t1]  # the stray episode is dropped, the training one passes
+
+
+def test_an_episode_sampled_by_another_version_is_refused():
+    # learner (and pinned) version 3; the second episode's last token came from version 4
+    pool = Pool([[traj("eval-after-10", 1.0, "eval"), traj("eval-after-11", 1.0, "eval", versions=(3, 4))]])
+    with pytest.raises(RuntimeError) as e:
+        job(pool).evaluate("after")
+    assert str(e.value) == "held-out episode eval-after-11 was sampled at versions [3, 4], not only the pinned 3"
+
+
+def test_eval_due_every_n_versions_below_the_last():
+    from trainer.driver.heldout import eval_due
+
+    # every 2 of 4: 2 only (0 is "before", 4 is "after"); every 3 of 10: 3, 6, 9; 0: never
+    assert [v for v in range(0, 5) if eval_due(v, 2, 4)] == [2]
+    assert [v for v in range(0, 11) if eval_due(v, 3, 10)] == [3, 6, 9]
+    assert [v for v in range(0, 11) if eval_due(v, 0, 10)] == []
+
+
+def test_eval_every_without_held_out_prompts_is_refused():
+    from pydantic import ValidationError
+
+    from trainer.driver.config import one_line
+
+    with pytest.raises(ValidationError) as e:
+        load_config(None, ["controller.eval_every=2", "env.eval_prompts=0"])
+    assert one_line(e.value) == (
+        "controller.eval_every: 2 with env.eval_prompts = 0: there are no held-out prompts to evaluate"
+    )
+    with pytest.raises(ValidationError) as e:
+        load_config(None, ["controller.eval_every=-1"])
+    assert one_line(e.value) == "controller.eval_every: Input should be greater than or equal to 0 (got -1)"

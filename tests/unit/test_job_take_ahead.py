@@ -70,7 +70,7 @@ def job(polls, *overrides, version=3):
     j.cfg = load_config(None, ["controller.max_staleness=1", "controller.total_steps=10", *overrides])
     j.pool, j.route, j.version, j.times, j._held_back = Pool(polls), Route(), version, Counter(), []
     j.buffer = TrajectoryBuffer(capacity=16, max_staleness=j.cfg.controller.max_staleness)
-    j.source = EnvSource(j.cfg, j.pool, j.buffer, lambda: j.version, j.times)
+    j.source = EnvSource(j.cfg, j.pool, j.buffer, lambda: j.version)
     j.batch_size, j.group_size, j.vocab_size, j.taken_ahead = 4, 2, 1000, 0
     j.buffer.note_submitted(6)
     return j

@@ -4,8 +4,6 @@ status note when the pool reports hung and dead workers (a scripted pool stands 
 
 from __future__ import annotations
 
-from collections import Counter
-
 from rich.console import Console
 
 from trainer.driver.buffer import TrajectoryBuffer
@@ -65,7 +63,7 @@ def test_hung_and_dead_workers_are_dropped_with_their_reason_and_replaced():
     j.cfg = load_config(None, ["rollout.max_restarts=3", "rollout.hang_timeout_s=30"])
     j.pool, j.console, j.workers_wanted, j.restarts = Pool(), Console(quiet=True), 3, 0
     j.buffer = TrajectoryBuffer(capacity=64, max_staleness=1)
-    j.source = EnvSource(j.cfg, j.pool, j.buffer, lambda: 0, Counter())
+    j.source = EnvSource(j.cfg, j.pool, j.buffer, lambda: 0)
     j.buffer.note_submitted(16)
     board = StatusBoard()
     j.replace_dead_workers(board)

@@ -162,7 +162,7 @@ def _source(buffer, pool, segment=0):
 
     overrides = ["env.train_seeds=5", "rollout.sampling.n=2", "controller.batch_groups=1", "controller.max_staleness=4"]
     cfg = load_config(None, ['model.path="tiny"', *overrides])
-    return EnvSource(cfg, pool, buffer, lambda: 0, Counter(), segment)
+    return EnvSource(cfg, pool, buffer, lambda: 0, segment)
 
 
 def test_env_source_cursor_continues_across_a_resume_no_seed_repeated_or_skipped():

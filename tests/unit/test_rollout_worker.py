@@ -323,3 +323,16 @@ def test_status_is_threadsafe_snapshot():
     core.status()
     th.join()
     assert core.status().generated_trajectories == 4 and len(core.poll()) == 4
+
+
+def test_eval_samples_go_ahead_of_waiting_training_ones():
+    """One sequence at a time (max_in_flight 1): training t0 runs, t1 and t2 wait; two eval requests
+    submitted after them finish right after t0, in their own order, before t1 and t2."""
+    eng = FakeEngine([([10, EOS], "stop")])
+    core = RolloutWorkerCore(eng, chat=FakeChat(), max_in_flight=1)
+    core.submit(_req("t0", env=False))
+    core.step()  # t0 is running, one token in
+    core.submit([_req("t1", env=False), _req("t2", env=False)])
+    evals = [_req(f"e{i}", env=False).model_copy(update={"purpose": "eval"}) for i in range(2)]
+    core.submit(evals)
+    assert [t.trajectory_id for t in core.run_until_idle()] == ["t0", "e0", "e1", "t1", "t2"]

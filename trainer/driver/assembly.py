@@ -37,6 +37,7 @@ from trainer.driver.sources import AgentSource, EnvSource, TrajectorySource
 from trainer.learner.ds_ops import clear_stale_build_locks
 
 if TYPE_CHECKING:
+    from rollout.engine import EngineConfig
     from trainer.driver.pool import WorkerPool
     from trainer.learner import LearnerGroup, LearnerSettings
 
@@ -222,14 +223,12 @@ def start_oldlogit_service(cfg: JobConfig, model_path: Path, console: Console) -
     return oldlogit
 
 
-def start_workers(cfg: JobConfig, model_path: Path, route: NoRoute, console: Console) -> WorkerPool:
-    """The rollout worker pool at ``rollout.num_workers`` workers, each serving the model folder
-    (version 0); on ``interrupt_sync`` the workers score their prefixes with the route's service.
-    A worker not started within ``rollout.start_timeout_s`` is given up (the pool holds fewer)."""
+def engine_config(cfg: JobConfig, model_path: Path | str) -> EngineConfig:
+    """The engine every rollout worker of the job runs over the HF folder ``model_path``
+    (``rollout.engine``, ``rollout.dtype``, ``rollout.max_batch`` sequences, ``controller.seed``)."""
     from rollout.engine import EngineConfig
-    from trainer.driver.pool import WorkerPool
 
-    engine = EngineConfig(
+    return EngineConfig(
         kind=cfg.rollout.engine,
         model_path=str(model_path),
         dtype=cfg.rollout.dtype,
@@ -239,8 +238,16 @@ def start_workers(cfg: JobConfig, model_path: Path, route: NoRoute, console: Con
         max_model_len=cfg.rollout.max_model_len,
         seed=cfg.controller.seed,
     )
+
+
+def start_workers(cfg: JobConfig, model_path: Path, route: NoRoute, console: Console) -> WorkerPool:
+    """The rollout worker pool at ``rollout.num_workers`` workers, each serving the model folder
+    (version 0); on ``interrupt_sync`` the workers score their prefixes with the route's service.
+    A worker not started within ``rollout.start_timeout_s`` is given up (the pool holds fewer)."""
+    from trainer.driver.pool import WorkerPool
+
     pool = WorkerPool(
-        engine,
+        engine_config(cfg, model_path),
         actor_options=cfg.rollout.actor_options(),
         max_in_flight=cfg.rollout.max_batch,
         oldlogit=route.worker_scorer,
@@ -258,7 +265,7 @@ def start_source(job: Job, console: Console) -> TrajectorySource:
     token go to ``<run_dir>/gateway.json``, owner-only, and the URL to the console); otherwise the
     env loop over the job's rollout workers."""
     if job.cfg.agent is None:
-        return EnvSource(job.cfg, job.pool, job.buffer, lambda: job.version, job.times, job.run_segment)
+        return EnvSource(job.cfg, job.pool, job.buffer, lambda: job.version, job.run_segment)
     from trainer.driver.agent_runner import AgentRunner
 
     runner = AgentRunner.for_job(job)

@@ -150,6 +150,13 @@ class ControllerConfig(_Section):
     """Export a Hugging Face folder of every N-th version into ``<run_dir>/exports/v{N}`` during the
     run (as ``vintage export``; the version is checkpointed first when ``checkpoint_every`` did not);
     0: no exports during the run."""
+    eval_every: int = Field(0, ge=0)
+    """Held-out evaluation every N versions during training (at versions N, 2N, ... below
+    ``total_steps``), besides the ones before and after training; 0: only before and after. Each is
+    pinned to the version just published: nothing is published until it has finished, so every
+    sampled token is of that version, while the learner trains the next step; the loop's wait for
+    it comes on top of ``time_budget_s``. One record per evaluation goes to ``metrics.jsonl``
+    (``kind = "eval"``), the trackers (``eval/held_out``) and ``/v1/status`` (``held_out``)."""
     start_timeout_s: float = Field(900.0, gt=0.0)
     """Seconds the learner and the old-logit service may take to start (model load, DeepSpeed init);
     past that the job stops with an error naming the part instead of waiting silently."""
@@ -340,6 +347,10 @@ class JobConfig(_Section):
             )
         if self.rollout.max_batch < n:
             raise ValueError(f"rollout.max_batch: {self.rollout.max_batch} < sampling.n {n}: a group never fits")
+        if c.eval_every and self.env.eval_prompts == 0 and (self.agent is None or self.agent.eval_tasks is None):
+            raise ValueError(
+                f"controller.eval_every: {c.eval_every} with env.eval_prompts = 0: there are no held-out prompts to evaluate"
+            )
         if self.rollout.num_workers == 0 and c.time_budget_s is None:
             raise ValueError("rollout.num_workers: 0 without controller.time_budget_s: the job would wait forever")
         if self.lora.enabled:

@@ -24,14 +24,18 @@
                       are all at versions <= V, which the service holds)
         wait          ``Job.finish_train``: the step's metrics; the version moves up by one when
                       the step is applied
-        publish       ``Job.await_old_logits`` (the service answers the next batch before it takes
-                      the new version: one call at a time), ``route.before_publish`` (scorer routes
-                      collect first), then ``Job.publish``
+        publish       ``Job.finish_eval`` (a held-out evaluation pinned to the outgoing version ends
+                      before the version is replaced), ``Job.await_old_logits`` (the service answers
+                      the next batch before it takes the new version: one call at a time),
+                      ``route.before_publish`` (scorer routes collect first), then ``Job.publish``
         log           ``step_report`` -> ``metrics.jsonl``, the trackers, ``/v1/status``, the step
                       line (:mod:`trainer.driver.report`); a few of the batch's trajectories ->
                       ``samples.jsonl`` (:mod:`trainer.driver.samples`)
         checkpoint    every ``controller.checkpoint_every`` versions: the learner's state and every
                       finished trajectory not yet consumed (``Job.checkpoint``)
+        evaluate      every ``controller.eval_every`` versions: ``Job.start_eval`` sends the held-out
+                      requests at the version just published and returns; the learner trains the
+                      next step while they run (:mod:`trainer.driver.heldout`)
     score held-out episodes (reward after), write summary, plots, checkpoint
 
 What varies between runs is an object chosen once at assembly: the old-logit route
@@ -50,12 +54,16 @@ buffered, held in a batch taken ahead (returned to the buffer when the loop stop
 Time split (``summary["time_split_s"]``, wall seconds of the driver): ``train`` from launching a
 step to its metrics; ``old_logits`` only the waits for an answer (and scorer-route attaching
 between steps); ``old_logits_overlapped`` the service's scoring seconds hidden behind a learner
-step, plus scorer-route attaching while the learner trained; ``publish``; ``eval``.
+step, plus scorer-route attaching while the learner trained; ``publish``; ``eval`` the driver's
+waits for held-out evaluations (before and after training their whole length; during training the
+waits, which extend the time budget's deadline); ``eval_overlapped`` evaluation seconds that ran
+beside training.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -65,6 +73,7 @@ from rich.console import Console
 from trainer.driver.assembly import learner_settings, resolve_model, start_job
 from trainer.driver.config import JobConfig, one_line, write_resolved
 from trainer.driver.environment import defaults_env
+from trainer.driver.heldout import eval_due, eval_record
 from trainer.driver.metrics_log import MetricsLog, plot_run
 from trainer.driver.parts import Job, TakenBatch, intake_refusal
 from trainer.driver.report import failed_part, loop_per_step, run_summary, status_fields, step_line, step_report
@@ -145,6 +154,7 @@ def _loop(
     if job.version > 0:  # resumed: consumers loaded the folder (version 0); give them the resumed weights
         job.publish()
     before = job.evaluate("before")
+    log_eval(log, board, before)
     console.print(f"held-out reward before training: {before}")
     board.update(state="running", **status_fields(job, job.oldlogit_status()))
     t_loop = time.perf_counter()  # the time budget is the loop's: start-up and evaluations come on top
@@ -172,6 +182,10 @@ def _loop(
         nxt = job.take_ahead(step)  # the next batch, for version + 1, scored while the learner trains
         learned = job.finish_train(step)  # the step's metrics: version + 1 when applied
         if learned["applied"]:
+            held = job.finish_eval()  # an evaluation pinned to the outgoing version ends before it is replaced
+            log_eval(log, board, held)
+            if deadline is not None and held:
+                deadline += held["waited_s"]  # the loop's wait for an evaluation is outside its budget
             job.await_old_logits(nxt)  # the service answers the next batch before it takes the new version
             job.route.before_publish(job.collect)  # scorer routes: score finished work at the outgoing version
             job.publish()  # the new version to every consumer
@@ -185,11 +199,17 @@ def _loop(
             job.export()  # a Hugging Face folder of this version under <run_dir>/exports
         board.update(**status_fields(job, report.oldlogit, m))
         console.print(step_line(m, job.version))
+        if learned["applied"] and eval_due(job.version, cfg.controller.eval_every, cfg.controller.total_steps):
+            job.start_eval("during")  # pinned to this version; the learner trains the next step meanwhile
     t_end = time.perf_counter()
     job.return_taken(nxt)  # taken ahead, never trained on: back to the buffer, unconsumed
     reason = end_reason(job.version, cfg.controller.total_steps, stop.requested)
-    after = {} if stop.requested else job.evaluate("after")  # an interrupted run stops promptly
-    if not stop.requested:
+    if stop.requested:  # an interrupted run stops promptly
+        job.source.abandon_eval()
+        after = {}
+    else:  # one started at the last version (the budget ended the loop) is its evaluation after
+        after = job.finish_eval("after") if job.eval_running else job.evaluate("after")
+        log_eval(log, board, after)
         console.print(f"held-out reward after training: {after}")
     job.collect()  # training trajectories that finished during the evaluation
     job.checkpoint()
@@ -197,6 +217,17 @@ def _loop(
     return run_summary(
         job, reason=reason, before=before, after=after, last=m, loop_s=t_end - t_loop, t_end=t_end, t_start=t_start
     )
+
+
+def log_eval(log: MetricsLog, board: StatusBoard, scores: dict[str, Any]) -> None:
+    """One evaluation's record (:func:`trainer.driver.heldout.eval_record`) to ``metrics.jsonl`` and the
+    trackers (``eval/held_out``, ...), and its figure to ``/v1/status``; nothing for ``{}``."""
+    if not scores:
+        return
+    rec = eval_record(scores["tag"], scores, scores["seconds"], scores["waited_s"])
+    log.log_eval(rec)
+    if math.isfinite(rec["held_out"]) and math.isfinite(rec["success_rate"]):  # NaN: an agent eval scored nothing
+        board.update(held_out=rec["held_out"], held_out_success=rec["success_rate"], held_out_version=rec["version"])
 
 
 def end_reason(version: int, total_steps: int, interrupted: bool) -> str:

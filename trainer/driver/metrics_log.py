@@ -1,5 +1,9 @@
 """Per-step metrics to ``metrics.jsonl`` (always) and the trackers of ``logging.trackers``
-(TensorBoard, Weights & Biases, MLflow: :mod:`trainer.driver.trackers`), plus plots after a run."""
+(TensorBoard, Weights & Biases, MLflow: :mod:`trainer.driver.trackers`), plus plots after a run.
+
+``metrics.jsonl`` holds two kinds of rows: one per learner step (no ``kind`` field) and one per
+held-out evaluation (``kind = "eval"``, :meth:`MetricsLog.log_eval`); :func:`read_metrics` reads
+one kind."""
 
 from __future__ import annotations
 
@@ -112,6 +116,18 @@ class MetricsLog:
         for t in self.trackers:
             t.log(step, values)
 
+    def log_eval(self, record: dict[str, Any]) -> None:
+        """Append one held-out evaluation's record (``kind = "eval"``,
+        :func:`trainer.driver.heldout.eval_record`) as a row at ``step = record["version"]``; its
+        numbers go to the trackers as ``eval/<field>`` (``eval/held_out``, ``eval/success_rate``,
+        ``eval/n``, ``eval/seconds``, ``eval/waited_s``) at that step."""
+        step = int(record["version"])
+        row = {"step": step, "time": time.time(), **record}
+        self._fh.write(json.dumps(row, default=_jsonable) + "\n")
+        values = {f"eval/{k}": v for k, v in scalars(record).items() if k != "version"}
+        for t in self.trackers:
+            t.log(step, values)
+
     def close(self) -> None:
         """Close the file and finish every tracker's run (each, even when one before failed)."""
         self._fh.close()
@@ -128,12 +144,23 @@ def _jsonable(v: Any) -> Any:
     return str(v)
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+def read_metrics(path: Path, kind: str = "step") -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` of one ``kind``: ``step`` (the learner steps' rows, which carry
+    no ``kind``) or ``eval`` (the held-out evaluations' records), in file order."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("kind", "step") == kind]
+
+
+def held_out_series(path: Path) -> tuple[list[int], list[float], int]:
+    """The held-out curve of a ``metrics.jsonl``: the evaluations' versions and mean rewards in file
+    order, and the last one's episode count (0 without evaluations)."""
+    evals = read_metrics(path, kind="eval")
+    return [e["version"] for e in evals], [e["held_out"] for e in evals], evals[-1]["n"] if evals else 0
 
 
 def plot_run(run_dir: Path) -> list[Path]:
-    """PNG plots of reward and staleness over steps from ``metrics.jsonl``; returns their paths."""
+    """PNG plots from ``metrics.jsonl``, returning their paths: ``reward.png`` (the batch reward per
+    step and the held-out reward of every evaluation at its pinned version) and ``staleness.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -147,13 +174,9 @@ def plot_run(run_dir: Path) -> list[Path]:
     out = []
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [r["reward_mean"] for r in rows], marker="o", label="train reward (batch mean)")
-    summary = Path(run_dir) / "summary.json"
-    if summary.exists():  # held-out reward before and after, on the same prompts and sampling
-        s = json.loads(summary.read_text())
-        for key, style, x in (("reward_before", "--", 0), ("reward_after", ":", steps[-1])):
-            if s.get(key):
-                ax.axhline(s[key]["reward"], linestyle=style, color="gray")
-                ax.annotate(f"held-out {key.split('_')[1]}: {s[key]['reward']:.2f}", (x, s[key]["reward"]), fontsize=8)
+    versions, held_out, n = held_out_series(Path(run_dir) / "metrics.jsonl")
+    if versions:  # the held-out prompts, one sample each, at the version each evaluation was pinned to
+        ax.plot(versions, held_out, marker="s", label=f"held-out reward ({n} prompts)")
     ax.set_ylabel("reward")
     out.append(_save(plt, fig, ax, Path(run_dir) / "reward.png"))
     fig, ax = plt.subplots(figsize=(6, 3.5))

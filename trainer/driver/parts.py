@@ -133,6 +133,9 @@ class Job:
     _applying: threading.Thread | None = None
     """The publication being applied in the background (:meth:`publish`)."""
     _apply_error: BaseException | None = None
+    _eval_tag, _eval_started, _eval_blocked = "", 0.0, 0.0
+    """The running evaluation's tag, ``time.perf_counter()`` at its start and the seconds its start
+    blocked (:meth:`start_eval`)."""
 
     def __init__(
         self,
@@ -386,14 +389,54 @@ class Job:
         return calls.status() if calls is not None else None
 
     def evaluate(self, tag: str) -> dict[str, float]:
-        """Held-out scores at the current version, from the source (:meth:`TrajectorySource.evaluate`:
-        env seeds, or the agent's held-out tasks); evaluation trajectories are never trained on.
+        """Held-out scores at the current version, blocking: :meth:`start_eval` then :meth:`finish_eval`
+        (``{}`` when there is nothing to evaluate). Its seconds count as ``times["eval"]``.
 
         Raises:
             TimeoutError: the env loop's episodes did not all finish within ``env.eval_timeout_s``.
         """
+        return self.finish_eval() if self.start_eval(tag) else {}
+
+    def start_eval(self, tag: str) -> bool:
+        """Start a held-out evaluation pinned to the current version, once every consumer has
+        applied it (:meth:`wait_published`); returns without waiting for the episodes (the agent
+        source runs its evaluation here, blocking). False when there is nothing to evaluate.
+
+        Pinning: nothing is published until :meth:`finish_eval` returned (the loop calls it before
+        its next :meth:`publish`), so every episode is sampled by this version alone, which
+        :meth:`finish_eval` checks token by token; the learner meanwhile trains on the next batch.
+        """
         self.wait_published()  # every worker serves the version being evaluated
-        return self.source.evaluate(tag)
+        self._eval_tag, self._eval_started = tag, time.perf_counter()
+        started = self.source.start_eval(tag)
+        self._eval_blocked = time.perf_counter() - self._eval_started
+        return started
+
+    @property
+    def eval_running(self) -> bool:
+        """An evaluation was started and not finished (the next publication must wait for it)."""
+        return self.source.eval_running
+
+    def finish_eval(self, tag: str | None = None) -> dict[str, float]:
+        """Wait for the running evaluation: its scores (``reward``, ``success_rate``, ``episodes``,
+        ``version``) plus ``tag`` (``tag`` or the one it started with), ``seconds`` (from its start)
+        and ``waited_s`` (what of it the loop waited: this call and :meth:`start_eval`); ``{}`` when none runs. The wait counts as
+        ``times["eval"]``, the rest of its seconds (run beside training) as ``times["eval_overlapped"]``.
+
+        Raises:
+            TimeoutError: its episodes did not all finish within ``env.eval_timeout_s`` of its start.
+            trainer.driver.heldout.OffVersionError: an episode holds a token of another version.
+        """
+        if not self.source.eval_running:
+            return {}
+        t0 = time.perf_counter()
+        scores = self.source.finish_eval()
+        waited = time.perf_counter() - t0 + self._eval_blocked
+        seconds = time.perf_counter() - self._eval_started
+        self.times["eval"] += waited
+        self.times["eval_overlapped"] += max(0.0, seconds - waited)
+        # the agent source's scores carry no version: its evaluation blocked the loop, so it is the current one
+        return {"version": self.version, **scores, "tag": tag or self._eval_tag, "seconds": seconds, "waited_s": waited}
 
     def checkpoint(self) -> str:
         """Save ``<run_dir>/checkpoints/v{version}`` and return its folder: the learner's state

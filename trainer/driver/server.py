@@ -49,6 +49,10 @@ class StatusBoard:
             "fingerprint_mismatch": Gauge(
                 "vintage_fingerprint_mismatch", "Consumers found serving other weights than published", registry=r
             ),
+            "held_out": Gauge("vintage_held_out_reward", "Mean reward of the latest held-out evaluation", registry=r),
+            "held_out_version": Gauge(
+                "vintage_held_out_version", "Policy version of the latest held-out evaluation", registry=r
+            ),
             "generated": Gauge("vintage_trajectories_generated", "Trajectories submitted to workers", registry=r),
             "consumed": Gauge("vintage_trajectories_consumed", "Trajectories trained on", registry=r),
         }

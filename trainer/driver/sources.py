@@ -9,6 +9,8 @@ operation                   :class:`EnvSource` (the built-in     :class:`AgentSo
 ``top_up``                  submits groups of env seeds          starts agent episodes (sessions)
 ``poll``                    the pool's finished trajectories     ended sessions' trajectories
 ``evaluate``                held-out env seeds, one sample each  the agent on held-out tasks
+``start_eval`` /            submits them and returns; the        runs :meth:`evaluate` at once
+``finish_eval``             episodes come back with ``poll``     (blocking); returns its scores
 ``note_worker_loss``        drops the samples (worker's reason)  nothing: sessions end on their own
 ``status``                  None                                 the gateway's sessions and calls
 ``cursor`` / ``pending``    next env seed / held-back            ``{}`` / none: task ids continue
@@ -27,15 +29,13 @@ trajectory. The driver loop is the only caller.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
-
-import numpy as np
 
 from protocol import EnvRef, GatewayStatus, RolloutRequest, Trajectory
 from trainer.driver.buffer import TrajectoryBuffer, admission_capacity
 from trainer.driver.config import JobConfig
+from trainer.driver.heldout import PendingEval, held_out_requests, held_out_scores
 
 if TYPE_CHECKING:
     from trainer.driver.agent_runner import AgentRunner
@@ -53,7 +53,21 @@ class TrajectorySource(Protocol):
 
     def evaluate(self, tag: str) -> dict[str, float]:
         """Held-out scores (``reward``, ``success_rate``, ``episodes``, ...); ``{}`` when there is nothing
-        to evaluate. ``tag`` names the evaluation (``"before"``, ``"after"``)."""
+        to evaluate. ``tag`` names the evaluation (``"before"``, ``"during"``, ``"after"``)."""
+
+    def start_eval(self, tag: str) -> bool:
+        """Start a held-out evaluation at the current version (False: nothing to evaluate); the
+        driver publishes nothing until :meth:`finish_eval` returned."""
+
+    @property
+    def eval_running(self) -> bool:
+        """An evaluation was started and not finished."""
+
+    def finish_eval(self) -> dict[str, float]:
+        """Wait for the running evaluation; its scores (``{}`` when none runs)."""
+
+    def abandon_eval(self) -> None:
+        """Forget the running evaluation (the job stops)."""
 
     def note_worker_loss(self, samples: int, reason: str) -> None:
         """``samples`` in flight on a rollout worker that died or hung (``reason``: ``worker_died``,
@@ -100,9 +114,11 @@ class EnvSource:
     Training seeds run through ``0 .. env.train_seeds - 1`` in turn: the cursor ``next_seed`` moves by
     one per group a worker took (a group no worker took keeps its seed for the next submission), and
     a checkpoint saves it, so a resumed job repeats and skips no seed (a checkpoint without one goes
-    on from its submission count). Held-out seeds are the ``env.eval_prompts`` after them. Training
-    trajectories that finish while an evaluation waits are held back and returned by the next
-    :meth:`poll` (a checkpoint saves them too). Request and group ids are ``v{version}-{seed}-{n}``
+    on from its submission count). Held-out seeds are the ``env.eval_prompts`` after them
+    (:mod:`trainer.driver.heldout`). An evaluation either runs beside training (:meth:`start_eval`:
+    its episodes are picked out of each :meth:`poll`, and :meth:`finish_eval` waits for the rest) or
+    blocks (:meth:`evaluate`); training trajectories that finish while :meth:`finish_eval` waits are
+    held back and returned by the next :meth:`poll` (a checkpoint saves them too). Request and group ids are ``v{version}-{seed}-{n}``
     (``n``: the submission count), from run segment 1 on prefixed ``r{segment}.``: the ids of a resumed
     segment never repeat those the segment before sampled after the checkpoint.
 
@@ -111,7 +127,6 @@ class EnvSource:
         pool: the rollout workers (``submit``, ``poll``, ``len``).
         buffer: the job's trajectory buffer (admission and accounting).
         version: the learner's current version.
-        times: the job's time split; an evaluation adds its seconds to ``times["eval"]``.
         segment: the job's run segment (0 for a fresh run).
     """
 
@@ -121,16 +136,16 @@ class EnvSource:
         pool: WorkerPool,
         buffer: TrajectoryBuffer,
         version: Callable[[], int],
-        times: Counter,
         segment: int = 0,
     ):
-        self.cfg, self.pool, self.buffer, self.version, self.times = cfg, pool, buffer, version, times
+        self.cfg, self.pool, self.buffer, self.version = cfg, pool, buffer, version
         s = cfg.rollout.sampling
         self.group_size, self.batch_size = s.n, cfg.controller.batch_groups * s.n
         self.next_seed = buffer.submitted
         """Index of the next training group; its env seed is ``next_seed % env.train_seeds``."""
         self.id_prefix = f"r{segment}." if segment else ""
         self._held_back: list[Trajectory] = []  # training trajectories polled during an evaluation
+        self._eval: PendingEval | None = None  # the evaluation whose requests are out
 
     def top_up(self) -> None:
         """Submit as many new groups as the staleness admission rule allows (none without a worker)."""
@@ -155,48 +170,88 @@ class EnvSource:
             self.buffer.note_submitted(sent)
 
     def poll(self) -> list[Trajectory]:
-        """Those held back during an evaluation, then the pool's finished trajectories."""
-        polled = self.pool.poll()
+        """Those held back during an evaluation, then the pool's finished training trajectories; the
+        running evaluation's episodes are kept for it (and its requests no worker took are sent again)."""
+        polled = self._sort(self.pool.poll())
+        self._send_eval()
         got, self._held_back = self._held_back + polled, []
         return got
 
-    def evaluate(self, tag: str) -> dict[str, float]:
-        """Mean reward and success rate (reward > 0.5) on the held-out env seeds (disjoint from
-        training), one sample each, same sampling; ``{}`` without held-out seeds or workers.
-
-        Requests carry ``purpose="eval"``; training trajectories that finish meanwhile are held back
-        for the next :meth:`poll`.
+    def start_eval(self, tag: str) -> bool:
+        """Submit the held-out requests at the current version (:func:`trainer.driver.heldout.held_out_requests`)
+        and return without waiting; False (nothing started) without held-out seeds or workers.
 
         Raises:
-            TimeoutError: not every evaluation episode finished within ``env.eval_timeout_s`` (a rollout
-                worker failed or hung); the message names the field and the count received.
+            RuntimeError: an evaluation is already running.
         """
-        k = self.cfg.env.eval_prompts
-        if k == 0 or not len(self.pool):
+        if self._eval is not None:
+            raise RuntimeError(f"held-out evaluation {self._eval.tag!r} is still running")
+        if self.cfg.env.eval_prompts == 0 or not len(self.pool):
+            return False
+        reqs = held_out_requests(self.cfg, tag, self.version())
+        self._eval = PendingEval(tag, self.version(), reqs, list(reqs))
+        self._send_eval()
+        return True
+
+    @property
+    def eval_running(self) -> bool:
+        """An evaluation was started and not finished."""
+        return self._eval is not None
+
+    def finish_eval(self) -> dict[str, float]:
+        """Wait for the running evaluation's episodes and score them (:func:`trainer.driver.heldout.held_out_scores`:
+        mean reward, success rate (reward > 0.5), count, the version every sampled token carries);
+        ``{}`` when none runs. Training trajectories that finish meanwhile are held back for the next
+        :meth:`poll`.
+
+        Raises:
+            TimeoutError: not every evaluation episode finished within ``env.eval_timeout_s`` of its
+                start (a rollout worker failed or hung); the message names the field and the count received.
+            trainer.driver.heldout.OffVersionError: an episode holds a token of another version.
+        """
+        e = self._eval
+        if e is None:
             return {}
-        t0 = time.perf_counter()
-        seeds = list(range(self.cfg.env.train_seeds, self.cfg.env.train_seeds + k))
-        reqs = [
-            r.model_copy(update={"purpose": "eval"})
-            for r in make_requests(self.cfg, seeds, f"eval-{tag}-", self.version(), n=1)
-        ]
-        pending = list(reqs)  # requests no worker took yet (every worker busy with a late call)
         timeout = self.cfg.env.eval_timeout_s
-        got: list[Trajectory] = []
-        while len(got) < len(reqs):
-            if pending:  # one sample per request, taken in order
-                pending = pending[self.pool.submit(pending) :]
-            if time.perf_counter() - t0 > timeout:
+        while True:
+            self._held_back += self._sort(self.pool.poll())
+            if e.done:
+                break
+            self._send_eval()
+            if time.perf_counter() - e.started > timeout:
                 raise TimeoutError(
-                    f"env.eval_timeout_s: held-out evaluation {tag!r} got {len(got)} of {len(reqs)} episodes "
-                    f"in {timeout:g} s (a rollout worker failed or hung)"
+                    f"env.eval_timeout_s: held-out evaluation {e.tag!r} got {len(e.got)} of {len(e.requests)} "
+                    f"episodes in {timeout:g} s (a rollout worker failed or hung)"
                 )
-            for t in self.pool.poll():
-                (got if t.purpose == "eval" else self._held_back).append(t)
             time.sleep(0.2)
-        self.times["eval"] += time.perf_counter() - t0
-        r = [t.reward for t in got]
-        return {"reward": float(np.mean(r)), "success_rate": float(np.mean([x > 0.5 for x in r])), "episodes": len(r)}
+        self._eval = None
+        return held_out_scores(e.got, e.version)
+
+    def evaluate(self, tag: str) -> dict[str, float]:
+        """:meth:`start_eval` then :meth:`finish_eval`: the held-out scores at the current version;
+        ``{}`` without held-out seeds or workers."""
+        return self.finish_eval() if self.start_eval(tag) else {}
+
+    def abandon_eval(self) -> None:
+        """Forget the running evaluation (the job stops); its episodes are discarded when they arrive."""
+        self._eval = None
+
+    def _send_eval(self) -> None:
+        """Submit the running evaluation's requests no worker took yet (one sample each, in order)."""
+        e = self._eval
+        if e is not None and e.unsent:
+            e.unsent = e.unsent[self.pool.submit(e.unsent) :]
+
+    def _sort(self, polled: list[Trajectory]) -> list[Trajectory]:
+        """The training trajectories of ``polled``; the running evaluation's episodes go to it, and
+        those of an abandoned one are discarded."""
+        train = []
+        for t in polled:
+            if t.purpose != "eval":
+                train.append(t)
+            elif self._eval is not None and t.trajectory_id in self._eval.ids:
+                self._eval.got.append(t)
+        return train
 
     def note_worker_loss(self, samples: int, reason: str) -> None:
         """Each sample was one submitted trajectory: dropped with the worker's reason."""
@@ -234,6 +289,7 @@ class AgentSource:
 
     def __init__(self, runner: AgentRunner):
         self.runner = runner
+        self._scores: dict[str, float] | None = None  # of the evaluation start_eval ran
 
     def top_up(self) -> None:
         """Start as many new task groups as admission and ``agent.concurrency`` allow."""
@@ -246,6 +302,28 @@ class AgentSource:
     def evaluate(self, tag: str) -> dict[str, float]:
         """The agent on its held-out tasks (:meth:`AgentRunner.evaluate`)."""
         return self.runner.evaluate(tag)
+
+    def start_eval(self, tag: str) -> bool:
+        """Run :meth:`evaluate` now, blocking (the agents' episodes are not polled by the loop), and
+        keep its scores for :meth:`finish_eval`; False when there is nothing to evaluate."""
+        self._scores = self.runner.evaluate(tag)
+        if not self._scores:
+            self._scores = None
+        return self._scores is not None
+
+    @property
+    def eval_running(self) -> bool:
+        """Scores kept by :meth:`start_eval` and not returned yet."""
+        return self._scores is not None
+
+    def finish_eval(self) -> dict[str, float]:
+        """The scores :meth:`start_eval` kept (``{}`` when none)."""
+        out, self._scores = self._scores or {}, None
+        return out
+
+    def abandon_eval(self) -> None:
+        """Forget the kept scores."""
+        self._scores = None
 
     def note_worker_loss(self, samples: int, reason: str) -> None:
         """Nothing: the sessions whose calls were lost end on their own (see the class docstring)."""

