@@ -112,6 +112,7 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
     try:
         with ray_session(cfg), stop.installed():  # after ray.init: Ray installs its own SIGTERM handler
             job = start_job(cfg, console)
+            board.follow_gateway(job.source.status)  # the gateway's figures from now on (None without one)
             try:
                 samples = SamplesLog(run_dir, cfg.logging.samples_per_step, cfg.logging.max_samples, job.model_path)
                 summary = _loop(job, board, log, samples, t_start, stop)
@@ -119,6 +120,7 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
                 summary = {"state": "failed", "end_reason": f"failed: {failed_part(e)}", "error": one_line(e)}
                 raise
             finally:
+                board.follow_gateway(None)  # its last figures stay served once it stops
                 board.update(state=summary["state"])
                 job.shutdown()
     except Exception as e:
@@ -144,7 +146,7 @@ def _loop(
     cfg, console = job.cfg, job.console
     if job.version > 0:  # resumed: consumers loaded the folder (version 0); give them the resumed weights
         job.publish()
-    before = job.evaluate("before")
+    before = evaluate_reported(job, board, "before")
     console.print(f"held-out reward before training: {before}")
     board.update(state="running", **status_fields(job, job.oldlogit_status()))
     t_loop = time.perf_counter()  # the time budget is the loop's: start-up and evaluations come on top
@@ -188,7 +190,7 @@ def _loop(
     t_end = time.perf_counter()
     job.return_taken(nxt)  # taken ahead, never trained on: back to the buffer, unconsumed
     reason = end_reason(job.version, cfg.controller.total_steps, stop.requested)
-    after = {} if stop.requested else job.evaluate("after")  # an interrupted run stops promptly
+    after = {} if stop.requested else evaluate_reported(job, board, "after")  # an interrupted run stops promptly
     if not stop.requested:
         console.print(f"held-out reward after training: {after}")
     job.collect()  # training trajectories that finished during the evaluation
@@ -197,6 +199,17 @@ def _loop(
     return run_summary(
         job, reason=reason, before=before, after=after, last=m, loop_s=t_end - t_loop, t_end=t_end, t_start=t_start
     )
+
+
+def evaluate_reported(job: Job, board: StatusBoard, tag: str) -> dict[str, float]:
+    """``job.evaluate(tag)`` with ``/v1/status`` saying ``state = "evaluating"`` and the job's
+    fields (:func:`trainer.driver.report.status_fields`) meanwhile; the state it had is back after."""
+    previous = board.status().state
+    board.update(state="evaluating", **status_fields(job, job.oldlogit_status()))
+    try:
+        return job.evaluate(tag)
+    finally:
+        board.update(state=previous)
 
 
 def end_reason(version: int, total_steps: int, interrupted: bool) -> str:
