@@ -1,7 +1,10 @@
 """Start and stop a private Ray head on loopback, with token auth, for `ray job submit` here.
 
 Only the cluster this module started is ever stopped: its own temp dir and ports, stopped by the
-process group of the ``ray start --block`` it launched (never ``ray stop``, never kill by name).
+process group of the ``ray start --block`` it launched and the descendants of its members (never
+``ray stop``, never kill by name). The process that starts a head or a node stops it when it ends,
+also by SIGTERM, SIGINT or SIGHUP (:mod:`trainer.driver.owned`), unless it hands the head over
+(:meth:`LocalRayHead.release`, as the ``start`` command does).
 Ray >= 2.59 turns token authentication on for local clusters; the head is started with
 ``RAY_AUTH_MODE=token`` and a generated ``RAY_AUTH_TOKEN``, and clients get the same two variables
 from :meth:`LocalRayHead.client_env`.
@@ -14,6 +17,7 @@ from :meth:`LocalRayHead.client_env`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import secrets
@@ -28,6 +32,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+
+from trainer.driver import owned
+from trainer.driver.owned import stop_group
 
 
 def free_port() -> int:
@@ -111,9 +118,11 @@ class LocalRayHead:
         log = open(Path(temp_dir) / "ray-start.log", "w")
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         head = cls(pid=proc.pid, gcs_port=gcs, dashboard_port=dash, temp_dir=temp_dir, token=token)
+        owned.own(head.owner_key, functools.partial(head.stop, 10.0))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
+                head.stop(10.0)
                 raise RuntimeError(f"ray start exited with {proc.returncode}; see {log.name}")
             try:
                 r = httpx.get(
@@ -149,9 +158,11 @@ class LocalRayHead:
         log = open(Path(self.temp_dir) / f"ray-node-{node_manager}.log", "w")
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         node = LocalRayNode(pid=proc.pid, node_manager_port=node_manager)
+        owned.own(node.owner_key, functools.partial(node.stop, 10.0))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
+                node.stop(10.0)
                 raise RuntimeError(f"ray start (node) exited with {proc.returncode}; see {log.name}")
             if node.resource in self.alive_resources():
                 return node
@@ -172,10 +183,21 @@ class LocalRayHead:
             return set()
         return {k for n in rows if n.get("state") == "ALIVE" for k in n.get("resources_total", {})}
 
+    @property
+    def owner_key(self) -> tuple[str, int]:
+        """This head's key in :mod:`trainer.driver.owned` (its process group)."""
+        return ("ray_head", self.pid)
+
+    def release(self) -> None:
+        """Hand this head over: the process that started it no longer stops it when it ends."""
+        owned.disown(self.owner_key)
+
     def stop(self, timeout_s: float = 30.0) -> None:
-        """Stop exactly this head: SIGTERM then SIGKILL to its process group; remove its temp dir."""
+        """Stop exactly this head: SIGTERM then SIGKILL to its process group (and the descendants
+        of its members); remove its temp dir. Idempotent."""
         stop_group(self.pid, timeout_s)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+        owned.disown(self.owner_key)
 
 
 @dataclass
@@ -190,25 +212,16 @@ class LocalRayNode:
         """The custom resource only this node has (see :meth:`LocalRayHead.alive_resources`)."""
         return f"vintage_node_{self.node_manager_port}"
 
+    @property
+    def owner_key(self) -> tuple[str, int]:
+        """This node's key in :mod:`trainer.driver.owned` (its process group)."""
+        return ("ray_node", self.pid)
+
     def stop(self, timeout_s: float = 30.0, sig: int = signal.SIGTERM) -> None:
-        """Stop exactly this node's processes (its process group): ``sig`` first, then SIGKILL."""
+        """Stop exactly this node's processes (its process group and the descendants of its
+        members): ``sig`` first, then SIGKILL. Idempotent."""
         stop_group(self.pid, timeout_s, first=sig)
-
-
-def stop_group(pid: int, timeout_s: float = 30.0, first: int = signal.SIGTERM) -> None:
-    """Signal the process group led by ``pid``: ``first``, then SIGKILL if it outlives ``timeout_s``."""
-    for sig in (first, signal.SIGKILL):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
+        owned.disown(self.owner_key)
 
 
 def main() -> None:
@@ -220,6 +233,7 @@ def main() -> None:
     state = Path(a.state)
     if a.action == "start":
         head = LocalRayHead.start(num_cpus=a.num_cpus)
+        head.release()  # it outlives this command: `stop` ends it
         state.parent.mkdir(parents=True, exist_ok=True)
         state.write_text(json.dumps(asdict(head)))
         os.chmod(state, 0o600)

@@ -23,6 +23,8 @@ call, whose hooks gather its weight each time it runs, in the forward and in the
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -63,7 +65,8 @@ def sequence_logprobs(
         Gradients flow when the caller has them enabled.
 
     Raises:
-        ValueError: ``temperature`` is not > 0, or ``chunk_bytes`` is negative.
+        ValueError: ``temperature`` is not a finite number > 0 (a bool is not a number here), or
+            ``chunk_bytes`` is negative.
     """
     return sequence_logprobs_and_entropy(
         model, token_ids, attention_mask, temperature, first, entropy=False, chunk_bytes=chunk_bytes
@@ -86,8 +89,11 @@ def sequence_logprobs_and_entropy(
     is that of the distribution token t was drawn from, 0.0 before ``first`` and on padding.
     Example: a uniform distribution over 4 tokens has entropy log 4 = 1.386294 nats.
     """
-    if not temperature > 0:
-        raise ValueError(f"temperature: must be > 0 for log-prob ratios, got {temperature}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 < temperature < math.inf:
+        raise ValueError(
+            f"temperature: must be a finite number > 0 for log-prob ratios, got {temperature!r} "
+            "(greedy sampling has no log-probs to form an importance ratio with)"
+        )
     if chunk_bytes < 0:
         raise ValueError(f"chunk_bytes: must be >= 0 (0: the full-logit path), got {chunk_bytes}")
     T = token_ids.shape[1]

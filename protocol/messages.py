@@ -682,7 +682,10 @@ class JobStatus(Message):
     learner_version: int = Field(ge=0)
     run_segment: int = Field(0, ge=0)
     """0 for a fresh run, +1 at every resume: (run_segment, learner_version) names one set of weights."""
-    state: Literal["starting", "running", "paused", "finished", "failed"] = "running"
+    state: Literal["starting", "evaluating", "running", "paused", "finished", "failed"] = "running"
+    """``starting`` until the parts are up, ``evaluating`` during a held-out evaluation (before and
+    after training), ``running`` while the loop trains, ``paused`` while it holds at a pause request,
+    then ``finished`` or ``failed``."""
     workers: list[WorkerStatus] = Field(default_factory=list)
     buffer_size: int = Field(0, ge=0)
     buffer_staleness_hist: dict[int, int] = Field(default_factory=dict)

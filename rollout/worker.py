@@ -12,12 +12,10 @@ Invariants:
   and resumes each one from its generated prefix (prompt + tokens so far, budget = what is left).
   The version boundary therefore falls at the exact token; a request that had produced nothing yet
   gets the version of its first token. Versions never decrease within a sequence;
-* ``on_interrupt(prefixes, outgoing_version)`` (optional) is called after the interruption and
-  before the new weights are applied, with one :class:`protocol.OldLogitItem` per unfinished
-  sequence that holds tokens of the outgoing version (interrupt_sync route of the old-logit service);
 * ``score_prefixes(items, temperature, known) -> [old_logprobs]`` (optional, the interrupt_sync
-  route) is called at the same moment, while the old-logit service still holds the outgoing version,
-  with every sequence - in flight *or finished but not yet polled* - that holds tokens of the
+  route) is called after the interruption and before the new weights are applied, while the
+  old-logit service still holds the outgoing version, with one :class:`protocol.OldLogitItem` for
+  every sequence - in flight *or finished but not yet polled* - that holds tokens of the
   outgoing version; the exact ``pi_old`` it returns is attached to the sequence (values attached at
   earlier interruptions are passed as ``known`` and kept), so the trajectory arrives with
   ``old_logprobs`` for every completed segment;
@@ -54,7 +52,6 @@ from rollout.agent import ChatFormat, Episode, TemplateChatFormat
 from rollout.engine import EngineConfig, EngineRequest, GenerationEngine, make_engine
 from rollout.envs import check_reset, check_step, load_env
 
-InterruptHook = Callable[[list[OldLogitItem], int], None]
 PrefixScorer = Callable[[list[OldLogitItem], float, list[np.ndarray | None]], list[np.ndarray]]
 
 
@@ -66,7 +63,6 @@ class RolloutWorkerCore:
         chat: chat-template renderer; default: the tokenizer of ``engine.config.model_path``.
         worker_id: name reported in trajectories and status.
         max_in_flight: most sequences handed to the engine at once (the rest wait, in order).
-        on_interrupt: hook called at each weight update with the in-flight prefixes.
         score_prefixes: scorer of prefixes at the outgoing version (interrupt_sync route).
 
     Raises:
@@ -79,7 +75,6 @@ class RolloutWorkerCore:
         chat: ChatFormat | None = None,
         worker_id: str = "rollout-0",
         max_in_flight: int = 64,
-        on_interrupt: InterruptHook | None = None,
         score_prefixes: PrefixScorer | None = None,
     ):
         if max_in_flight < 1:
@@ -89,7 +84,7 @@ class RolloutWorkerCore:
 
             chat = TemplateChatFormat(AutoTokenizer.from_pretrained(engine.config.model_path))
         self.engine, self.chat, self.worker_id = engine, chat, worker_id
-        self.max_in_flight, self.on_interrupt, self.score_prefixes = max_in_flight, on_interrupt, score_prefixes
+        self.max_in_flight, self.score_prefixes = max_in_flight, score_prefixes
         self.max_context = engine.config.max_model_len
         self._lock = threading.RLock()
         self._waiting = 0  # callers waiting for the lock: the loop yields to them between steps
@@ -193,12 +188,6 @@ class RolloutWorkerCore:
         with self._locked():
             self._interrupt()
             outgoing = self.engine.version
-            if self.on_interrupt is not None:
-                items = self._prefixes(outgoing)
-                try:
-                    self.on_interrupt(items, outgoing)
-                except Exception as e:  # the service then reports those tokens missing; we keep going
-                    self._record_error(f"on_interrupt failed: {e!r}")
             if self.score_prefixes is not None:
                 try:
                     self._attach_old_logprobs(outgoing)
@@ -481,21 +470,6 @@ class RolloutWorkerCore:
             self._pending.appendleft(ep)
         self._running.clear()
 
-    def _prefixes(self, version: int) -> list[OldLogitItem]:
-        out = []
-        for ep in list(self._pending) + list(self._running.values()):
-            v = np.asarray(ep.versions, np.int32)
-            if (v == version).any():
-                out.append(
-                    OldLogitItem(
-                        trajectory_id=ep.trajectory_id,
-                        token_ids=np.asarray(ep.token_ids, np.int32),
-                        loss_mask=np.asarray(ep.loss_mask, np.int8),
-                        versions=v,
-                    )
-                )
-        return out
-
     def _attach_old_logprobs(self, version: int) -> None:
         """Score every unfinished or unpolled sequence holding ``version`` tokens and attach pi_old."""
         seqs: list[Episode | int] = list(self._pending) + list(self._running.values())
@@ -530,8 +504,6 @@ class RolloutWorkerCore:
 class RolloutWorkerActor:
     """Ray actor body: builds its engine from an :class:`EngineConfig` and runs the core's thread.
 
-    ``interrupt_target=(actor_handle, method_name)`` makes every weight update call
-    ``ray.get(actor_handle.<method_name>.remote(prefixes, outgoing_version))`` before applying.
     ``oldlogit=handle`` (interrupt_sync route) scores the prefixes with
     ``handle.score_prefixes(items, temperature, known)`` at the outgoing version and attaches them;
     each such call waits out a restart of the service for at most ``oldlogit_restart_timeout_s``
@@ -543,19 +515,11 @@ class RolloutWorkerActor:
         engine_config: EngineConfig | dict,
         worker_id: str = "rollout-0",
         max_in_flight: int = 64,
-        interrupt_target: tuple[Any, str] | None = None,
         autostart: bool = True,
         oldlogit: Any = None,
         oldlogit_restart_timeout_s: float = 600.0,
     ):
         cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.model_validate(engine_config)
-        hook = None
-        if interrupt_target is not None:
-            handle, method = interrupt_target
-
-            def hook(items, version):
-                ray.get(getattr(handle, method).remote(items, version))
-
         scorer = None
         if oldlogit is not None:
             calls = ServiceCalls(oldlogit, RestartWait(oldlogit_restart_timeout_s))
@@ -564,7 +528,7 @@ class RolloutWorkerActor:
                 return calls.call("score_prefixes", items, temperature, known)
 
         self.core = RolloutWorkerCore(
-            make_engine(cfg), worker_id=worker_id, max_in_flight=max_in_flight, on_interrupt=hook, score_prefixes=scorer
+            make_engine(cfg), worker_id=worker_id, max_in_flight=max_in_flight, score_prefixes=scorer
         )
         self.engine_start_seconds = getattr(self.core.engine, "start_seconds", None)
         if autostart:

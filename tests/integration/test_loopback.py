@@ -8,6 +8,7 @@ stopped with SIGTERM and must end cleanly.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from rollout.httpserve import is_loopback_host
+from trainer.driver import owned
 from trainer.driver.netguard import library_path, listening_sockets, loopback_env
 
 pytestmark = pytest.mark.integration
@@ -88,6 +90,7 @@ def test_running_job_listens_on_loopback_only_and_stops_cleanly_on_sigterm(tmp_p
     log = tmp_path / "out.log"
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    owned.own(("job", proc.pid), functools.partial(owned.stop_group, proc.pid, 10.0))  # also if pytest is ended
     seen: dict[tuple[str, int], str] = {}
     metrics, signalled = run_dir / "metrics.jsonl", False
     try:
@@ -103,6 +106,7 @@ def test_running_job_listens_on_loopback_only_and_stops_cleanly_on_sigterm(tmp_p
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+        owned.disown(("job", proc.pid))
     assert proc.returncode == 0, log.read_text()[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["end_reason"] == "interrupted" and 2 <= summary["steps"] < 40 and summary["accounting_ok"]

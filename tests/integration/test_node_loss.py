@@ -21,11 +21,13 @@ after the resume, before version k + 1 exists: no token exact); when one was, st
 the answer it got before the kill and the batch of step k + 2 holds them (taken ahead during step
 k + 1, or finished during the pause). Either way one of the steps k + 1, k + 2 has an exact
 fraction below 1. The job completes with the accounting identity intact and the restart counted.
-Only processes this test started are signalled.
+Only processes this test started are signalled; the cluster and the job are stopped also when the
+test run itself is ended by a signal (:mod:`trainer.driver.owned`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -38,6 +40,7 @@ import httpx
 import pytest
 
 from deploy.local_cluster import LocalRayHead
+from trainer.driver import owned
 from trainer.driver.metrics_log import read_metrics
 
 pytestmark = pytest.mark.integration
@@ -87,7 +90,8 @@ def test_lost_node_of_a_rollout_worker_and_the_oldlogit_service_is_survived_once
             cmd += ["--set", o]
         env = {**os.environ, **head.client_env(), "PYTHONPATH": str(REPO)}
         log = open(tmp_path / "job.log", "w")
-        job = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        job = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        owned.own(("job", job.pid), functools.partial(owned.stop_group, job.pid, 10.0))  # also if pytest is ended
         try:
             metrics, paused_at = run_dir / "metrics.jsonl", None
             deadline = time.monotonic() + 780
@@ -102,6 +106,8 @@ def test_lost_node_of_a_rollout_worker_and_the_oldlogit_service_is_survived_once
             if job.poll() is None:
                 job.kill()
             job.wait(timeout=60)
+            owned.stop_group(job.pid, 10.0)
+            owned.disown(("job", job.pid))
         out = (tmp_path / "job.log").read_text()
         assert paused_at in (2, 3) and job.returncode == 0, out[-4000:]
         summary = json.loads((run_dir / "summary.json").read_text())

@@ -116,7 +116,12 @@ def test_partial_rollout_boundary_at_exact_token_case5(engine, hf, weights):
     _to(engine, w0)  # serve W0 at some version v >= 3 (3 when this test runs first)
     v = engine.version
     seen = []
-    core = RolloutWorkerCore(engine, max_in_flight=1, on_interrupt=lambda items, v: seen.append((items, v)))
+
+    def scorer(items, temperature, known):  # the interrupt_sync route's scorer, still at the outgoing version
+        seen.append((items, engine.version))
+        return [np.full(len(i.token_ids), np.nan) for i in items]
+
+    core = RolloutWorkerCore(engine, max_in_flight=1, score_prefixes=scorer)
     prompt = [1, 4093, 198, 6004, 2]
     sp = SamplingParams(temperature=0.8, max_tokens=10, seed=3)
     core.submit(

@@ -9,18 +9,15 @@ from trainer.algorithm.loss_config import METHODS, LossConfig, loss_config
 from trainer.algorithm.losses import (
     aggregate,
     compute_policy_loss,
-    decoupled_ppo_loss,
     discrepancy_ratio,
     discrepancy_weights,
     gspo_loss,
     icepop_mask,
-    kl_estimator,
     local_counts,
     ppo_clip_loss,
     safe_log_ratio,
     staleness_ratio,
     tis_weight,
-    token_logprobs,
 )
 
 LOG = math.log
@@ -34,39 +31,12 @@ def close(x, expected, tol=1e-5):
     return torch.allclose(x.detach().double(), torch.tensor(expected, dtype=torch.float64), atol=tol, rtol=0)
 
 
-# ---- temperature ----------------------------------------------------------------------------
-
-
-def test_case1_token_logprobs_apply_temperature():
-    logits = t([[[2.0, 1.0, 0.0], [2.0, 1.0, 0.0]]])
-    ids = torch.tensor([[0, 1]])
-    assert close(token_logprobs(logits, ids, 0.5), [[-0.14293, -2.14293]], 1e-5)
-    assert close(token_logprobs(logits, ids, 1.0), [[-0.40761, -1.40761]], 1e-5)
-
-
-def test_case1_same_temperature_both_sides_gives_ratio_one():
-    logits = t([[[2.0, 1.0, 0.0], [2.0, 1.0, 0.0]]])
-    ids = torch.tensor([[0, 1]])
-    mu = torch.distributions.Categorical(logits=logits / 0.5).log_prob(ids)  # the engine's sampler
-    prox = token_logprobs(logits, ids, 0.5)
-    assert close(discrepancy_ratio(prox, mu, torch.ones(1, 2)), [[1.0, 1.0]], 1e-6)
-    # the failure signature this guards against: the engine side skipped the temperature
-    raw_mu = torch.distributions.Categorical(logits=logits).log_prob(ids)
-    skipped = discrepancy_ratio(prox, raw_mu, torch.ones(1, 2))
-    assert close(skipped, [[1.303, 0.479]], 1e-3)
-
-
-@pytest.mark.parametrize("bad", [0, 0.0, -0.5, float("nan"), float("inf"), True, "1"])
-def test_case1_bad_temperature_is_refused_by_name(bad):
-    with pytest.raises(ValueError, match="temperature"):
-        token_logprobs(torch.zeros(1, 1, 3), torch.zeros(1, 1, dtype=torch.long), bad)
-
-
-def test_token_logprobs_gradcheck():
-    logits = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
-    ids = torch.randint(0, 5, (2, 3))
-    assert torch.autograd.gradcheck(lambda x: token_logprobs(x, ids, 0.7), (logits,))
-    assert token_logprobs(logits, ids, 0.7).dtype == torch.float64
+def decoupled(logp, prox, mu, adv, mask, **fields):
+    """The learner's loss (:func:`compute_policy_loss`) of ``decoupled_ppo`` (weight cap 5, eps 0.2,
+    no mask unless ``fields`` say otherwise) with ``prox`` as its reference: the consuming version's
+    log-probs taken before the step (``recompute_logprobs``)."""
+    cfg = loss_config("decoupled_ppo", **fields)
+    return compute_policy_loss(logp, mu, adv, mask, cfg, recompute_logprobs=prox)
 
 
 # ---- non-finite values never reach the loss -------------------------------------------------
@@ -79,7 +49,7 @@ def test_case2a_nan_mu_gives_neutral_ratio_and_finite_loss():
     d = discrepancy_ratio(prox, mu, mask)
     assert d[0, 2].item() == 1.0  # not exp(-2.0 - 0.0) = 0.135
     logp = prox.clone().requires_grad_(True)
-    loss, metrics = decoupled_ppo_loss(logp, prox, mu, t([1.0]), mask)
+    loss, metrics = decoupled(logp, prox, mu, t([1.0]), mask)
     loss.backward()
     assert math.isfinite(loss.item()) and torch.isfinite(logp.grad).all()
     assert metrics["nonfinite_behav_frac"] == pytest.approx(0.25)
@@ -101,7 +71,7 @@ def test_case2b_masked_overflow_has_zero_gradient_and_no_nan():
     assert logp.grad[0, 0].item() == 0.0
     assert torch.isfinite(logp.grad).all()
     logp.grad = None
-    loss, metrics = decoupled_ppo_loss(logp, logp.detach(), mu, t([1.0]), mask)
+    loss, metrics = decoupled(logp, logp.detach(), mu, t([1.0]), mask)
     loss.backward()
     assert loss.item() == pytest.approx(-1.0) and logp.grad[0, 0].item() == 0.0
     assert all(math.isfinite(v) for v in metrics.values())
@@ -115,8 +85,6 @@ def test_case2c_nan_in_masked_prox_slot():
     loss.backward()
     assert math.isfinite(loss.item()) and math.isfinite(metrics["approx_kl"])
     assert torch.isfinite(logp.grad).all()
-    for kind in ("k1", "k2", "k3", "k3_plus"):
-        assert torch.isfinite(kl_estimator(logp, prox, kind, mask)).all()
 
 
 def test_safe_log_ratio_clamps_and_zeroes():
@@ -131,16 +99,10 @@ def test_safe_log_ratio_clamps_and_zeroes():
 @pytest.mark.parametrize(("pi_theta", "loss_value", "grad"), [(0.6, -2.4, 0.0), (0.44, -2.2, -2.2)])
 def test_case3_decoupled_loss_values(pi_theta, loss_value, grad):
     logp = t([[LOG(pi_theta)]], grad=True)
-    loss, metrics = decoupled_ppo_loss(
-        logp,
-        t([[LOG(0.4)]]),
-        t([[LOG(0.2)]]),
-        t([1.0]),
-        torch.ones(1, 1),
-        eps_low=0.2,
-        eps_high=0.2,
+    loss, metrics = decoupled(
+        logp, t([[LOG(0.4)]]), t([[LOG(0.2)]]), t([1.0]), torch.ones(1, 1), eps_low=0.2, eps_high=0.2,
         behav_weight_cap=5.0,
-    )
+    )  # fmt: skip
     loss.backward()
     assert loss.item() == pytest.approx(loss_value, abs=1e-5)
     assert logp.grad.item() == pytest.approx(grad, abs=1e-5)
@@ -184,7 +146,7 @@ def test_case3_failure_signatures_differ():
 
 def test_behaviour_weight_cap_binds():
     logp = t([[LOG(0.9)]], grad=True)
-    loss, metrics = decoupled_ppo_loss(logp, logp.detach(), t([[LOG(0.1)]]), t([1.0]), torch.ones(1, 1))
+    loss, metrics = decoupled(logp, logp.detach(), t([[LOG(0.1)]]), t([1.0]), torch.ones(1, 1))
     assert loss.item() == pytest.approx(-5.0, abs=1e-5)  # min(9, 5) * r = 1
     assert metrics["weight_capped_frac"] == 1.0
 
@@ -240,8 +202,8 @@ def test_gradcheck_policy_losses(aggregation):
     kw = {"aggregation": aggregation}
     fns = [
         lambda lp: ppo_clip_loss(lp, prox, adv, mask, eps_high=0.28, dual_clip=3.0, **kw)[0],
-        lambda lp: decoupled_ppo_loss(lp, prox, mu, adv, mask, behav_weight_cap=1.2, apply_mask=True, **kw)[0],
-        lambda lp: decoupled_ppo_loss(lp, prox, mu, adv, mask, level="seq_geomean", **kw)[0],
+        lambda lp: decoupled(lp, prox, mu, adv, mask, behav_weight_cap=1.2, discrepancy_mask=True, **kw)[0],
+        lambda lp: decoupled(lp, prox, mu, adv, mask, level="seq_geomean", **kw)[0],
         # GSPO-token's gradient is the sequence objective's only with one advantage per sequence
         lambda lp: gspo_loss(lp, prox, adv[:, 0], mask, eps_low=0.5, eps_high=0.5, **kw)[0],
     ]
@@ -251,7 +213,8 @@ def test_gradcheck_policy_losses(aggregation):
 
 def test_ppo_gradient_by_hand_matches_formula():
     logp, prox, mu, adv, mask = _points()
-    loss, _ = decoupled_ppo_loss(logp, prox, mu, adv, mask, behav_weight_cap=math.inf, eps_low=0.2, eps_high=0.2)
+    # a cap of 100 never binds: the largest weight is exp(prox - mu) = exp(0.9) = 2.46
+    loss, _ = decoupled(logp, prox, mu, adv, mask, behav_weight_cap=100.0, eps_low=0.2, eps_high=0.2)
     loss.backward()
     r, w = (logp - prox).exp().detach(), (prox - mu).exp()
     clipped = ((r > 1.2) & (adv > 0)) | ((r < 0.8) & (adv < 0))
@@ -363,65 +326,20 @@ def test_kept_fraction_of_an_empty_batch_is_one():
 def test_mask_rejected_tokens_stay_in_denominator():
     logp = torch.zeros(1, 4, requires_grad=True)
     mu = t([[0.0, 0.0, 0.0, 3.0]])  # d = exp(0 - 3) = 0.05: rejected by [0.5, 2]
-    loss, metrics = decoupled_ppo_loss(logp, logp.detach(), mu, t([1.0]), torch.ones(1, 4), apply_mask=True)
+    loss, metrics = decoupled(logp, logp.detach(), mu, t([1.0]), torch.ones(1, 4), discrepancy_mask=True)
     assert loss.item() == pytest.approx(-3 / 4)  # 3 kept tokens of loss -1, denominator 4
     assert metrics["mask_kept_fraction"] == 0.75
 
 
-# ---- KL estimators ---------------------------------------------------------------------------
+# ---- no KL penalty ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("kind", "value", "grad"),
-    [("k1", 0.5, 1.0), ("k2", 0.125, 0.5), ("k3", 0.106531, 0.393469), ("k3_plus", 0.106531, 0.5)],
-)
-def test_case8_kl_values_and_gradients(kind, value, grad):
-    logp = t([[-1.0]], grad=True)
-    kl = kl_estimator(logp, t([[-1.5]]), kind)
-    kl.sum().backward()
-    assert kl.item() == pytest.approx(value, abs=1e-6)
-    assert logp.grad.item() == pytest.approx(grad, abs=1e-6)
-
-
-def test_case8_every_kind_dispatches_to_its_own_function():
-    logp, ref = t([[-1.0]], grad=True), t([[-1.5]])
-    results = set()
-    for kind in ("k1", "k2", "k3", "k3_plus"):
-        logp.grad = None
-        kl = kl_estimator(logp, ref, kind)
-        kl.sum().backward()
-        results.add((round(kl.item(), 6), round(logp.grad.item(), 6)))
-    assert len(results) == 4
-    with pytest.raises(ValueError, match="'k4'"):
-        kl_estimator(logp, ref, "k4")
-
-
-def test_case8_kl_masked_and_finite_at_30():
-    logp = t([[30.0, -30.0, 5.0]], grad=True)
-    ref = torch.zeros(1, 3)
-    mask = t([[1, 1, 0]])
-    for kind in ("k1", "k2", "k3", "k3_plus"):
-        logp.grad = None
-        kl = kl_estimator(logp, ref, kind, mask)
-        kl.sum().backward()
-        assert torch.isfinite(kl).all() and torch.isfinite(logp.grad).all(), kind
-        assert kl[0, 2].item() == 0.0 and logp.grad[0, 2].item() == 0.0, kind
-
-
-def test_kl_gradcheck():
-    logp = torch.tensor([[0.3, -0.7, 1.1]], dtype=torch.float64, requires_grad=True)
-    ref = torch.tensor([[0.0, 0.2, -0.4]], dtype=torch.float64)
-    for kind in ("k1", "k2", "k3"):
-        assert torch.autograd.gradcheck(lambda x, k=kind: kl_estimator(x, ref, k), (logp,))
-
-
-def test_kl_term_in_compute_policy_loss():
+def test_a_kl_coefficient_above_zero_is_refused_by_the_loss_naming_the_field():
+    """The learner scores no frozen reference model, so the loss has no KL term to add; a config
+    built past the job's validation (``loss_config`` directly) is refused by the loss itself."""
     logp = t([[-1.0, -2.0]], grad=True)
-    cfg = loss_config("grpo", kl_coef=0.1, kl_kind="k2")
-    loss, metrics = compute_policy_loss(logp, logp.detach(), t([0.0]), t([[1, 0]]), cfg, ref_logprobs=t([[-1.5, 9.0]]))
-    assert metrics["kl"] == pytest.approx(0.125) and loss.item() == pytest.approx(0.0125)
-    with pytest.raises(ValueError, match="ref_logprobs"):
-        compute_policy_loss(logp, logp.detach(), t([0.0]), t([[1, 0]]), cfg)
+    with pytest.raises(ValueError, match=r"^loss.kl_coef: 0.1 is not supported \(must be 0\)"):
+        compute_policy_loss(logp, logp.detach(), t([0.0]), t([[1, 0]]), loss_config("grpo", kl_coef=0.1))
 
 
 # ---- GSPO ---------------------------------------------------------------------------------------

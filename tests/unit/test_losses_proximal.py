@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainer.algorithm.loss_config import loss_config
-from trainer.algorithm.losses import compute_policy_loss, decoupled_ppo_loss, ppo_clip_loss
+from trainer.algorithm.losses import compute_policy_loss, ppo_clip_loss
 from trainer.algorithm.proximal import (
     mix_reference,
     prox_exact,
@@ -47,19 +47,20 @@ def test_proxy_values_by_hand():
         assert not ref.requires_grad
 
 
-def _sweep_total_ratios(proxy_fn, k, eps, adv):
-    """Per-token gradient of the decoupled loss (no weight cap) over a sweep of total ratios R."""
+def _sweep_total_ratios(method, k, eps, adv):
+    """Per-token gradient of the learner's loss for ``method`` (a proxy method, the reference from
+    the current log-probs at staleness ``k``) over a sweep of total ratios R. The method's weight
+    cap 5 never binds here: at k = 2 the weight is sqrt(R) <= 1.74 (log-linear) or (1 + R) / 2 <= 2
+    (linear)."""
     total = torch.linspace(0.3, 3.0, 2701, dtype=torch.float64)[None, :]  # [1, T]
     mu = torch.full_like(total, math.log(0.1))
     logp = (mu + total.log()).requires_grad_(True)
     staleness = torch.full(total.shape, k)
-    ref = proxy_fn(mu, logp.detach(), staleness)
     mask = torch.ones_like(total)
     advantages = torch.full_like(total, adv)
-    loss, _ = decoupled_ppo_loss(
-        logp, ref, mu, advantages, mask, eps_low=eps, eps_high=eps, behav_weight_cap=math.inf,
-        aggregation="seq_mean_token_sum",
-    )  # fmt: skip
+    cfg = loss_config(method, eps_low=eps, eps_high=eps, aggregation="seq_mean_token_sum")
+    loss, metrics = compute_policy_loss(logp, mu, advantages, mask, cfg, staleness=staleness)
+    assert metrics["weight_capped_frac"] == 0.0
     loss.backward()
     return total[0], logp.grad[0].clone(), logp
 
@@ -77,7 +78,7 @@ def _ppo_on_total(logp, mu_value, low, high, adv):
 
 @pytest.mark.parametrize("adv", [1.0, -1.0])
 def test_case12_loglinear_proxy_clips_exactly_the_total_band(adv):
-    total, grad, logp = _sweep_total_ratios(prox_loglinear, k=2, eps=0.2, adv=adv)
+    total, grad, logp = _sweep_total_ratios("loglinear_prox", k=2, eps=0.2, adv=adv)
     low, high = 0.64, 1.44
     away = ((total - low).abs() > 1e-6) & ((total - high).abs() > 1e-6)
     clipped = grad == 0
@@ -91,7 +92,7 @@ def test_case12_loglinear_proxy_clips_exactly_the_total_band(adv):
 
 @pytest.mark.parametrize("adv", [1.0, -1.0])
 def test_linear_proxy_is_ppo_on_total_ratio_with_a_moved_band(adv):
-    total, grad, logp = _sweep_total_ratios(prox_linear, k=2, eps=0.2, adv=adv)
+    total, grad, logp = _sweep_total_ratios("linear_prox", k=2, eps=0.2, adv=adv)
     # r = R / (1 - a + a R) with a = 1/2: r = 1.2 <=> R = 1.5, r = 0.8 <=> R = 2/3
     low, high = 2 / 3, 1.5
     away = ((total - low).abs() > 1e-6) & ((total - high).abs() > 1e-6)

@@ -163,7 +163,12 @@ def test_resume_boundary_at_exact_token_case5():
     """Abort after 3 tokens at version 3, update, resume: boundary at output offset 3."""
     eng = FakeEngine([(list(range(10, 16)) + [EOS], "stop")])
     seen = []
-    core = RolloutWorkerCore(eng, chat=FakeChat(), on_interrupt=lambda items, v: seen.append((items, v)))
+
+    def scorer(items, temperature, known):  # the interrupt_sync route's scorer, still at the outgoing version
+        seen.append((items, eng.version, temperature, known))
+        return [np.full(len(i.token_ids), -0.25) for i in items]
+
+    core = RolloutWorkerCore(eng, chat=FakeChat(), score_prefixes=scorer)
     for v in (1, 2, 3):
         core.update_weights(*_weights(v))
     core.submit(_req(env=False, max_tokens=7))
@@ -177,9 +182,12 @@ def test_resume_boundary_at_exact_token_case5():
     assert t.token_ids[t.prompt_len :].tolist() == list(range(10, 16)) + [EOS]  # resumed, not restarted
     np.testing.assert_allclose(t.behav_logprobs[t.prompt_len :], [-0.28] * 3 + [-0.29] * 4, atol=1e-6)
     assert eng.prompts[-1] == [5, 6, 7, 10, 11, 12] and t.info["resumes"] == 1
-    ((items, outgoing),) = seen[-1:]
-    assert outgoing == 3 and len(items) == 1
+    # one call: the updates to 1, 2, 3 came before any sequence held tokens
+    ((items, outgoing, temperature, known),) = seen
+    assert (outgoing, temperature, known, len(items)) == (3, 0.7, [None], 1)
     assert items[0].loss_mask.tolist() == [0, 0, 0, 1, 1, 1] and items[0].versions.tolist() == [-1] * 3 + [3] * 3
+    # the prefix (3 prompt + 3 version-3 tokens) carries the scorer's pi_old, the rest is NaN
+    np.testing.assert_array_equal(t.old_logprobs, [-0.25] * 6 + [np.nan] * 4)
 
 
 def test_request_waiting_across_update_gets_first_token_version():

@@ -92,6 +92,80 @@ def test_a_negative_chunk_budget_is_refused():
         sequence_logprobs(_ConstantLogits(), ids, torch.ones_like(ids), 1.0, chunk_bytes=-1)
 
 
+class _FixedLogits(torch.nn.Module):
+    """A stand-in causal LM whose logits at each position are the given rows ``[T, V]``: its hidden
+    state is the row itself (a leaf with a gradient) and its output projection the identity, so
+    both the full-logit and the chunked path run on it."""
+
+    def __init__(self, rows):
+        super().__init__()
+        self.rows = torch.nn.Parameter(torch.tensor(rows))  # [T, V]
+        self.config = type("Config", (), {"num_hidden_layers": 1, "vocab_size": self.rows.shape[1]})()
+        self.head = torch.nn.Linear(self.rows.shape[1], self.rows.shape[1], bias=False)
+        with torch.no_grad():
+            self.head.weight.copy_(torch.eye(self.rows.shape[1]))
+        self.head.weight.requires_grad_(False)
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, attention_mask=None, logits_to_keep=0, output_hidden_states=None):
+        hidden = self.rows[None].expand(input_ids.shape[0], -1, -1)  # [B, T, V]
+        logits = self.head(hidden)
+        if logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        return type("Out", (), {"logits": logits, "hidden_states": (hidden,) if output_hidden_states else None})()
+
+
+# token 1 is drawn from logits [2, 1, 0], token 2 from the same row; the third row predicts nothing
+SAME_ROWS, IDS = [[2.0, 1.0, 0.0], [2.0, 1.0, 0.0], [0.0, 0.0, 0.0]], torch.tensor([[2, 0, 1]])
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, DEFAULT_CHUNK_BYTES])
+def test_temperature_divides_the_logits_before_the_log_softmax(chunk_bytes):
+    """T = 0.5: logits [4, 2, 0], log Z = 4 + log(1 + e^-2 + e^-4) = 4.14293, so token 0 has
+    -0.14293 and token 1 -2.14293; T = 1: log Z = 2.40761, -0.40761 and -1.40761."""
+    model, ones = _FixedLogits(SAME_ROWS), torch.ones_like(IDS)
+    with torch.no_grad():
+        half = sequence_logprobs(model, IDS, ones, 0.5, chunk_bytes=chunk_bytes)
+        one = sequence_logprobs(model, IDS, ones, 1.0, chunk_bytes=chunk_bytes)
+    torch.testing.assert_close(half, torch.tensor([[0.0, -0.14293, -2.14293]]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(one, torch.tensor([[0.0, -0.40761, -1.40761]]), rtol=0, atol=1e-5)
+
+
+def test_the_same_temperature_on_both_sides_gives_a_discrepancy_ratio_of_one():
+    from trainer.algorithm.losses import discrepancy_ratio
+
+    model, logits, ids = _FixedLogits(SAME_ROWS), torch.tensor(SAME_ROWS[:2])[None], IDS[:, 1:]
+    with torch.no_grad():
+        prox = sequence_logprobs(model, IDS, torch.ones_like(IDS), 0.5)[:, 1:]
+    mu = torch.distributions.Categorical(logits=logits / 0.5).log_prob(ids)  # the engine's sampler
+    torch.testing.assert_close(discrepancy_ratio(prox, mu, torch.ones(1, 2)), torch.ones(1, 2), rtol=0, atol=1e-6)
+    # the failure signature this guards against: the engine side skipped the temperature
+    # (d = e^(-0.14293 + 0.40761) = 1.303, e^(-2.14293 + 1.40761) = 0.479)
+    raw_mu = torch.distributions.Categorical(logits=logits).log_prob(ids)
+    skipped = discrepancy_ratio(prox, raw_mu, torch.ones(1, 2))
+    torch.testing.assert_close(skipped, torch.tensor([[1.303, 0.479]]), rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, DEFAULT_CHUNK_BYTES])
+def test_the_gradient_of_a_log_prob_with_respect_to_its_logits_by_hand(chunk_bytes):
+    """d log softmax(z / T)_i / dz = (onehot_i - softmax(z / T)) / T. z = [2, 1, 0], T = 0.5, i = 0:
+    softmax([4, 2, 0]) = [0.866813, 0.117310, 0.015876], gradient [0.266373, -0.234620, -0.031753]
+    on row 0, which predicts position 1; the other rows get none."""
+    model = _FixedLogits(SAME_ROWS)
+    lp = sequence_logprobs(model, IDS, torch.ones_like(IDS), 0.5, chunk_bytes=chunk_bytes)
+    lp[0, 1].backward()
+    expected = torch.tensor([[0.266373, -0.234620, -0.031753], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    torch.testing.assert_close(model.rows.grad, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [0, 0.0, -0.5, float("nan"), float("inf"), True, "1"])
+def test_a_temperature_that_is_not_a_finite_number_above_zero_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match="^temperature: must be a finite number > 0"):
+        sequence_logprobs(_FixedLogits(SAME_ROWS), IDS, torch.ones_like(IDS), bad)
+
+
 # Tolerances of the chunked path against the full-logit path (fp32, CPU). The two differ only in
 # the shape of the output projection's matmul (a chunk's rows instead of the whole sequence's):
 # observed 0 (bit-identical) for chunks of 2 or more positions and <= 1e-6 nats (log-probs),

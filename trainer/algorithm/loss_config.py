@@ -61,10 +61,9 @@ class LossConfig(BaseModel):
     """Loss denominator; token_mean divides by the global token count of the optimizer batch."""
     advantage: Literal["grpo", "rloo", "reinforce"] = "grpo"
     """Advantage estimator applied to the rewards before the loss (see trainer.algorithm.advantages)."""
-    kl_kind: Literal["k1", "k2", "k3", "k3_plus"] = "k3"
-    """KL estimator against a frozen reference model (only used when kl_coef > 0)."""
     kl_coef: float = Field(0.0, ge=0.0)
-    """Weight of the KL penalty; 0 disables it."""
+    """Weight of a KL penalty against a frozen reference model: must be 0 (the learner scores no
+    reference model; the job's config, the learner's settings and the loss refuse anything else)."""
 
     @model_validator(mode="after")
     def _check(self) -> LossConfig:

@@ -1,4 +1,4 @@
-"""Policy losses for vintage: ratios, discrepancy corrections, policy losses, KL, aggregation.
+"""Policy losses for vintage: ratios, discrepancy corrections, policy losses, aggregation.
 
 Small pure functions over tensors (no state, no Ray, no collectives). Per generated token t with advantage A_t and loss mask m_t::
 
@@ -32,16 +32,11 @@ length helpers in :mod:`trainer.algorithm.advantages`, the named methods in :mod
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
+from trainer.algorithm.loss_config import LossConfig, kl_refusal
 from trainer.algorithm.proximal import at_least_fp32, proximal_reference, resolve_exact_mask
-
-if TYPE_CHECKING:
-    from trainer.algorithm.loss_config import LossConfig
 
 MAX_LOG_RATIO = 20.0
 """Bound on every exponent argument (nats): exp(20) ~ 4.9e8 is finite in fp32 and bf16."""
@@ -52,26 +47,6 @@ LEVELS = ("token", "seq_product", "seq_geomean")
 
 # ----------------------------------------------------------------------------------------------
 # log-probs and ratios
-
-
-def token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float) -> Tensor:
-    """Log-prob (nats) of each given token under ``softmax(logits / temperature)``.
-
-    logits ``[B, T, V]`` (position t's logits are the ones that produced ``token_ids[:, t]``; the
-    caller does the shift), token_ids ``[B, T]`` -> ``[B, T]`` fp32. The temperature must be the
-    engine's sampling temperature so that the learner's log-probs and mu describe the same
-    distribution. Temperature 0 (greedy) has no usable log-probs and is refused.
-    """
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
-        raise ValueError(f"temperature must be a number > 0, got temperature={temperature!r}")
-    if not math.isfinite(temperature) or temperature <= 0:
-        raise ValueError(
-            f"temperature must be finite and > 0, got temperature={temperature!r} "
-            "(greedy sampling has no log-probs to form an importance ratio with)"
-        )
-    scaled = at_least_fp32(logits) / temperature  # [B, T, V]
-    picked = scaled.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)  # [B, T]
-    return picked - torch.logsumexp(scaled, dim=-1)
 
 
 def _as_bool(loss_mask: Tensor) -> Tensor:
@@ -363,47 +338,6 @@ def discrepancy_weights(
     return weights, metrics
 
 
-def decoupled_ppo_loss(
-    logprobs: Tensor,
-    prox_logprobs: Tensor,
-    behav_logprobs: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.2,
-    dual_clip: float | None = None,
-    behav_weight_cap: float | None = 5.0,
-    mask_bounds: tuple[float, float] = (0.5, 2.0),
-    apply_mask: bool = False,
-    level: str = "token",
-    exact_mask: Tensor | None = None,
-    aggregation: str = "token_mean",
-    global_token_count: float | Tensor | None = None,
-    global_seq_count: float | Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """Decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy optimization", eq. 2;
-    AReaL, Fu et al. 2025): behaviour correction on pi_prox/mu, clip on pi_theta/pi_prox.
-
-    Per token ``-w * keep * min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` with
-    w = min(exp(prox - mu), behav_weight_cap) and keep the optional two-sided mask, both detached
-    (see :func:`discrepancy_weights`), and r = exp(logp - prox). Example: mu = 0.2, prox = 0.4,
-    pi_theta = 0.6, A = 1, eps 0.2 -> loss -2.4, zero gradient; pi_theta = 0.44 -> -2.2, gradient
-    -2.2. Shapes ``[B, T]``; denominator as in :func:`aggregate` (rejected tokens stay in it).
-    """
-    weights, dmetrics = discrepancy_weights(
-        prox_logprobs, behav_logprobs, loss_mask, level=level, weight_cap=behav_weight_cap,
-        mask_bounds=mask_bounds, apply_mask=apply_mask, exact_mask=exact_mask,
-    )  # fmt: skip
-    loss, metrics = ppo_clip_loss(
-        logprobs, prox_logprobs, advantages, loss_mask, eps_low=eps_low, eps_high=eps_high,
-        dual_clip=dual_clip, weights=weights, aggregation=aggregation,
-        global_token_count=global_token_count, global_seq_count=global_seq_count,
-    )  # fmt: skip
-    metrics.update(_floats(dmetrics))
-    return loss, metrics
-
-
 def gspo_loss(
     logprobs: Tensor,
     prox_logprobs: Tensor,
@@ -440,49 +374,6 @@ def gspo_loss(
 
 
 # ----------------------------------------------------------------------------------------------
-# KL estimators (Schulman 2020, "Approximating KL divergence"), delta = logp - ref
-
-
-def _k1(delta: Tensor) -> Tensor:
-    return delta
-
-
-def _k2(delta: Tensor) -> Tensor:
-    return 0.5 * delta.square()
-
-
-def _k3(delta: Tensor) -> Tensor:
-    # clamped as a whole (zero gradient beyond the bound) rather than only inside exp, whose
-    # clamped gradient would point the wrong way for delta < -bound
-    delta = delta.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-    return torch.expm1(-delta) + delta
-
-
-def _k3_plus(delta: Tensor) -> Tensor:
-    k2 = _k2(delta)
-    return _k3(delta).detach() + (k2 - k2.detach())
-
-
-KL_ESTIMATORS = {"k1": _k1, "k2": _k2, "k3": _k3, "k3_plus": _k3_plus}
-
-
-def kl_estimator(logprobs: Tensor, ref_logprobs: Tensor, kind: str = "k3", loss_mask: Tensor | None = None) -> Tensor:
-    """Per-token KL(pi_theta || ref) estimate ``[B, T]`` (nats) from delta = logp - ref (ref detached).
-
-    k1 = delta (grad 1); k2 = delta^2 / 2 (grad delta); k3 = e^-delta - 1 + delta (grad 1 - e^-delta);
-    k3_plus = straight-through: value of k3, gradient of k2. Example (delta = 0.5): 0.5, 0.125,
-    0.106531, 0.106531 with gradients 1, 0.5, 0.393469, 0.5. Masked slots (and non-finite inputs)
-    give 0; k3 clamps delta to +-MAX_LOG_RATIO so it stays finite (zero gradient beyond).
-    """
-    fn = KL_ESTIMATORS.get(kind)
-    if fn is None:
-        raise ValueError(f"unknown KL estimator kind={kind!r}; expected one of {sorted(KL_ESTIMATORS)}")
-    mask = torch.ones_like(logprobs, dtype=torch.bool) if loss_mask is None else _as_bool(loss_mask)
-    delta = safe_log_ratio(logprobs, ref_logprobs.detach(), mask, bound=None)
-    return torch.where(mask, fn(delta), 0.0)
-
-
-# ----------------------------------------------------------------------------------------------
 # entry point
 
 
@@ -497,23 +388,34 @@ def compute_policy_loss(
     exact_mask: Tensor | None = None,
     ewma_logprobs: Tensor | None = None,
     staleness: Tensor | None = None,
-    ref_logprobs: Tensor | None = None,
     recompute_logprobs: Tensor | None = None,
     global_token_count: float | Tensor | None = None,
     global_seq_count: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The loss the learner calls: reference, discrepancy correction, policy loss, optional KL.
+    """The loss the learner calls: reference, discrepancy correction, policy loss.
+
+    With a reference other than mu this is decoupled PPO (Hilton et al. 2022, "Batch
+    size-invariance for policy optimization", eq. 2; AReaL, Fu et al. 2025): per token
+    ``-w * keep * min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` with the detached
+    w = min(exp(prox - mu), behav_weight_cap) and optional two-sided mask keep
+    (:func:`discrepancy_weights`) and r = exp(logp - prox). Example: mu = 0.2, prox = 0.4,
+    pi_theta = 0.6, A = 1, eps 0.2 -> loss -2.4, zero gradient; pi_theta = 0.44 -> -2.2, gradient -2.2.
 
     logprobs ``[B, T]`` (pi_theta, with gradient), behav_logprobs ``[B, T]`` (mu), advantages ``[B]``
     or ``[B, T]``, loss_mask ``[B, T]``. ``old_logprobs`` (exact pi_old, NaN where missing) and
     ``exact_mask`` are required when ``cfg.oldlogit_route`` is set and ignored otherwise;
-    ``ewma_logprobs`` when the proxy is "ewma"; ``staleness`` ``[B, T]`` for the linear proxies;
-    ``ref_logprobs`` (frozen reference model) when ``cfg.kl_coef > 0``; ``recompute_logprobs``
+    ``ewma_logprobs`` when the proxy is "ewma"; ``staleness`` ``[B, T]`` for the linear proxies; ``recompute_logprobs``
     ``[B, T]`` (the consuming version's log-probs, taken before the batch's first optimizer step)
     from the second optimizer step on one batch, for "recompute" and the linear proxies (see
     :func:`trainer.algorithm.proximal.proximal_reference`). Metrics add ``exact_token_fraction`` (0 without a
-    route) and ``kl`` when the KL term is on.
+    route).
+
+    Raises:
+        ValueError: ``cfg.kl_coef > 0`` (no KL penalty: the learner scores no frozen reference model),
+            or an input the route or the proxy needs is missing.
     """
+    if cfg.kl_coef > 0:
+        raise ValueError(kl_refusal(cfg.kl_coef))
     mask = _as_bool(loss_mask)
     if cfg.oldlogit_route == "none":
         old_logprobs = exact_mask = None
@@ -536,12 +438,5 @@ def compute_policy_loss(
         loss, metrics = gspo_loss(logprobs, prox, advantages, mask, **common)
     else:
         loss, metrics = ppo_clip_loss(logprobs, prox, advantages, mask, dual_clip=cfg.dual_clip, **common)
-    if cfg.kl_coef > 0:
-        if ref_logprobs is None:
-            raise ValueError("kl_coef > 0 needs ref_logprobs (log-probs of the frozen reference model)")
-        kl = aggregate(kl_estimator(logprobs, ref_logprobs, cfg.kl_kind, mask), mask, cfg.aggregation,
-                       global_token_count, global_seq_count)  # fmt: skip
-        loss = loss + cfg.kl_coef * kl
-        dmetrics["kl"] = kl.detach()
     metrics.update(_floats(dmetrics))
     return loss, metrics

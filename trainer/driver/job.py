@@ -65,6 +65,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,7 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
     try:
         with ray_session(cfg), stop.installed():  # after ray.init: Ray installs its own SIGTERM handler
             job = start_job(cfg, console)
+            board.follow_gateway(job.source.status)  # the gateway's figures from now on (None without one)
             try:
                 samples = SamplesLog(run_dir, cfg.logging.samples_per_step, cfg.logging.max_samples, job.model_path)
                 summary = _loop(job, board, log, samples, t_start, stop)
@@ -128,6 +130,7 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
                 summary = {"state": "failed", "end_reason": f"failed: {failed_part(e)}", "error": one_line(e)}
                 raise
             finally:
+                board.follow_gateway(None)  # its last figures stay served once it stops
                 board.update(state=summary["state"])
                 job.shutdown()
     except Exception as e:
@@ -153,7 +156,7 @@ def _loop(
     cfg, console = job.cfg, job.console
     if job.version > 0:  # resumed: consumers loaded the folder (version 0); give them the resumed weights
         job.publish()
-    before = job.evaluate("before")
+    before = evaluate_reported(job, board, lambda: job.evaluate("before"))
     log_eval(log, board, before)
     console.print(f"held-out reward before training: {before}")
     board.update(state="running", **status_fields(job, job.oldlogit_status()))
@@ -208,7 +211,9 @@ def _loop(
         job.source.abandon_eval()
         after = {}
     else:  # one started at the last version (the budget ended the loop) is its evaluation after
-        after = job.finish_eval("after") if job.eval_running else job.evaluate("after")
+        after = evaluate_reported(
+            job, board, lambda: job.finish_eval("after") if job.eval_running else job.evaluate("after")
+        )
         log_eval(log, board, after)
         console.print(f"held-out reward after training: {after}")
     job.collect()  # training trajectories that finished during the evaluation
@@ -228,6 +233,18 @@ def log_eval(log: MetricsLog, board: StatusBoard, scores: dict[str, Any]) -> Non
     log.log_eval(rec)
     if math.isfinite(rec["held_out"]) and math.isfinite(rec["success_rate"]):  # NaN: an agent eval scored nothing
         board.update(held_out=rec["held_out"], held_out_success=rec["success_rate"], held_out_version=rec["version"])
+
+
+def evaluate_reported(job: Job, board: StatusBoard, evaluate: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``evaluate()`` (a held-out evaluation of ``job``) with ``/v1/status`` saying ``state =
+    "evaluating"`` and the job's fields (:func:`trainer.driver.report.status_fields`) meanwhile; the
+    state it had is back after."""
+    previous = board.status().state
+    board.update(state="evaluating", **status_fields(job, job.oldlogit_status()))
+    try:
+        return evaluate()
+    finally:
+        board.update(state=previous)
 
 
 def end_reason(version: int, total_steps: int, interrupted: bool) -> str:

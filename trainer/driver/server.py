@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import secrets
 import threading
+from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from protocol import JobStatus, ScaleRequest, ScaleResponse, WorkerStatus
+from protocol import GatewayStatus, JobStatus, ScaleRequest, ScaleResponse, WorkerStatus
 from rollout.httpserve import BodyLimit, ThreadedServer, bearer_token, is_loopback_host, token_matches
 
 
 class StatusBoard:
-    """Thread-safe holder of the job's latest :class:`JobStatus` and of pending control requests."""
+    """Thread-safe holder of the job's latest :class:`JobStatus` and of pending control requests.
+
+    The gateway's figures can be live (:meth:`follow_gateway`): the gateway counts on its own
+    thread, so every status read takes them fresh, also while the loop is busy in an evaluation.
+    """
 
     def __init__(self, initial: JobStatus | None = None):
         self._lock = threading.Lock()
@@ -89,6 +94,16 @@ class StatusBoard:
         self._gw_unavailable = Gauge(
             "vintage_gateway_unavailable", "Gateway calls answered 503, by reason", ["reason"], registry=r
         )
+        self._read_gateway: Callable[[], GatewayStatus | None] | None = None
+
+    def follow_gateway(self, read: Callable[[], GatewayStatus | None] | None) -> None:
+        """Serve ``read()`` (thread-safe, e.g. ``Gateway.status``) as ``gateway`` at every status
+        read from now on; ``None`` stops that and keeps the last figures read."""
+        last = self.status() if read is None else None
+        with self._lock:
+            self._read_gateway = read
+            if last is not None:
+                self._status = last
 
     def update(self, **fields) -> JobStatus:
         """Replace some fields of the status and refresh the Prometheus gauges.
@@ -115,14 +130,17 @@ class StatusBoard:
             self._dropped.labels(reason).set(n)
         if s.exact_token_fraction is not None:
             self._exact.labels(s.oldlogit_route).set(s.exact_token_fraction)
-        if (gw := s.gateway) is not None:
-            self._gw_tools.labels("parsed").set(gw.tool_calls_parsed)
-            self._gw_tools.labels("unparsed").set(gw.unparsed_tool_calls)
-            for name, g in self._gw.items():
-                g.set(getattr(gw, name))
-            for reason, n in gw.unavailable.items():
-                self._gw_unavailable.labels(reason).set(n)
+        if s.gateway is not None:
+            self._gateway_gauges(s.gateway)
         return s
+
+    def _gateway_gauges(self, gw: GatewayStatus) -> None:
+        self._gw_tools.labels("parsed").set(gw.tool_calls_parsed)
+        self._gw_tools.labels("unparsed").set(gw.unparsed_tool_calls)
+        for name, g in self._gw.items():
+            g.set(getattr(gw, name))
+        for reason, n in gw.unavailable.items():
+            self._gw_unavailable.labels(reason).set(n)
 
     def request_scale(self, n: int) -> None:
         """Record a scale request; a later request replaces one not yet taken."""
@@ -139,8 +157,20 @@ class StatusBoard:
             return n
 
     def status(self) -> JobStatus:
+        """The latest status; with :meth:`follow_gateway`, its ``gateway`` read now (the stored one
+        when the read fails or gives None)."""
         with self._lock:
-            return self._status
+            s, read = self._status, self._read_gateway
+        if read is None:
+            return s
+        try:
+            gw = read()
+        except Exception:  # a gateway closing: its last stored figures stay served
+            return s
+        if gw is None:
+            return s
+        self._gateway_gauges(gw)
+        return s.model_copy(update={"gateway": gw})
 
 
 MIN_TOKEN_CHARS = 16
@@ -208,6 +238,7 @@ def build_app(
 
     @app.get("/metrics")
     def metrics() -> Response:
+        board.status()  # refreshes the live gateway gauges
         return Response(generate_latest(board.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

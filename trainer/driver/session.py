@@ -3,7 +3,10 @@ status server.
 
 Invariants: a Ray already initialised in the process is used and left as it is; otherwise the
 session connects to ``ray.address`` or starts a private local cluster, and disconnects when it ends
-(which stops a private cluster); the process's own signal handlers are back once the job ends.
+(which stops a private cluster); a private cluster's processes (those ``ray.init`` started, and
+theirs) are also stopped when the process ends any other way: SIGTERM, SIGINT or SIGHUP outside the
+loop's own handling, a second signal during it, or an exit that skipped the session's end
+(:mod:`trainer.driver.owned`); the process's own signal handlers are back once the job ends.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import ray
 from rich.console import Console
 
+from trainer.driver import owned
 from trainer.driver.config import JobConfig, write_private
 from trainer.driver.environment import ENV_VARS
 from trainer.driver.server import ApiServer, StatusBoard
@@ -49,22 +54,47 @@ def ray_session(cfg: JobConfig):
     if not cfg.ray.address and cfg.ray.loopback_only:
         _loopback_private_cluster()
     env = {"env_vars": {k: os.environ[k] for k in ENV_VARS if k in os.environ}}
+    started: list[psutil.Process] = []  # the private cluster's processes
     if cfg.ray.address:
         ray.init(address=cfg.ray.address, runtime_env=env, log_to_driver=True)
     else:
-        need = (
-            cfg.rollout.num_workers * cfg.rollout.num_cpus
-            + cfg.learner.world_size * cfg.learner.num_cpus
-            + cfg.oldlogit.num_cpus
-        )
-        custom: Counter = Counter()  # declare the groups' custom resources on the single local node
-        for group, count in (
-            (cfg.rollout, cfg.rollout.num_workers),
-            (cfg.learner, cfg.learner.world_size),
-            (cfg.oldlogit, 1),
-        ):
-            for k, v in group.resources.items():
-                custom[k] += v * max(count, 1) * (4 if group is cfg.rollout else 1)  # room to scale workers up
+        started = _start_private_cluster(cfg, env)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if started:
+            owned.stop_processes(started, timeout_s=5.0)  # what shutdown left (none when it went well)
+            owned.disown(_SESSION_KEY)
+
+
+_SESSION_KEY = ("ray_session", "private_cluster")
+
+
+def _start_private_cluster(cfg: JobConfig, env: dict[str, Any]) -> list[psutil.Process]:
+    """``ray.init`` of the private local cluster; returns the processes it started (this process's
+    new children), which are owned (:mod:`trainer.driver.owned`) from before the call: a signal
+    during the start, or a start that fails, stops what it had started."""
+    before = {p.pid for p in psutil.Process().children()}
+
+    def new_children() -> list[psutil.Process]:
+        return [p for p in psutil.Process().children() if p.pid not in before]
+
+    owned.own(_SESSION_KEY, lambda: owned.stop_processes(new_children(), timeout_s=5.0))
+    need = (
+        cfg.rollout.num_workers * cfg.rollout.num_cpus
+        + cfg.learner.world_size * cfg.learner.num_cpus
+        + cfg.oldlogit.num_cpus
+    )
+    custom: Counter = Counter()  # declare the groups' custom resources on the single local node
+    for group, count in (
+        (cfg.rollout, cfg.rollout.num_workers),
+        (cfg.learner, cfg.learner.world_size),
+        (cfg.oldlogit, 1),
+    ):
+        for k, v in group.resources.items():
+            custom[k] += v * max(count, 1) * (4 if group is cfg.rollout else 1)  # room to scale workers up
+    try:
         ray.init(
             resources=dict(custom) or None,
             num_cpus=cfg.ray.num_cpus or max(2, int(np.ceil(need)) + 2),
@@ -74,10 +104,13 @@ def ray_session(cfg: JobConfig):
             log_to_driver=True,
             logging_level=logging.WARNING,  # no "Started a local Ray instance" line
         )
-    try:
-        yield
-    finally:
-        ray.shutdown()
+    except BaseException:
+        owned.stop_processes(new_children(), timeout_s=5.0)
+        owned.disown(_SESSION_KEY)
+        raise
+    started = new_children()
+    owned.own(_SESSION_KEY, lambda: owned.stop_processes(started, timeout_s=5.0))
+    return started
 
 
 def _loopback_private_cluster() -> None:
@@ -107,8 +140,9 @@ class StopSignal:
 
     The first signal sets :attr:`requested`: the loop leaves after the current step, the job
     checkpoints, stops every actor and writes ``summary.json`` (``end_reason = "interrupted"``).
-    A second signal ends the process immediately with status 130. Handlers are installed only in
-    the main thread (a job run from another thread keeps the process's handlers).
+    A second signal stops what this process owns (a private cluster: :mod:`trainer.driver.owned`)
+    and ends the process immediately with status 130. Handlers are installed only in the main
+    thread (a job run from another thread keeps the process's handlers).
     """
 
     def __init__(self) -> None:
@@ -116,6 +150,7 @@ class StopSignal:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:
+            owned.stop_owned()  # os._exit runs no exit handler
             os._exit(130)
         self.requested = True
         print(f"\n{signal.Signals(signum).name}: stopping after this step (again to exit at once)", file=sys.stderr)
