@@ -605,9 +605,10 @@ def plot(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 
 
 def folder_records(out_dir: Path) -> list[dict[str, Any]]:
-    """Every finished cell recorded in ``out_dir/cells`` (grids run into one folder add up), by name."""
+    """Every cell recorded in ``out_dir/cells`` that ran all its steps (grids run into one folder add
+    up), by name; one stopped by a signal before its last step is left out."""
     recs = [json.loads(p.read_text()) for p in sorted((Path(out_dir) / "cells").glob("*.json"))]
-    return [r for r in recs if r.get("state") == "finished"]
+    return [r for r in recs if r.get("state") == "finished" and r.get("steps_done") == r.get("steps")]
 
 
 def write_outputs(records: list[dict[str, Any]], out_dir: Path, meta: dict[str, Any]) -> dict[str, Any]:
