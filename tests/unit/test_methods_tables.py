@@ -14,6 +14,7 @@ from benchmarks.methods import GRIDS, Cell, aggregate, ci95, collapsed, folder_r
 def record(method: str, W: int, seed: int, final: float, tag: str = "", state: str = "finished") -> dict:
     cell = Cell(method, W, "bf16", seed, 32, tag=tag)
     rec = {"cell": cell.name, "method": method, "W": W, "disc": "bf16", "seed": seed, "steps": 32, "tag": tag}
+    rec["steps_done"] = 32
     rec |= {"state": state, "final_reward": final, "reward_first": 0.4, "reward_after_heldout": final + 0.1}
     rec["reward_before_heldout"] = 0.3
     rec |= {"steps_to_level": 10 + seed if final >= 0.6 else None}
@@ -47,7 +48,8 @@ def test_one_seed_has_no_spread_and_tagged_cells_are_separate_rows():
 
 def test_folder_records_keeps_finished_cells_only(tmp_path):
     (tmp_path / "cells").mkdir()
-    for r in (record("ppo", 1, 0, 0.5), record("ppo", 1, 1, 0.5, state="failed")):
+    stopped = record("ppo", 1, 2, 0.5) | {"steps_done": 3}  # stopped by a signal at step 3 of 32
+    for r in (record("ppo", 1, 0, 0.5), record("ppo", 1, 1, 0.5, state="failed"), stopped):
         (tmp_path / "cells" / f"{r['cell']}.json").write_text(json.dumps(r))
     assert [r["cell"] for r in folder_records(tmp_path)] == ["ppo-W1-bf16-s0"]
 
