@@ -36,7 +36,8 @@ time.sleep(600)
 """
 
 JOB_SESSION = """
-import json, os, time, ray
+import json, os, signal, time, ray
+signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a run started under nohup (as a CI job may be) ignores it
 from trainer.driver.config import load_config
 from trainer.driver.session import ray_session
 with ray_session(load_config(None, ['model.path="tiny"', "rollout.num_workers=1", "ray.num_cpus=2"])):
