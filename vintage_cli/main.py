@@ -93,8 +93,8 @@ def bench_methods(
 
     Grids run into the same --out pool into one table (e.g. ``reduced`` then ``seeds``).
     """
-    from benchmarks.methods import GRIDS
     from benchmarks.methods import main as methods_main
+    from benchmarks.methods_grid import GRIDS
     from trainer.driver.netguard import reexec_with_loopback
 
     if grid not in GRIDS:

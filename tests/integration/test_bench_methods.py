@@ -12,7 +12,8 @@ import math
 import pytest
 from rich.console import Console
 
-from benchmarks.methods import METHODS, main
+from benchmarks.methods import main
+from benchmarks.methods_grid import METHODS
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.methods import GRIDS, Cell, aggregate, ci95, collapsed, folder_records, grid, table_markdown
+from benchmarks.methods_grid import GRIDS, Cell, ci95, collapsed, grid
+from benchmarks.methods_report import aggregate, folder_records, table_markdown
 
 
 def record(method: str, W: int, seed: int, final: float, tag: str = "", state: str = "finished") -> dict:
