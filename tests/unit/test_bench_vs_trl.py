@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from benchmarks.bench_vs_trl import (
+from benchmarks.trl_side import trl_config_kwargs
+from benchmarks.vs_trl_shared import (
     EnvReward,
     completion_text,
     heldout_seeds,
@@ -15,7 +16,6 @@ from benchmarks.bench_vs_trl import (
     side_record,
     summarize,
     table_markdown,
-    trl_config_kwargs,
 )
 from trainer.driver.config import load_config
 
