@@ -60,12 +60,8 @@ from torch import Tensor
 
 from modelkit.scoring import sequence_logprobs
 from modelkit.weights import PackedWeights, torch_dtype, unpack_weights
-from oldlogit_service.items import (
-    as_item,
-    merge_old_logprobs,
-    nan_extended,
-    right_padded,
-)
+from oldlogit_service.items import as_item, merge_old_logprobs, nan_extended
+from oldlogit_service.scoring import BoundModel, count_statuses, score_by_version, validate_items
 from oldlogit_service.store import VersionStore, dedup, unique_bytes
 from protocol import (
     OLDLOGIT_ROUTES,
@@ -82,32 +78,6 @@ from protocol import (
 )
 
 ROUTES = OLDLOGIT_ROUTES
-
-
-class _Bound:
-    """A callable that runs ``model`` with the given weights (functional call; the model is untouched)."""
-
-    def __init__(self, model: torch.nn.Module, weights: Mapping[str, Tensor]) -> None:
-        self.model, self.weights = model, weights
-
-    def __call__(self, **kwargs: Any) -> Any:
-        return torch.func.functional_call(self.model, self.weights, (), kwargs, tie_weights=True, strict=False)
-
-    @property
-    def config(self) -> Any:
-        return self.model.config
-
-    def get_output_embeddings(self) -> Any:
-        """The output projection with these weights: ``[..., hidden] -> [..., vocab]`` (what
-        :func:`modelkit.scoring.sequence_logprobs` applies chunk by chunk).
-
-        Raises:
-            KeyError: the weights lack one of the projection's parameters (the template's own are
-                emptied, so they never stand in)."""
-        head = self.model.get_output_embeddings()
-        name = next(n for n, m in self.model.named_modules() if m is head)
-        params = {k: self.weights[f"{name}.{k}"] for k, _ in head.named_parameters()}
-        return lambda h: torch.func.functional_call(head, params, (h,))
 
 
 class OldLogitService:
@@ -380,17 +350,6 @@ class OldLogitService:
     # scoring
     # ------------------------------------------------------------------------------------------
 
-    def _validate_items(self, items: Sequence[OldLogitItem]) -> None:
-        for i, it in enumerate(items):
-            ids = it.token_ids
-            if self.vocab_size and ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size):
-                bad = int(ids[(ids < 0) | (ids >= self.vocab_size)][0])
-                raise ValueError(f"items[{i}].token_ids: id {bad} outside the vocabulary [0, {self.vocab_size})")
-            if it.loss_mask[0]:
-                raise ValueError(
-                    f"items[{i}].loss_mask: offset 0 is marked to score, but a first token has no prefix to condition on"
-                )
-
     def _missing_reason(self, v: int) -> TokenStatus:
         if self.latest_version is None or v > self.latest_version:
             return TokenStatus.MISSING_FUTURE if self.latest_version is not None else TokenStatus.MISSING_NEVER_STORED
@@ -409,45 +368,23 @@ class OldLogitService:
         self.forwards += 1
         assert self.model is not None
         return sequence_logprobs(
-            _Bound(self.model, weights), ids.to(self.device), mask.to(self.device), temperature
+            BoundModel(self.model, weights), ids.to(self.device), mask.to(self.device), temperature
         ).cpu()  # type: ignore[arg-type]
 
     def _score_items(
         self, items: Sequence[OldLogitItem], temperature: float
     ) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Per-item ``(old_logprobs [seq] float32, status [seq] int8)``, and the token counters."""
+        """Per-item ``(old_logprobs [seq] float32, status [seq] int8)`` (:func:`score_by_version`
+        with the held versions), counted into the token counters."""
         if not temperature > 0:
             raise ValueError(f"temperature: must be > 0, got {temperature}")
-        self._validate_items(items)
-        lps = [np.full(len(it.token_ids), np.nan, np.float32) for it in items]
-        sts = [
-            np.where(it.loss_mask.astype(bool), np.int8(-1), np.int8(TokenStatus.CONTEXT)).astype(np.int8)
-            for it in items
-        ]
-        present = sorted({int(v) for it in items for v in np.unique(it.versions[it.loss_mask.astype(bool)])})
-        held = [v for v in present if v in self.store.held]
-        for v in present:
-            if v not in held:
-                reason = self._missing_reason(v)
-                for it, st in zip(items, sts, strict=True):
-                    st[it.loss_mask.astype(bool) & (it.versions == v)] = reason
-        if held:
-            ids, mask = right_padded(items)
-            for v in held:
-                sel = [it.loss_mask.astype(bool) & (it.versions == v) for it in items]
-                rows = [r for r, s in enumerate(sel) if s.any()]
-                end = max(int(np.flatnonzero(sel[r]).max()) for r in rows) + 1  # causal: later tokens are not needed
-                lp = self._forward(v, ids[rows, :end], mask[rows, :end], temperature).numpy()
-                for k, r in enumerate(rows):
-                    s = sel[r]
-                    lps[r][s] = lp[k, : len(s)][s[:end]]
-                    sts[r][s] = TokenStatus.EXACT
-        for st in sts:
-            for code, n in zip(*np.unique(st, return_counts=True), strict=True):
-                if code == TokenStatus.EXACT:
-                    self.tokens_exact += int(n)
-                elif code != TokenStatus.CONTEXT:
-                    self.tokens_missing[TokenStatus(int(code)).name] += int(n)
+        validate_items(items, self.vocab_size)
+        lps, sts = score_by_version(
+            items, self.store.held, lambda v, ids, mask: self._forward(v, ids, mask, temperature), self._missing_reason
+        )
+        exact, missing = count_statuses(sts)
+        self.tokens_exact += exact
+        self.tokens_missing.update(missing)
         return lps, sts
 
     def score(self, request: OldLogitRequest | Mapping[str, Any]) -> OldLogitAnswer:

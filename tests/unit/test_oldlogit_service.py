@@ -449,3 +449,12 @@ def test_status_is_a_function_of_the_store(held_456, seqs):
             assert s == want and (np.isfinite(x) == (want == TokenStatus.EXACT))
             if want == TokenStatus.EXACT:
                 assert x <= 0
+
+
+def test_count_statuses_counts_exact_and_missing_by_reason_and_skips_context():
+    from oldlogit_service.scoring import count_statuses
+    from protocol import TokenStatus as S
+
+    sts = [np.array([S.CONTEXT, S.EXACT, S.MISSING_EVICTED, S.EXACT], np.int8), np.array([S.MISSING_FUTURE], np.int8)]
+    exact, missing = count_statuses(sts)
+    assert exact == 2 and dict(missing) == {"MISSING_EVICTED": 1, "MISSING_FUTURE": 1}
