@@ -139,7 +139,7 @@ class RayWorker:
         if not ray.is_initialized():
             ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
         self._ray = ray
-        self.actor = RolloutWorker.remote(cfg, max_in_flight=cfg.max_num_seqs)
+        self.actor = RolloutWorker.remote(cfg, max_num_seqs=cfg.max_num_seqs)
         ray.get(self.actor.ready.remote())
 
     def submit(self, requests) -> int:
@@ -182,7 +182,7 @@ def main() -> None:
         kind=a.engine, model_path=str(path), max_model_len=2048, kv_cache_gib=1, max_num_seqs=max(a.episodes, 8)
     )
     if a.in_process_worker:
-        core = RolloutWorkerCore(make_engine(cfg), chat=chat, max_in_flight=cfg.max_num_seqs)
+        core = RolloutWorkerCore(make_engine(cfg), chat=chat, max_num_seqs=cfg.max_num_seqs)
         core.start()
     else:
         core = RayWorker(cfg)

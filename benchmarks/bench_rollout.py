@@ -160,13 +160,13 @@ def main() -> None:
     result["bare_vllm"] = bench_bare(cfg, ids, a.max_tokens)
     eng = VllmEngine(cfg)
     result["engine_start_s"] = eng.start_seconds
-    core = RolloutWorkerCore(eng, max_in_flight=cfg.max_num_seqs)
+    core = RolloutWorkerCore(eng, max_num_seqs=cfg.max_num_seqs)
     result["rollout_worker"] = bench_worker(core, ids, a.max_tokens)
     result["throughput_ratio"] = result["rollout_worker"]["tokens_per_s"] / result["bare_vllm"]["tokens_per_s"]
     updates = [bench_update(core, ids, a.max_tokens)]
     core.close()
     tcore = RolloutWorkerCore(
-        VllmEngine(cfg.model_copy(update={"model_path": str(tiny)})), max_in_flight=cfg.max_num_seqs
+        VllmEngine(cfg.model_copy(update={"model_path": str(tiny)})), max_num_seqs=cfg.max_num_seqs
     )
     tcore.start()
     updates.insert(0, bench_update(tcore, ids, a.max_tokens))

@@ -73,7 +73,7 @@ def main() -> None:
 
         a.model = str(prepare_smollm2())
     core = RolloutWorkerCore(
-        make_engine(EngineConfig(model_path=a.model, max_model_len=2048, kv_cache_gib=1)), max_in_flight=64
+        make_engine(EngineConfig(model_path=a.model, max_model_len=2048, kv_cache_gib=1)), max_num_seqs=64
     )
     results = []
     for n in a.envs:

@@ -62,11 +62,11 @@ class RolloutWorkerCore:
         engine: a started :class:`rollout.engine.GenerationEngine`.
         chat: chat-template renderer; default: the tokenizer of ``engine.config.model_path``.
         worker_id: name reported in trajectories and status.
-        max_in_flight: most sequences handed to the engine at once (the rest wait, in order).
+        max_num_seqs: most sequences handed to the engine at once (the rest wait, in order).
         score_prefixes: scorer of prefixes at the outgoing version (interrupt_sync route).
 
     Raises:
-        ValueError: ``max_in_flight`` < 1.
+        ValueError: ``max_num_seqs`` < 1.
     """
 
     def __init__(
@@ -74,17 +74,17 @@ class RolloutWorkerCore:
         engine: GenerationEngine,
         chat: ChatFormat | None = None,
         worker_id: str = "rollout-0",
-        max_in_flight: int = 64,
+        max_num_seqs: int = 64,
         score_prefixes: PrefixScorer | None = None,
     ):
-        if max_in_flight < 1:
-            raise ValueError(f"max_in_flight: must be >= 1, got {max_in_flight}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
         if chat is None:
             from transformers import AutoTokenizer
 
             chat = TemplateChatFormat(AutoTokenizer.from_pretrained(engine.config.model_path))
         self.engine, self.chat, self.worker_id = engine, chat, worker_id
-        self.max_in_flight, self.score_prefixes = max_in_flight, score_prefixes
+        self.max_num_seqs, self.score_prefixes = max_num_seqs, score_prefixes
         self.max_context = engine.config.max_model_len
         self._lock = threading.RLock()
         self._waiting = 0  # callers waiting for the lock: the loop yields to them between steps
@@ -392,7 +392,7 @@ class RolloutWorkerCore:
         return True
 
     def _admit(self) -> None:
-        while self._pending and len(self._running) < self.max_in_flight:
+        while self._pending and len(self._running) < self.max_num_seqs:
             ep = self._pending.popleft()
             rid = f"{ep.trajectory_id}@{next(self._ids)}"
             s = ep.request.sampling
@@ -514,7 +514,7 @@ class RolloutWorkerActor:
         self,
         engine_config: EngineConfig | dict,
         worker_id: str = "rollout-0",
-        max_in_flight: int = 64,
+        max_num_seqs: int = 64,
         autostart: bool = True,
         oldlogit: Any = None,
         oldlogit_restart_timeout_s: float = 600.0,
@@ -528,7 +528,7 @@ class RolloutWorkerActor:
                 return calls.call("score_prefixes", items, temperature, known)
 
         self.core = RolloutWorkerCore(
-            make_engine(cfg), worker_id=worker_id, max_in_flight=max_in_flight, score_prefixes=scorer
+            make_engine(cfg), worker_id=worker_id, max_num_seqs=max_num_seqs, score_prefixes=scorer
         )
         self.engine_start_seconds = getattr(self.core.engine, "start_seconds", None)
         if autostart:

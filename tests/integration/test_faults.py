@@ -31,7 +31,7 @@ pytestmark = pytest.mark.integration
 
 
 BASE = [
-    'model.path="tiny"', "env.eval_prompts=0", 'rollout.engine="transformers"', "rollout.max_batch=16",
+    'model.path="tiny"', "env.eval_prompts=0", 'rollout.engine="transformers"', "rollout.max_num_seqs=16",
     "rollout.sampling.max_tokens=12", "rollout.sampling.n=4", "controller.batch_groups=2",
     "controller.max_staleness=1", "learner.micro_batch_size=8", "server.enabled=false",
     "logging.trackers=[]", "logging.plots=false",

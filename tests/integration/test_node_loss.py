@@ -78,7 +78,7 @@ def test_lost_node_of_a_rollout_worker_and_the_oldlogit_service_is_survived_once
         run_dir = tmp_path / "run"
         overrides = [
             'model.path="tiny"', "env.eval_prompts=0", 'rollout.engine="transformers"', "rollout.num_workers=2",
-            "rollout.max_batch=16", "rollout.sampling.max_tokens=12", "rollout.sampling.n=4",
+            "rollout.max_num_seqs=16", "rollout.sampling.max_tokens=12", "rollout.sampling.n=4",
             "controller.batch_groups=2", "controller.max_staleness=1", "controller.total_steps=5",
             "learner.micro_batch_size=8", "server.port=0", "logging.trackers=[]", "logging.plots=false",
             'loss.method="snapshot"', "rollout.resources={rollout_node = 1}", "learner.resources={learner_node = 1}",

@@ -121,7 +121,7 @@ def test_partial_rollout_boundary_at_exact_token_case5(engine, hf, weights):
         seen.append((items, engine.version))
         return [np.full(len(i.token_ids), np.nan) for i in items]
 
-    core = RolloutWorkerCore(engine, max_in_flight=1, score_prefixes=scorer)
+    core = RolloutWorkerCore(engine, max_num_seqs=1, score_prefixes=scorer)
     prompt = [1, 4093, 198, 6004, 2]
     sp = SamplingParams(temperature=0.8, max_tokens=10, seed=3)
     core.submit(

@@ -121,7 +121,7 @@ def test_token_redacted_in_resolved_config_and_private_files(tmp_path):
     "override, message",
     [
         ("controller.buffer_capacity=4", "controller.buffer_capacity: 4 < one batch (4 groups x 4 samples)"),
-        ("rollout.max_batch=2", "rollout.max_batch: 2 < sampling.n 4"),
+        ("rollout.max_num_seqs=2", "rollout.max_num_seqs: 2 < sampling.n 4"),
         ("rollout.num_workers=0", "rollout.num_workers: 0 without controller.time_budget_s"),
         ("learner.ppo_mini_batches=17", "learner.ppo_mini_batches: 17 > one batch (4 groups x 4 samples)"),
     ],

@@ -192,7 +192,7 @@ def test_resume_boundary_at_exact_token_case5():
 
 def test_request_waiting_across_update_gets_first_token_version():
     eng = FakeEngine([([10, 11, 12, EOS], "stop")])
-    core = RolloutWorkerCore(eng, chat=FakeChat(), max_in_flight=1)
+    core = RolloutWorkerCore(eng, chat=FakeChat(), max_num_seqs=1)
     core.submit([_req("a", env=False), _req("b", env=False)])
     core.step()
     core.update_weights(*_weights(1))
@@ -334,10 +334,10 @@ def test_status_is_threadsafe_snapshot():
 
 
 def test_eval_samples_go_ahead_of_waiting_training_ones():
-    """One sequence at a time (max_in_flight 1): training t0 runs, t1 and t2 wait; two eval requests
+    """One sequence at a time (max_num_seqs 1): training t0 runs, t1 and t2 wait; two eval requests
     submitted after them finish right after t0, in their own order, before t1 and t2."""
     eng = FakeEngine([([10, EOS], "stop")])
-    core = RolloutWorkerCore(eng, chat=FakeChat(), max_in_flight=1)
+    core = RolloutWorkerCore(eng, chat=FakeChat(), max_num_seqs=1)
     core.submit(_req("t0", env=False))
     core.step()  # t0 is running, one token in
     core.submit([_req("t1", env=False), _req("t2", env=False)])

@@ -225,7 +225,7 @@ def start_oldlogit_service(cfg: JobConfig, model_path: Path, console: Console) -
 
 def engine_config(cfg: JobConfig, model_path: Path | str) -> EngineConfig:
     """The engine every rollout worker of the job runs over the HF folder ``model_path``
-    (``rollout.engine``, ``rollout.dtype``, ``rollout.max_batch`` sequences, ``controller.seed``)."""
+    (``rollout.engine``, ``rollout.dtype``, ``rollout.max_num_seqs`` sequences, ``controller.seed``)."""
     from rollout.engine import EngineConfig
 
     return EngineConfig(
@@ -234,7 +234,7 @@ def engine_config(cfg: JobConfig, model_path: Path | str) -> EngineConfig:
         dtype=cfg.rollout.dtype,
         kv_cache_gib=cfg.rollout.kv_cache_gib,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-        max_num_seqs=cfg.rollout.max_batch,
+        max_num_seqs=cfg.rollout.max_num_seqs,
         max_model_len=cfg.rollout.max_model_len,
         seed=cfg.controller.seed,
     )
@@ -249,7 +249,7 @@ def start_workers(cfg: JobConfig, model_path: Path, route: NoRoute, console: Con
     pool = WorkerPool(
         engine_config(cfg, model_path),
         actor_options=cfg.rollout.actor_options(),
-        max_in_flight=cfg.rollout.max_batch,
+        max_num_seqs=cfg.rollout.max_num_seqs,
         oldlogit=route.worker_scorer,
         oldlogit_restart_timeout_s=cfg.oldlogit.restart_timeout_s,
         start_timeout_s=cfg.rollout.start_timeout_s,

@@ -90,8 +90,9 @@ class RolloutConfig(_Placement):
     """KV-cache memory of each vLLM engine on CPU, GiB."""
     gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0)
     """vLLM memory share on GPU."""
-    max_batch: int = Field(32, ge=1)
-    """Most sequences one worker generates at once."""
+    max_num_seqs: int = Field(32, ge=1)
+    """Most sequences one worker generates at once: the engine's batch (vLLM ``max_num_seqs``) and the
+    worker's cap on sequences handed to it (the rest wait, in order)."""
     max_model_len: int = Field(2048, ge=16, le=1 << 20)
     """Context length (prompt + all turns) each engine accepts, tokens."""
     inject_mismatch_std: float = Field(0.0, ge=0.0, le=1.0)
@@ -345,8 +346,8 @@ class JobConfig(_Section):
             raise ValueError(
                 f"learner.ppo_mini_batches: {self.learner.ppo_mini_batches} > one batch ({c.batch_groups} groups x {n} samples): a mini-batch would be empty"
             )
-        if self.rollout.max_batch < n:
-            raise ValueError(f"rollout.max_batch: {self.rollout.max_batch} < sampling.n {n}: a group never fits")
+        if self.rollout.max_num_seqs < n:
+            raise ValueError(f"rollout.max_num_seqs: {self.rollout.max_num_seqs} < sampling.n {n}: a group never fits")
         if c.eval_every and self.env.eval_prompts == 0 and (self.agent is None or self.agent.eval_tasks is None):
             raise ValueError(
                 f"controller.eval_every: {c.eval_every} with env.eval_prompts = 0: there are no held-out prompts to evaluate"

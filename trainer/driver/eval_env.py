@@ -65,7 +65,7 @@ def evaluate_folder(cfg: JobConfig, model_dir: str | Path, engine: str | None = 
     if engine is not None:
         ecfg = ecfg.model_copy(update={"kind": engine})
     t0 = time.perf_counter()
-    core = RolloutWorkerCore(make_engine(ecfg), max_in_flight=cfg.rollout.max_batch)
+    core = RolloutWorkerCore(make_engine(ecfg), max_num_seqs=cfg.rollout.max_num_seqs)
     try:
         start_s, t1 = time.perf_counter() - t0, time.perf_counter()
         core.submit(held_out_requests(cfg, "cli", core.version, ecfg.kind))

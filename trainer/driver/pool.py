@@ -78,14 +78,14 @@ class WorkerPool:
         self,
         engine_config: EngineConfig,
         actor_options: dict | None = None,
-        max_in_flight: int = 64,
+        max_num_seqs: int = 64,
         oldlogit: Any = None,
         oldlogit_restart_timeout_s: float = 600.0,
         start_timeout_s: float = 300.0,
         hang_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.engine_config, self.max_in_flight = engine_config, max_in_flight
+        self.engine_config, self.max_num_seqs = engine_config, max_num_seqs
         self.start_timeout_s = start_timeout_s
         self.hang_timeout_s = hang_timeout_s or None
         self.clock = clock
@@ -157,7 +157,7 @@ class WorkerPool:
         actor = RolloutWorker.options(**self.actor_options).remote(
             self.engine_config,
             worker_id=wid,
-            max_in_flight=self.max_in_flight,
+            max_num_seqs=self.max_num_seqs,
             oldlogit=self.oldlogit,
             oldlogit_restart_timeout_s=self.oldlogit_restart_timeout_s,
         )
