@@ -335,3 +335,23 @@ def unpack_weights(
     for alias, src in manifest.tied.items():
         out[alias] = out[src]
     return out
+
+
+def perturbed_weights(manifest: WeightManifest, payload: PackedWeights, std: float, seed: int):
+    """``payload`` with every floating tensor ``w`` replaced by ``w * (1 + std * z)``, ``z ~ N(0, 1)``
+    drawn elementwise in fp32 from ``torch.Generator().manual_seed(seed)`` and cast to the tensor's
+    dtype; tied aliases stay one tensor. Re-packed as the same version (new checksum and
+    fingerprint): ``(manifest, payload)``. The injected train-inference mismatch of the methods
+    benchmark (``rollout.inject_mismatch_std``).
+    """
+    g = torch.Generator().manual_seed(seed)
+    named = unpack_weights(manifest, payload, verify=False)
+    noisy = {
+        k: v
+        if k in manifest.tied
+        else v * (1 + std * torch.randn(v.shape, generator=g, dtype=torch.float32).to(v.dtype))
+        for k, v in named.items()
+    }
+    for alias, src in manifest.tied.items():  # keep ties: same tensor object under both names
+        noisy[alias] = noisy[src]
+    return pack_weights(noisy.items(), manifest.version, manifest.tensors[0].dtype)

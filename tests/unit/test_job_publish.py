@@ -18,7 +18,7 @@ class Learner:
     def __init__(self):
         self.published = []
 
-    def async_publish(self, dtype="float32", transport="host"):
+    def async_publish(self, dtype="float32", transport="host", mismatch_std=0.0, mismatch_seed=0):
         self.published.append(dtype)
         return Manifest(len(self.published)), f"ref-{len(self.published)}"
 

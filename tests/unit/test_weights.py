@@ -132,3 +132,20 @@ def test_cuda_ipc_transport_refuses_host_tensors():
         pack_weights([("w", torch.ones(2))], version=1, transport="rdma")
     _, payload = pack_weights([("w", torch.ones(2))], version=1)  # auto on the CPU: the host path
     assert isinstance(payload, PackedWeights)
+
+
+def test_perturbed_weights_multiply_by_one_plus_std_times_a_seeded_normal_and_keep_ties():
+    from modelkit.weights import perturbed_weights
+
+    w = torch.tensor([[1.0, 2.0], [4.0, -8.0]])
+    b = torch.tensor([0.5, 0.25])
+    manifest, payload = pack_weights([("w", w), ("b", b), ("alias", w)], version=3, dtype="float32")
+    m2, p2 = perturbed_weights(manifest, payload, 0.1, seed=7)
+    got = unpack_weights(m2, p2)
+    g = torch.Generator().manual_seed(7)
+    z = {k: torch.randn(v.shape, generator=g) for k, v in unpack_weights(manifest, payload).items() if k != "alias"}
+    assert torch.equal(got["w"], w * (1 + 0.1 * z["w"])) and torch.equal(got["b"], b * (1 + 0.1 * z["b"]))
+    assert got["alias"] is got["w"] and m2.tied == {"alias": "w"} and m2.version == 3
+    assert m2.checksum != manifest.checksum
+    m0, p0 = perturbed_weights(manifest, payload, 0.0, seed=7)  # std 0: the same tensors again
+    assert all(torch.equal(v, unpack_weights(manifest, payload)[k]) for k, v in unpack_weights(m0, p0).items())

@@ -59,25 +59,6 @@ def intake_refusal(t: Trajectory, vocab_size: int) -> str | None:
     return None
 
 
-def perturbed(manifest, payload: dict, std: float, seed: int):
-    """``payload`` with every floating tensor multiplied by ``1 + N(0, std)`` (re-packed, new checksum)."""
-    import torch
-
-    from modelkit.weights import pack_weights, unpack_weights
-
-    g = torch.Generator().manual_seed(seed)
-    named = unpack_weights(manifest, payload, verify=False)
-    noisy = {
-        k: v
-        if k in manifest.tied
-        else v * (1 + std * torch.randn(v.shape, generator=g, dtype=torch.float32).to(v.dtype))
-        for k, v in named.items()
-    }
-    for alias, src in manifest.tied.items():  # keep ties: same tensor object under both names
-        noisy[alias] = noisy[src]
-    return pack_weights(noisy.items(), manifest.version, manifest.tensors[0].dtype)
-
-
 @dataclass
 class TakenBatch:
     """A batch out of the buffer (held there until its step starts) and the route's pending answer."""
@@ -307,17 +288,15 @@ class Job:
         self.wait_published()
         t0 = time.perf_counter()
         noise = self.cfg.rollout.inject_mismatch_std
-        manifest, ref = self.learner.async_publish(self.cfg.rollout.dtype)
+        manifest, ref = self.learner.async_publish(
+            self.cfg.rollout.dtype, mismatch_std=noise, mismatch_seed=self.cfg.controller.seed * 100_003
+        )
         scorer_weights = None
         if self.route.oldlogit is not None:
             if self.cfg.rollout.dtype != "float32" or noise > 0:
                 scorer_weights = self.learner.async_publish("float32")
             else:
                 scorer_weights = (manifest, ref)
-        if noise > 0:
-            seed = self.cfg.controller.seed * 100_003 + manifest.version
-            manifest, payload = perturbed(manifest, ray.get(ref), noise, seed=seed)
-            ref = ray.put(payload)
         self.last_publish = {"seconds": time.perf_counter() - t0, "bytes": manifest.total_bytes, "unix": time.time()}
         self.times["publish"] += self.last_publish["seconds"]
 

@@ -58,7 +58,7 @@ import ray
 import torch
 
 from modelkit.scoring import sequence_logprobs, sequence_logprobs_and_entropy
-from modelkit.weights import PackedWeights, Transport, pack_weights
+from modelkit.weights import PackedWeights, Transport, pack_weights, perturbed_weights
 from protocol import OldLogitAnswer, Trajectory, WeightManifest
 from trainer.algorithm.batch import Batch, collate
 from trainer.algorithm.ewma import EwmaProximal
@@ -517,7 +517,12 @@ class LearnerCore:
         return {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in adapter_state(self.engine.module).items()}
 
     def publish(
-        self, dtype: str = "float32", copy: bool = True, transport: Transport = "host"
+        self,
+        dtype: str = "float32",
+        copy: bool = True,
+        transport: Transport = "host",
+        mismatch_std: float = 0.0,
+        mismatch_seed: int = 0,
     ) -> tuple[WeightManifest, Mapping[str, torch.Tensor]]:
         """Pack the current weights as version :attr:`version` for the rollout workers and the
         old-logit service (:func:`modelkit.weights.pack_weights`: cast to ``dtype``, tied tensors sent
@@ -535,8 +540,19 @@ class LearnerCore:
         With LoRA only the adapter is packed (:func:`modelkit.lora.pack_adapter`, ``manifest.adapter``
         set): ``rank * (in + out)`` elements per adapted module; consumers merge it into their own base.
 
+        ``mismatch_std`` > 0 publishes perturbed weights (:func:`modelkit.weights.perturbed_weights`
+        with seed ``mismatch_seed + version``): a train-inference mismatch injected for experiments,
+        drawn here so no one else handles the payload.
+
         Under ZeRO-3 with several ranks every rank must call it (parameters are gathered).
+
+        Raises:
+            ValueError: ``mismatch_std`` < 0, or > 0 with LoRA or a device transport (full host weights only).
         """
+        if mismatch_std < 0 or (mismatch_std > 0 and (self.settings.lora.enabled or transport != "host")):
+            raise ValueError(
+                f"mismatch_std: {mismatch_std} needs >= 0, and full weights on the host transport when > 0"
+            )
         t0 = time.perf_counter()
         if self.settings.lora.enabled:  # ZeRO 0-2 only: the adapter is whole on every rank
             from modelkit.lora import adapter_state, pack_adapter
@@ -550,6 +566,8 @@ class LearnerCore:
                 t1 = time.perf_counter()
                 copy = copy or self.settings.zero_stage == 3
                 manifest, payload = pack_weights(named.items(), self.version, dtype, copy=copy, transport=transport)
+            if mismatch_std > 0:
+                manifest, payload = perturbed_weights(manifest, payload, mismatch_std, mismatch_seed + self.version)
             if not isinstance(payload, PackedWeights):  # a device payload: consumers map this memory
                 self._device_payloads.append(payload)
                 torch.cuda.ipc_collect()

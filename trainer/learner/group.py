@@ -94,13 +94,16 @@ class LearnerGroup:
         return ray.get(self.actors[0].publish.remote(dtype, False))
 
     def async_publish(
-        self, dtype: str = "float32", transport: Transport = "host"
+        self, dtype: str = "float32", transport: Transport = "host", mismatch_std: float = 0.0, mismatch_seed: int = 0
     ) -> tuple[WeightManifest, ray.ObjectRef]:
         """Like :meth:`publish`, but the payload stays in Ray's object store: returns the manifest and
         an ``ObjectRef`` to hand to every consumer, so the driver never copies the weights. The
-        learner returns as soon as the payload is stored (``copy=False``: storing it is the one copy)."""
+        learner returns as soon as the payload is stored (``copy=False``: storing it is the one copy).
+        ``mismatch_std`` / ``mismatch_seed``: as :meth:`LearnerCore.publish` (injected mismatch)."""
         ranks = self.actors if self.zero_stage == 3 else self.actors[:1]
-        refs = [a.publish.options(num_returns=2).remote(dtype, False, transport) for a in ranks]
+        refs = [
+            a.publish.options(num_returns=2).remote(dtype, False, transport, mismatch_std, mismatch_seed) for a in ranks
+        ]
         manifest = ray.get(refs[0][0])
         ray.get([r[0] for r in refs[1:]])  # ZeRO-3: every rank finished its part of the gather
         return manifest, refs[0][1]
