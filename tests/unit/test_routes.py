@@ -58,6 +58,7 @@ def test_make_route_names_a_bad_route():
 
 def test_the_snapshot_route_asks_only_for_older_versions_when_the_learner_gives_its_own():
     from protocol import Trajectory
+    from trainer.algorithm.batch import learner_gives_current
 
     class Calls:
         def __init__(self):
@@ -73,9 +74,25 @@ def test_the_snapshot_route_asks_only_for_older_versions_when_the_learner_gives_
     )  # fmt: skip
     masks = []
     for steps in (1, 2):  # one optimizer step per batch: the learner gives version 3's tokens
-        route = make_route("snapshot", SERVICE, optimizer_steps=steps)
+        route = make_route("snapshot", SERVICE, current_from_learner=learner_gives_current("snapshot", steps))
         route.calls = Calls()
         route.async_old_logits([t], 3, 1.0)
         ((method, req),) = route.calls.sent
         masks.append(req.items[0].loss_mask.tolist())
     assert method == "score" and masks == [[0, 1, 0, 0, 0], [0, 1, 1, 1, 1]]
+
+
+def test_the_scorer_installs_the_rollout_publication_only_when_it_is_float32_and_unperturbed():
+    own = []
+
+    def publish(dtype):
+        own.append(dtype)
+        return ("manifest-fp32", "ref-fp32")
+
+    rollout = ("manifest", "ref")
+    assert make_route("none", None).scorer_publication(rollout, "bfloat16", publish, perturbed=False) is None
+    snap = make_route("snapshot", SERVICE)
+    assert snap.scorer_publication(rollout, "float32", publish, perturbed=False) == rollout and own == []
+    assert snap.scorer_publication(rollout, "bfloat16", publish, perturbed=False) == ("manifest-fp32", "ref-fp32")
+    assert snap.scorer_publication(rollout, "float32", publish, perturbed=True) == ("manifest-fp32", "ref-fp32")
+    assert own == ["float32", "float32"]

@@ -3,7 +3,7 @@
     model folder      ``model.path`` (``smollm2``, ``tiny`` or a folder) and its ``vocab_size``
     learner           :class:`trainer.learner.LearnerGroup`, one rank per ``learner.world_size``
     old-logit service :class:`oldlogit_service.actor.OldLogitServer`, unless the route is ``none``,
-                      wrapped in its route object (:func:`trainer.driver.routes.make_route`)
+                      started and wrapped by its route (:func:`trainer.driver.routes.start_service`, ``make_route``)
     rollout workers   :class:`trainer.driver.pool.WorkerPool` at ``rollout.num_workers``
     resume            ``controller.resume_from``: the learner's state, the buffer's accounting and
                       its saved trajectories, the source's cursor and held-back trajectories
@@ -23,16 +23,14 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import ray
 from rich.console import Console
 
-from trainer.algorithm.batch import learner_gives_current
 from trainer.driver.buffer import TrajectoryBuffer
 from trainer.driver.config import JobConfig, write_private
 from trainer.driver.ledger import Ledger
 from trainer.driver.parts import Job
 from trainer.driver.resume import SavedTrajectories, read_trajectories
-from trainer.driver.routes import NoRoute, make_route
+from trainer.driver.routes import NoRoute, make_route, start_service
 from trainer.driver.sources import AgentSource, EnvSource, TrajectorySource
 from trainer.learner.ds_ops import clear_stale_build_locks
 
@@ -62,9 +60,9 @@ def start_job(cfg: JobConfig, console: Console) -> Job:
     learner = start_learner(cfg, learner_settings(cfg, model_path), console)
     route = make_route(
         cfg.oldlogit_route,
-        start_oldlogit_service(cfg, model_path, console),
+        start_service(cfg, model_path, console),
         cfg.oldlogit.restart_timeout_s,
-        cfg.learner.ppo_epochs * cfg.learner.ppo_mini_batches,
+        cfg.current_from_learner,
     )
     pool = start_workers(cfg, model_path, route, console)
     version = run_segment = lost_before = 0
@@ -165,9 +163,7 @@ def learner_settings(cfg: JobConfig, model_path: Path) -> LearnerSettings:
         max_token_staleness=c.max_token_staleness,
         seed=c.seed,
         lora=cfg.lora,
-        current_from_learner=learner_gives_current(
-            cfg.oldlogit_route, cfg.learner.ppo_epochs * cfg.learner.ppo_mini_batches
-        ),
+        current_from_learner=cfg.current_from_learner,
     )
 
 
@@ -189,38 +185,6 @@ def start_learner(cfg: JobConfig, settings: LearnerSettings, console: Console) -
             start_timeout_s=cfg.controller.start_timeout_s,
             **cfg.learner.actor_options(),
         )
-
-
-def start_oldlogit_service(cfg: JobConfig, model_path: Path, console: Console) -> Any:
-    """The old-logit service's Ray handle, started and ready; None on the ``none`` route.
-
-    Raises:
-        TimeoutError: not ready within ``controller.start_timeout_s`` (the actor is killed).
-    """
-    from oldlogit_service.actor import OldLogitServer
-
-    if cfg.oldlogit_route == "none":
-        return None
-    c = cfg.controller
-    with console.status(f"starting old-logit service ({cfg.oldlogit_route}) ..."):
-        restarts = cfg.oldlogit.max_restarts
-        oldlogit = OldLogitServer.options(
-            **cfg.oldlogit.actor_options(), max_restarts=restarts, max_task_retries=restarts
-        ).remote(
-            str(model_path),
-            route=cfg.oldlogit_route,
-            max_staleness=c.max_staleness,
-            memory_budget_bytes=cfg.oldlogit.memory_budget_bytes,
-            adapter=cfg.lora.spec() if cfg.lora.enabled else None,
-        )
-        try:
-            ray.get(oldlogit.ready.remote(), timeout=c.start_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            ray.kill(oldlogit)
-            raise TimeoutError(
-                f"old-logit service: not started within controller.start_timeout_s = {c.start_timeout_s} s"
-            ) from None
-    return oldlogit
 
 
 def engine_config(cfg: JobConfig, model_path: Path | str) -> EngineConfig:

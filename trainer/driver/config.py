@@ -367,6 +367,15 @@ class JobConfig(_Section):
     def oldlogit_route(self) -> str:
         return self.loss.oldlogit_route
 
+    @property
+    def current_from_learner(self) -> bool:
+        """Whether the learner gives pi_old of its own version's tokens and the service scores only
+        older ones (:func:`trainer.algorithm.batch.learner_gives_current` of the route and the
+        optimizer steps per rollout batch, ``learner.ppo_epochs * learner.ppo_mini_batches``)."""
+        from trainer.algorithm.batch import learner_gives_current
+
+        return learner_gives_current(self.oldlogit_route, self.learner.ppo_epochs * self.learner.ppo_mini_batches)
+
 
 def _set_path(d: dict[str, Any], dotted: str, value: Any) -> None:
     keys = dotted.split(".")

@@ -291,12 +291,9 @@ class Job:
         manifest, ref = self.learner.async_publish(
             self.cfg.rollout.dtype, mismatch_std=noise, mismatch_seed=self.cfg.controller.seed * 100_003
         )
-        scorer_weights = None
-        if self.route.oldlogit is not None:
-            if self.cfg.rollout.dtype != "float32" or noise > 0:
-                scorer_weights = self.learner.async_publish("float32")
-            else:
-                scorer_weights = (manifest, ref)
+        scorer_weights = self.route.scorer_publication(
+            (manifest, ref), self.cfg.rollout.dtype, self.learner.async_publish, perturbed=noise > 0
+        )
         self.last_publish = {"seconds": time.perf_counter() - t0, "bytes": manifest.total_bytes, "unix": time.time()}
         self.times["publish"] += self.last_publish["seconds"]
 

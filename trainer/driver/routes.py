@@ -25,20 +25,31 @@ publication of V+1 reaches it after that request.
 
 A route holds the old-logit service's Ray handle (None on ``none``) and makes every driver call to it
 through :class:`oldlogit_service.calls.ServiceCalls` (``calls``), which waits out a restart of the
-service; it never owns the buffer or the workers - the loop passes what a hook needs.
+service; it never owns the buffer or the workers - the loop passes what a hook needs. The route
+module also starts the service with its settings (:func:`start_service`) and decides what of a
+publication the service installs (:meth:`NoRoute.scorer_publication`, in :data:`SCORER_DTYPE`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ray
+from rich.console import Console
 
 from oldlogit_service.calls import PendingCall, RestartWait, ServiceCalls
 from protocol import OLDLOGIT_ROUTES, OldLogitRequest, Trajectory, WeightManifest
-from trainer.algorithm.batch import learner_gives_current
+
+if TYPE_CHECKING:
+    from trainer.driver.config import JobConfig
 
 ScorerWeights = tuple[WeightManifest, Any]
 """``(manifest, payload ObjectRef)`` of the float32 publication the old-logit service installs."""
+
+SCORER_DTYPE = "float32"
+"""The old-logit service scores in the learner's dtype, so an exact pi_old is the learner's own value."""
 
 
 class NoRoute:
@@ -53,6 +64,16 @@ class NoRoute:
         self.oldlogit = oldlogit
         self.calls = None if oldlogit is None else ServiceCalls(oldlogit, RestartWait(restart_timeout_s))
         """The driver's calls to the service (None without one)."""
+
+    def scorer_publication(
+        self, rollout: ScorerWeights, rollout_dtype: str, publish: Callable[[str], ScorerWeights], perturbed: bool
+    ) -> ScorerWeights | None:
+        """What the service installs of a publication: None without a service; the rollout
+        workers' publication ``rollout`` when it is in :data:`SCORER_DTYPE` and not perturbed;
+        otherwise a publication of its own, ``publish(SCORER_DTYPE)``."""
+        if self.oldlogit is None:
+            return None
+        return rollout if rollout_dtype == SCORER_DTYPE and not perturbed else publish(SCORER_DTYPE)
 
     def service_record(self) -> dict[str, float]:
         """The service's restart and outage counters so far (:meth:`ServiceCalls.record`); {} without one."""
@@ -136,11 +157,13 @@ class ScorerRoute(NoRoute):
         self.calls.call("update_weights", *scorer_weights)
 
 
-def make_route(name: str, oldlogit: Any, restart_timeout_s: float = 600.0, optimizer_steps: int = 1) -> NoRoute:
+def make_route(
+    name: str, oldlogit: Any, restart_timeout_s: float = 600.0, current_from_learner: bool = False
+) -> NoRoute:
     """The route object for ``loss.oldlogit_route`` ``name`` around the service handle ``oldlogit``;
     its calls wait at most ``restart_timeout_s`` seconds for a restarting service (:class:`RestartWait`);
-    ``optimizer_steps`` per rollout batch decide whether the learner gives its own version's pi_old
-    (:func:`trainer.algorithm.batch.learner_gives_current`).
+    ``current_from_learner``: the learner gives its own version's pi_old, so the snapshot route asks
+    the service only for older tokens (:attr:`trainer.driver.config.JobConfig.current_from_learner`).
 
     Raises:
         ValueError: an unknown route name, or a route other than ``none`` without a service handle.
@@ -150,7 +173,43 @@ def make_route(name: str, oldlogit: Any, restart_timeout_s: float = 600.0, optim
     if oldlogit is None:
         raise ValueError(f"oldlogit_route: {name!r} needs a running old-logit service")
     if name == "snapshot":
-        return SnapshotRoute(oldlogit, restart_timeout_s, learner_gives_current(name, optimizer_steps))
+        return SnapshotRoute(oldlogit, restart_timeout_s, current_from_learner)
     if name in ("old_logit_model", "interrupt_sync"):
         return ScorerRoute(name, oldlogit, restart_timeout_s)
     raise ValueError(f"oldlogit_route: {name!r} is not one of {', '.join(OLDLOGIT_ROUTES)}")
+
+
+def start_service(cfg: JobConfig, model_path: Path, console: Console) -> Any:
+    """The old-logit service's Ray handle, started and ready; None on the ``none`` route. Its
+    settings come from the route and the job: ``loss.oldlogit_route``, the versions it keeps
+    (``controller.max_staleness``), ``oldlogit.memory_budget_bytes``, the LoRA adapter spec, and
+    :data:`SCORER_DTYPE` (the learner's numerics).
+
+    Raises:
+        TimeoutError: not ready within ``controller.start_timeout_s`` (the actor is killed).
+    """
+    from oldlogit_service.actor import OldLogitServer
+
+    if cfg.oldlogit_route == "none":
+        return None
+    c = cfg.controller
+    with console.status(f"starting old-logit service ({cfg.oldlogit_route}) ..."):
+        restarts = cfg.oldlogit.max_restarts
+        oldlogit = OldLogitServer.options(
+            **cfg.oldlogit.actor_options(), max_restarts=restarts, max_task_retries=restarts
+        ).remote(
+            str(model_path),
+            route=cfg.oldlogit_route,
+            max_staleness=c.max_staleness,
+            memory_budget_bytes=cfg.oldlogit.memory_budget_bytes,
+            adapter=cfg.lora.spec() if cfg.lora.enabled else None,
+            dtype=SCORER_DTYPE,
+        )
+        try:
+            ray.get(oldlogit.ready.remote(), timeout=c.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(oldlogit)
+            raise TimeoutError(
+                f"old-logit service: not started within controller.start_timeout_s = {c.start_timeout_s} s"
+            ) from None
+    return oldlogit

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from protocol import OldLogitAnswer, Trajectory
-from trainer.algorithm.batch import Batch, collate, learner_gives_current
+from trainer.algorithm.batch import Batch, collate
 
 if TYPE_CHECKING:
     from trainer.driver.config import JobConfig
@@ -76,9 +76,7 @@ def learner_batch(
         max_token_staleness=cfg.controller.max_token_staleness,
         overlong_filter=cfg.learner.overlong_filter,
         advantage=cfg.loss.advantage,
-        current_from_learner=learner_gives_current(
-            cfg.oldlogit_route, cfg.learner.ppo_epochs * cfg.learner.ppo_mini_batches
-        ),
+        current_from_learner=cfg.current_from_learner,
     )
 
 
