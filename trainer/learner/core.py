@@ -64,6 +64,7 @@ from trainer.algorithm.batch import Batch, collate
 from trainer.algorithm.ewma import EwmaProximal
 from trainer.algorithm.losses import compute_policy_loss, discrepancy_ratio, icepop_mask
 from trainer.algorithm.proximal import RECOMPUTE_PROXIES, proximal_reference
+from trainer.learner import checkpoint
 from trainer.learner.guard import StepGuard
 from trainer.learner.settings import LearnerSettings, init_distributed
 from trainer.learner.steps import combine_step_metrics, sum_max_min
@@ -595,15 +596,11 @@ class LearnerCore:
 
     def save_checkpoint(self, directory: str, extra: dict[str, Any] | None = None) -> str:
         """See :func:`trainer.learner.checkpoint.save_checkpoint` (every rank must call it)."""
-        from trainer.learner.checkpoint import save_checkpoint
-
-        return str(save_checkpoint(self, directory, extra=extra))
+        return str(checkpoint.save_checkpoint(self, directory, extra=extra))
 
     def load_checkpoint(self, directory: str, tag: str | None = None) -> dict[str, Any]:
         """See :func:`trainer.learner.checkpoint.load_checkpoint` (every rank must call it); returns ``extra``."""
-        from trainer.learner.checkpoint import load_checkpoint
-
-        return load_checkpoint(self, directory, tag=tag)
+        return checkpoint.load_checkpoint(self, directory, tag=tag)
 
 
 Learner = ray.remote(LearnerCore)
