@@ -243,6 +243,25 @@ def main(
     trl["heldout"] = evaluate_heldout(load_policy(work / "trl" / "final"), tok, rows, reward, max_new)
     log(f"held-out evaluation of 3 models: {time.perf_counter() - t:.0f} s")
 
+    result = _result(cfg, config, budget_s, eval_prompts, quick, seeds, max_new, cores, base, vintage, trl)
+    table = table_markdown(result)
+    result["table"] = table
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    log(table)
+    q = result["ratios"]
+    log(
+        f"goal (completions/s >= {GOAL_RATIO}x TRL, held-out reward >= TRL's): "
+        f"{'met' if q['goal_met'] else 'not met'}  -> {out}"
+    )
+    if not keep:  # the checkpoints and TRL's saved model are large; the JSON keeps the numbers
+        shutil.rmtree(work / "vintage" / "checkpoints", ignore_errors=True)
+        shutil.rmtree(work / "trl" / "final", ignore_errors=True)
+    return result
+
+
+def _result(cfg, config, budget_s, eval_prompts, quick, seeds, max_new, cores, base, vintage, trl) -> dict[str, Any]:
+    """The saved record of one run: settings, the three held-out scores, both sides and the ratios."""
     ms = cfg.controller.max_staleness
     vintage["configuration"] = f"vLLM + DeepSpeed, async (max_staleness {ms}), loss {cfg.loss.method}"
     trl["configuration"] = f"transformers generate (use_vllm=False, CPU), sync, {trl.get('threads', cores)} threads"
@@ -264,19 +283,6 @@ def main(
         "command": "vintage bench trl" + (" --quick" if quick else "") + f" --budget-s {budget_s:g}"
         + f" --eval-prompts {eval_prompts}",
     }  # fmt: skip
-    table = table_markdown(result)
-    result["table"] = table
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str))
-    log(table)
-    q = result["ratios"]
-    log(
-        f"goal (completions/s >= {GOAL_RATIO}x TRL, held-out reward >= TRL's): "
-        f"{'met' if q['goal_met'] else 'not met'}  -> {out}"
-    )
-    if not keep:  # the checkpoints and TRL's saved model are large; the JSON keeps the numbers
-        shutil.rmtree(work / "vintage" / "checkpoints", ignore_errors=True)
-        shutil.rmtree(work / "trl" / "final", ignore_errors=True)
     return result
 
 
