@@ -96,6 +96,23 @@ class GroupGate:
             return self._release(h.sessions, partial=False)
         return []
 
+    def held(self) -> list[Any]:
+        """The sessions held now, group by group in the order their groups began to wait."""
+        return [s for h in self._held.values() for s in h.sessions]
+
+    def release_restored(self, sessions: list[Any]) -> list[Any]:
+        """Release ``sessions`` held for their groups before a restart, now, group by group (in
+        order of first appearance): a group of ``group_size`` as it is, a smaller one partial with
+        its baselines. Their groups' other sessions were in flight at the restart and never end,
+        so waiting for them would only delay the ones kept."""
+        by_group: OrderedDict[str, list[Any]] = OrderedDict()
+        for s in sessions:
+            by_group.setdefault(s.group_id, []).append(s)
+        out: list[Any] = []
+        for group in by_group.values():
+            out += self._release(group, partial=len(group) < self.group_size)
+        return out
+
     def due(self) -> list[Any]:
         """Release every group that waited ``wait_s`` or longer since its first session ended, oldest first."""
         now = self.clock()

@@ -238,6 +238,25 @@ class SessionTable:
             self._ended += self.groups.add(out, alone=s.group_id == s.session_id)
         return out
 
+    def held_sessions(self) -> list[EndedSession]:
+        """Ended training sessions held now, waiting for their group (saved with a checkpoint)."""
+        with self._lock:
+            return list(self.groups.held())
+
+    def restore_held(self, trajectories: list[Trajectory]) -> int:
+        """Hand the trajectories of sessions held at a checkpoint to the next :meth:`take_ended`,
+        released at once (:meth:`rollout.gateway.groups.GroupGate.release_restored`); returns the
+        number of sessions. A session is its trajectories with one session id: the id itself, or
+        ``<session_id>/<k>`` for the segments of a split session (in order); its reward is theirs."""
+        sessions: dict[str, EndedSession] = {}
+        for t in trajectories:
+            sid = t.trajectory_id.split("/", 1)[0]
+            e = sessions.setdefault(sid, EndedSession(sid, t.group_id, [], reward=float(t.reward)))
+            e.trajectories.append(t)
+        with self._lock:
+            self._ended += self.groups.release_restored(list(sessions.values()))
+        return len(sessions)
+
     def take_ended(self) -> list[EndedSession]:
         """Training sessions handed over since the last call, oldest first: dropped ones, and those
         of groups that filled or waited ``group_wait_s`` (see :mod:`rollout.gateway.groups`)."""

@@ -132,3 +132,30 @@ def test_a_session_without_a_group_trains_over_http_and_the_status_counts_the_wa
     finally:
         server.stop()
         backend.close()
+
+
+def test_sessions_held_for_their_group_at_a_checkpoint_are_kept_and_released_at_once_on_resume():
+    def gateway() -> Gateway:
+        pool = ScriptedPool([])
+        backend = WorkerBackend(pool.submit, pool.poll, lambda: 0)
+        return Gateway(backend, chat_format(), 4096, admin_token=ADMIN, clock=FakeClock(), group_size=4)
+
+    gw = gateway()
+    gw.groups.add(ended("a", "g", 1.0, segments=2))  # g: 2 of 4 sessions ended, one split in 2 segments
+    gw.groups.add(ended("b", "g", 0.0))
+    gw.groups.add(ended("c", "h", 0.5))  # h: 1 of 4
+    held = gw.held_sessions()
+    saved = [t for e in held for t in e.trajectories]  # what the checkpoint writes
+    assert [t.trajectory_id for t in saved] == ["a/0", "a/1", "b", "c"] and len(held) == 3
+    # the buffer counted 5 sessions in flight at the checkpoint; the 3 held are kept, 2 were lost
+    buf = TrajectoryBuffer(capacity=16, max_staleness=2)
+    buf.load_state_dict({"submitted": 5, "consumed": 0, "dropped": {}}, [], pending=len(held))
+    assert (buf.in_flight, buf.dropped["lost_at_restart"]) == (3, 2)
+    resumed = gateway()
+    assert resumed.restore_held(saved) == 3
+    a, b, c = resumed.take_ended()  # released at once: their groups' other sessions never end
+    assert [t.trajectory_id for t in a.trajectories] == ["a/0", "a/1"] and (a.group_id, a.reward) == ("g", 1.0)
+    # g partial: leave-one-out baselines (a: b's 0.0, b: a's 1.0); h alone: the mean reward of the
+    # sessions released before it, a and b: (1.0 + 0.0) / 2 = 0.5
+    assert [t.baseline for t in a.trajectories] == [0.0, 0.0] and b.trajectories[0].baseline == 1.0
+    assert c.trajectories[0].baseline == 0.5 and resumed.groups.groups_partial == 2

@@ -76,7 +76,8 @@ def start_job(cfg: JobConfig, console: Console) -> Job:
             Path(c.resume_from) / tag, counters.get("buffered_ids", []), source_state.get("held_back_ids", [])
         )
         lost_before = counters["dropped"].get("lost_at_restart", 0)
-        buffer.load_state_dict(counters, saved.buffered, pending=len(saved.held_back))
+        units = source_state.get("held_back_units", len(saved.held_back))
+        buffer.load_state_dict(counters, saved.buffered, pending=units)
         version, run_segment = learner.version(), int(extra.get("run_segment", 0)) + 1
         console.print(
             f"resumed from {c.resume_from} at version {version} (run segment {run_segment}): "

@@ -429,7 +429,11 @@ class Job:
         write_trajectories(directory / tag, self.buffer.saved(), pending)
         extra = {
             "buffer": self.buffer.state_dict(),
-            "source": {"cursor": self.source.cursor(), "held_back_ids": [t.trajectory_id for t in pending]},
+            "source": {
+                "cursor": self.source.cursor(),
+                "held_back_ids": [t.trajectory_id for t in pending],
+                "held_back_units": self.source.pending_units(),
+            },
             "run_segment": self.run_segment,
         }
         folder = self.learner.save_checkpoint(str(directory), extra)

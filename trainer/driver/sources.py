@@ -83,6 +83,10 @@ class TrajectorySource(Protocol):
         """Finished training trajectories taken from the workers that ``poll`` has not returned yet
         (saved with a checkpoint; still in flight for the buffer's accounting)."""
 
+    def pending_units(self) -> int:
+        """How many of the buffer's in-flight units :meth:`pending` stands for (a trajectory each, or
+        a session each where the buffer counts sessions)."""
+
     def restore(self, cursor: dict[str, int], pending: list[Trajectory]) -> None:
         """Go on from a checkpoint's ``cursor`` and ``pending`` trajectories (returned by the next ``poll``)."""
 
@@ -269,6 +273,10 @@ class EnvSource:
         """The training trajectories held back during an evaluation."""
         return list(self._held_back)
 
+    def pending_units(self) -> int:
+        """One unit per held-back trajectory."""
+        return len(self._held_back)
+
     def restore(self, cursor: dict[str, int], pending: list[Trajectory]) -> None:
         """Continue at ``cursor["next_seed"]`` (when saved); ``pending`` comes first in the next :meth:`poll`."""
         self.next_seed = int(cursor.get("next_seed", self.next_seed))
@@ -333,11 +341,17 @@ class AgentSource:
         return {}
 
     def pending(self) -> list[Trajectory]:
-        """None: an ended session's trajectories are returned by the next :meth:`poll`, not held."""
-        return []
+        """The trajectories of ended sessions the gateway holds for their groups (every segment)."""
+        return [t for e in self.runner.gateway.held_sessions() for t in e.trajectories]
+
+    def pending_units(self) -> int:
+        """One unit per held session: the buffer counts a session once until its segments are polled."""
+        return len(self.runner.gateway.held_sessions())
 
     def restore(self, cursor: dict[str, int], pending: list[Trajectory]) -> None:
-        """Nothing to restore (see :meth:`cursor`)."""
+        """The sessions held at the checkpoint go to the next :meth:`poll`, their groups released at
+        once (:meth:`rollout.gateway.sessions.SessionTable.restore_held`); task ids need no cursor."""
+        self.runner.gateway.restore_held(pending)
 
     def status(self) -> GatewayStatus | None:
         """The gateway's sessions, calls and their accounting."""
