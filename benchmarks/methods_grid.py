@@ -52,6 +52,8 @@ Grids:
   learning rate keeps one version mostly inside the clip band (the largest per-step clip fraction).
 * ``paper_real``: the same comparison on SmolLM2 and the demo's task (2 mini-batches of 8 per
   16-sample batch, W = 2, 3 seeds, 20 steps; ~2.5 hours here).
+* ``paper_agent``: the same comparison on a multi-turn task through the gateway, the retail agent
+  on SmolLM2 (:data:`AGENT`: 2 mini-batches, W = 2, 3 seeds, :data:`PAPER_AGENT_STEPS` steps).
 
 Per row: the final reward's mean with its 95% interval over seeds (Student's t), how many runs
 collapsed (ended below their first step's reward), the largest clipped fraction of one optimizer
@@ -212,6 +214,34 @@ proxy and IcePop's mask on the recompute reference."""
 PAPER_REAL_STEPS = 20
 """Steps per ``paper_real`` run on SmolLM2 (the demo's task; ~25 s per step with 2 mini-batches here)."""
 
+AGENT: tuple[str, ...] = (
+    'model.path="smollm2"',
+    'env.path="rollout.envs.retail:RetailEnv"',
+    'env.kwargs={level="easy", max_turns=3}',
+    "env.train_seeds=2000",
+    "env.eval_prompts=32",
+    'agent.path="rollout.agents.retail:run"',
+    "agent.concurrency=16",
+    'agent.tasks="env"',
+    "agent.timeout_s=300",
+    "gateway.max_session_tokens=1024",
+    "rollout.kv_cache_gib=2",
+    "rollout.max_num_seqs=32",
+    "rollout.sampling.max_tokens=24",
+    "rollout.sampling.n=4",
+    "controller.batch_groups=4",
+    "learner.lr=5e-5",
+    "learner.ppo_mini_batches=2",
+    "learner.micro_batch_size=4",
+)
+"""The multi-turn cell: the retail support agent (``rollout.agents.retail``, an OpenAI-client agent)
+through the gateway on SmolLM2, as ``deploy/configs/agent-retail.toml`` (easy tasks, 3 turns, 4
+episodes per task, 4 tasks per step, lr 5e-5), with 2 optimizer steps per rollout batch; applied
+over :data:`BASE`."""
+
+PAPER_AGENT_STEPS = 20
+"""Versions per ``paper_agent`` run (~30 s per step here, plus two 32-task evaluations)."""
+
 CONFIRM_STEPS = 12
 """Steps per confirmation run: the demo's batch reward rises from ~0.4 to ~0.7 within ~12 steps."""
 
@@ -270,13 +300,21 @@ def grid(kind: str) -> list[Cell]:
             for s in (0, 1, 2)
             for m in PAPER_METHODS
         ]
+    if kind == "paper_agent":
+        return [
+            Cell(m, 2, "bf16", s, PAPER_AGENT_STEPS, AGENT, model="smollm2", tag="agent-mb2")
+            for s in (0, 1, 2)
+            for m in PAPER_METHODS
+        ]
     if kind == "eps":
         wide = ("loss.eps_low=0.5", "loss.eps_high=1.0")
         return [Cell(m, 4, "bf16", 0, REDUCED_STEPS, wide, tag="eps0.5-1.0") for m in ("snapshot", "ppo_ewma")]
     raise ValueError(f"grid: unknown kind {kind!r} ({', '.join(GRIDS)})")
 
 
-GRIDS = ("quick", "reduced", "seeds", "lr", "eps", "full", "confirm", "paper", "paper_lr", "paper_real")
+GRIDS = (
+    "quick", "reduced", "seeds", "lr", "eps", "full", "confirm", "paper", "paper_lr", "paper_real", "paper_agent"
+)  # fmt: skip
 REDUCED_STEPS = 32
 
 

@@ -113,3 +113,14 @@ def test_a_cell_interrupted_before_its_last_step_is_not_complete():
     assert not is_complete({"state": "finished", "steps": 64, "steps_done": 0}, cell)  # stopped by SIGINT
     assert not is_complete({"state": "failed", "steps": 64, "steps_done": 64}, cell)
     assert not is_complete({"state": "finished", "steps": 32, "steps_done": 32}, cell)
+
+
+def test_the_agent_grid_runs_the_retail_agent_through_the_gateway_on_smollm2():
+    from trainer.driver.config import load_config
+
+    cells = grid("paper_agent")
+    assert len(cells) == 15 and cells[0].name == "smollm2-recompute-W2-bf16-s0-agent-mb2"
+    cfg = load_config(None, cells[1].overrides(Path("/tmp/x")))  # snapshot, seed 0
+    assert (cfg.agent.path, cfg.loss.method, cfg.rollout.dtype) == ("rollout.agents.retail:run", "snapshot", "bfloat16")
+    assert (cfg.learner.ppo_mini_batches, cfg.rollout.sampling.n, cfg.controller.batch_groups) == (2, 4, 4)
+    assert (cfg.controller.max_staleness, cfg.controller.total_steps, cfg.rollout.sampling.max_tokens) == (2, 20, 24)
