@@ -85,7 +85,7 @@ def bench_methods(
     grid: Annotated[
         str,
         typer.Option(
-            help="Which grid: quick, reduced, seeds, lr, eps, full, confirm, paper, paper_lr, paper_real (see benchmarks/methods.py)."
+            help="Which grid: quick, reduced, seeds, lr, eps, full, confirm, paper, paper_lr, paper_real, paper_agent (see benchmarks/methods_grid.py)."
         ),
     ] = "full",
 ) -> None:
