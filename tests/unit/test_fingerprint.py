@@ -128,10 +128,20 @@ def test_lora_worker_serves_the_merge_it_applied(tiny_model_path):
 
 class _Pool:
     def __init__(self, reports):
-        self.reports, self.killed = reports, []
+        self.reports, self.killed, self.unverified = reports, [], {}
 
-    def fingerprints(self):
-        return self.reports
+    def fingerprints(self, only=None):
+        return {w: r for w, r in self.reports.items() if only is None or w in only}
+
+    def worker_ids(self):
+        return sorted(self.reports)
+
+    def mark_unverified(self, wid, manifest):
+        self.unverified[wid] = manifest
+
+    def take_unverified(self):
+        out, self.unverified = self.unverified, {}
+        return out
 
     def kill(self, wids, reason):
         self.killed.append((wids, reason))
@@ -161,7 +171,7 @@ def test_driver_restarts_and_counts_mismatched_consumers(monkeypatch, max_restar
     manifest = SimpleNamespace(version=1, adapter=None, fingerprint="a" * 16)
     j = Job.__new__(Job)
     j.cfg = load_config(None, [f"oldlogit.max_restarts={max_restarts}"])
-    j.console, j.fingerprint_mismatch = Console(quiet=True), 0
+    j.console, j.fingerprint_mismatch, j.served_expected = Console(quiet=True), 0, {}
     j.pool = _Pool({"w0": {"version": 1, "served": "a" * 16}, "w1": {"version": 1, "served": "b" * 16}})
     calls = _Calls({"version": 1, "served": "c" * 16})
     j.route = SimpleNamespace(calls=calls, oldlogit="service-handle")

@@ -44,6 +44,9 @@ class GatedPool:
     def fingerprints(self):
         return {}  # no worker reports a fingerprint: nothing to judge
 
+    def worker_ids(self):
+        return []
+
 
 class Scorer:
     """A stand-in old-logit service handle: ``update_weights.remote`` records the call order."""
@@ -70,7 +73,7 @@ def job(pool, route):
     j = Job.__new__(Job)  # only the parts publish uses
     j.cfg = load_config(None, [])
     j.learner, j.pool, j.route, j.times, j.last_publish = Learner(), pool, route, Counter(), {}
-    j.fingerprint_mismatch = 0
+    j.fingerprint_mismatch, j.served_expected = 0, {}
     return j
 
 

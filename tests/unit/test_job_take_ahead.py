@@ -72,6 +72,7 @@ def job(polls, *overrides, version=3):
     j.buffer = TrajectoryBuffer(capacity=16, max_staleness=j.cfg.controller.max_staleness)
     j.source = EnvSource(j.cfg, j.pool, j.buffer, lambda: j.version)
     j.batch_size, j.group_size, j.vocab_size, j.taken_ahead = 4, 2, 1000, 0
+    j.served_expected = {}
     j.buffer.note_submitted(6)
     return j
 

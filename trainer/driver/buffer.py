@@ -17,6 +17,8 @@ Invariants (checked by :meth:`TrajectoryBuffer.accounting_ok` and the tests):
   held ones first, as :meth:`TrajectoryBuffer.put_back` would return them, then the buffered FIFO),
   so after a resume only the trajectories in flight at the checkpoint count as
   ``dropped["lost_at_restart"]``;
+* a buffered or held trajectory found unfit after it arrived (its worker served other weights than
+  its version's, :meth:`TrajectoryBuffer.drop_if`) is dropped with the reason, never consumed;
 * every finished trajectory's fate is reported by id to the buffer's ``ledger`` (``buffered`` on
   arrival, ``consumed``, ``dropped`` with its reason), :class:`trainer.driver.ledger.Ledger`.
 """
@@ -144,6 +146,30 @@ class TrajectoryBuffer:
         if stale:
             self.ledger("dropped", stale, "stale")
         return len(stale)
+
+    def drop_if(self, bad: Callable[[Trajectory], bool], reason: str) -> list[str]:
+        """Drop every buffered or held trajectory ``t`` with ``bad(t)``, counted as
+        ``dropped[reason]`` and reported to the ledger; returns their ids, the buffered ones first
+        (FIFO), then the held ones (in the order taken).
+
+        A held batch that loses a trajectory is no longer whole: its taker returns the rest
+        (:meth:`put_back`, which refuses the dropped ids) instead of training on it
+        (:meth:`held_ids` says which are still held).
+        """
+        out = []
+        for store in (self._items, self._held):
+            ids = [k for k, t in store.items() if bad(t)]
+            for k in ids:
+                del store[k]
+            out += ids
+        self._drop(reason, len(out))
+        if out:
+            self.ledger("dropped", out, reason)
+        return out
+
+    def held_ids(self) -> set[str]:
+        """Ids of the trajectories held now (taken with ``hold=True`` or :meth:`take_ahead`)."""
+        return set(self._held)
 
     def _choose(self, n: int, consuming_version: int, group_size: int) -> list[str] | None:
         """Keys of the first whole groups (FIFO) of trajectories within the bound at ``consuming_version``.

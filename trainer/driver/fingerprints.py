@@ -12,6 +12,15 @@ the fingerprint of the merged tensors it handed to its engine.
 A consumer whose served fingerprint differs from the expected one is restarted by the caller and
 counted as ``fingerprint_mismatch``; a report for another version, or without a fingerprint on
 either side, is not judged.
+
+Trajectories are judged by the same rule (:func:`trajectory_mismatch`): each carries the
+fingerprint its worker served at its ``policy_version`` (``Trajectory.served_fingerprint``), and the
+driver keeps what each version should serve (:func:`expected_entries`): ``manifest.fingerprint``
+under the version for full weights, known when the version is published; with adapters each
+worker's own ``applied`` merge under ``(worker id, version)``, known when that worker's report is
+checked. A trajectory whose fingerprint differs is dropped as ``fingerprint_mismatch``; one
+without a fingerprint (gateway sessions, engines that cannot read back) or of a version with no
+expected value (the model folder's version 0, versions before a resume) is not judged.
 """
 
 from __future__ import annotations
@@ -19,7 +28,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from protocol import WeightManifest
+from protocol import Trajectory, WeightManifest
+
+ExpectedFingerprints = Mapping[int | tuple[str, int], str]
+"""What each version should serve: ``{version: fingerprint}`` (full weights: every worker) and
+``{(worker id, version): fingerprint}`` (a worker's own adapter merge; looked up first)."""
 
 FINGERPRINT_MISMATCH = "fingerprint_mismatch"
 """Reason a consumer is restarted (and its in-flight samples lost): it serves other weights than
@@ -50,3 +63,33 @@ def mismatched_workers(manifest: WeightManifest, reports: Mapping[str, Mapping[s
     """Ids (sorted) of the rollout workers in ``reports`` ({worker id: report}) that serve other
     weights than ``manifest`` (:func:`is_mismatch`, adapters merged)."""
     return sorted(w for w, r in reports.items() if is_mismatch(manifest, r, merges_adapters=True))
+
+
+def expected_entries(manifest: WeightManifest, reports: Mapping[str, Mapping[str, Any]]) -> dict:
+    """The :data:`ExpectedFingerprints` entries ``manifest`` gives, with the workers' ``reports``
+    ({worker id: report}) of it: ``{manifest.version: manifest.fingerprint}`` for full weights
+    (nothing when the manifest has none); with an adapter ``{(worker id, version): applied}`` for
+    each report of that version whose ``applied`` is known and equals its ``served`` (a worker
+    found mismatched vouches for nothing).
+
+    Example: full weights v3 with fingerprint ``"aa..."`` give ``{3: "aa..."}`` whatever the
+    reports; an adapter v3 with reports ``w0: applied = served = "bb..."`` and ``w1: applied
+    "bb...", served "cc..."`` give ``{("w0", 3): "bb..."}``."""
+    if manifest.adapter is None:
+        return {} if manifest.fingerprint is None else {manifest.version: manifest.fingerprint}
+    return {
+        (w, manifest.version): r["applied"]
+        for w, r in reports.items()
+        if r.get("version") == manifest.version and r.get("applied") is not None and r.get("served") == r["applied"]
+    }
+
+
+def trajectory_mismatch(t: Trajectory, expected: ExpectedFingerprints) -> bool:
+    """True when ``t.served_fingerprint`` and the expected value of ``t.policy_version`` (its
+    worker's own entry first, then the version's) are both known and differ.
+
+    The fingerprint is of the weights at the trajectory's last version; tokens of earlier versions
+    were sampled by a worker that passed those versions' checks (one that failed was killed with
+    its samples in flight)."""
+    want = expected.get((t.worker_id, t.policy_version), expected.get(t.policy_version))
+    return want is not None and t.served_fingerprint is not None and t.served_fingerprint != want

@@ -176,7 +176,9 @@ def _loop(
         if nxt is None:  # no batch ready: admit and collect before taking one
             job.top_up()  # the source admits new work under the staleness rule
             job.collect()  # finished trajectories into the buffer
-        taken, nxt = nxt or job.take(), None  # a batch at the learner's version, its exact pi_old asked for
+        # a batch at the learner's version, its exact pi_old asked for (one taken ahead unless it lost
+        # a trajectory to a fingerprint mismatch found since)
+        taken, nxt = job.still_whole(nxt) or job.take(), None
         if taken is None:
             time.sleep(0.05)
             continue

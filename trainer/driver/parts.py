@@ -34,7 +34,14 @@ from protocol import OldLogitAnswer, OldLogitServiceStatus, Trajectory, WeightMa
 from trainer.driver import report
 from trainer.driver.buffer import TrajectoryBuffer
 from trainer.driver.config import JobConfig
-from trainer.driver.fingerprints import FINGERPRINT_MISMATCH, is_mismatch, mismatched_workers
+from trainer.driver.fingerprints import (
+    FINGERPRINT_MISMATCH,
+    ExpectedFingerprints,
+    expected_entries,
+    is_mismatch,
+    mismatched_workers,
+    trajectory_mismatch,
+)
 from trainer.driver.ledger import Ledger
 from trainer.driver.resume import write_trajectories
 from trainer.driver.routes import NoRoute, ScorerWeights
@@ -46,16 +53,20 @@ if TYPE_CHECKING:
     from trainer.learner import LearnerGroup
 
 
-def intake_refusal(t: Trajectory, vocab_size: int) -> str | None:
+def intake_refusal(t: Trajectory, vocab_size: int, expected: ExpectedFingerprints | None = None) -> str | None:
     """Why a finished trajectory cannot enter the buffer (the buffer's drop reason), or None.
 
     ``aborted``: its generation was aborted; ``token_id_out_of_vocab``: a token id is ``>= vocab_size``
-    (the model config's ``vocab_size``, rows of the learner's embedding), which no forward can score.
+    (the model config's ``vocab_size``, rows of the learner's embedding), which no forward can score;
+    ``fingerprint_mismatch``: its worker served other weights than its version's (``expected``,
+    :func:`trainer.driver.fingerprints.trajectory_mismatch`).
     """
     if t.finish_reason == "abort":
         return "aborted"
     if int(t.token_ids.max()) >= vocab_size:
         return "token_id_out_of_vocab"
+    if expected and trajectory_mismatch(t, expected):
+        return FINGERPRINT_MISMATCH
     return None
 
 
@@ -155,6 +166,9 @@ class Job:
         self.last_publish: dict[str, float] = {}
         self.fingerprint_mismatch = 0
         """Consumers found serving other weights than the version published to them, restarted."""
+        self.served_expected: dict = {}
+        """What each published version should serve (:data:`trainer.driver.fingerprints.ExpectedFingerprints`):
+        trajectories served otherwise are dropped as ``fingerprint_mismatch``."""
         self.ledger = ledger
         self.source: TrajectorySource = source(self)
         """Where training trajectories come from (:mod:`trainer.driver.sources`): it admits, collects and evaluates."""
@@ -175,7 +189,7 @@ class Job:
         got = self.route.attach(got, self.cfg.rollout.sampling.temperature)
         self.times[timer] += time.perf_counter() - t0
         for t in got:
-            refused = intake_refusal(t, self.vocab_size)
+            refused = intake_refusal(t, self.vocab_size, self.served_expected)
             if refused:
                 self.buffer.reject(refused, t.trajectory_id)
             else:
@@ -186,8 +200,10 @@ class Job:
 
         The batch stays held in the buffer until :meth:`async_train`; ahead, trajectories too stale
         for the next version are passed over, not dropped (:meth:`TrajectoryBuffer.take_ahead`).
-        None when the buffer has no full batch.
+        Trajectories whose worker served other weights than their version's are dropped first
+        (:meth:`drop_mismatched`). None when the buffer has no full batch.
         """
+        self.drop_mismatched()
         v = self.version + int(ahead)
         if ahead:
             batch = self.buffer.take_ahead(self.batch_size, v, self.group_size)
@@ -197,6 +213,29 @@ class Job:
             return None
         self.taken_ahead += int(ahead)
         return TakenBatch(batch, self.route.async_old_logits(batch, v, self.cfg.rollout.sampling.temperature), ahead)
+
+    def drop_mismatched(self) -> list[str]:
+        """Drop every buffered or held trajectory whose served fingerprint differs from what its
+        version should serve (:attr:`served_expected`, learned after it arrived: an adapter
+        version's merge is known once its worker's report is checked), as ``fingerprint_mismatch``;
+        returns their ids."""
+        if not self.served_expected:
+            return []
+        expected = dict(self.served_expected)  # the publication thread may add entries meanwhile
+        return self.buffer.drop_if(lambda t: trajectory_mismatch(t, expected), FINGERPRINT_MISMATCH)
+
+    def still_whole(self, taken: TakenBatch | None) -> TakenBatch | None:
+        """``taken`` (a batch taken ahead) if none of its trajectories is dropped by
+        :meth:`drop_mismatched`; otherwise the rest goes back to the buffer, unconsumed, and None
+        (the loop takes a batch again: the groups it broke are no longer whole)."""
+        if taken is None:
+            return None
+        self.drop_mismatched()
+        held = self.buffer.held_ids()
+        if all(t.trajectory_id in held for t in taken.trajectories):
+            return taken
+        self.buffer.put_back([t for t in taken.trajectories if t.trajectory_id in held])
+        return None
 
     def await_old_logits(self, taken: TakenBatch | None) -> None:
         """Wait until the route's answer for ``taken`` is ready (once; nothing when there is none).
@@ -294,6 +333,7 @@ class Job:
         scorer_weights = self.route.scorer_publication(
             (manifest, ref), self.cfg.rollout.dtype, self.learner.async_publish, perturbed=noise > 0
         )
+        self.served_expected.update(expected_entries(manifest, {}))  # full weights: known before any worker applies
         self.last_publish = {"seconds": time.perf_counter() - t0, "bytes": manifest.total_bytes, "unix": time.time()}
         self.times["publish"] += self.last_publish["seconds"]
 
@@ -319,14 +359,13 @@ class Job:
         rollout worker is killed and replaced like a dead one (:meth:`replace_dead_workers`, its
         in-flight samples dropped as ``fingerprint_mismatch``); the old-logit service is killed for
         Ray to restart it (only while ``oldlogit.max_restarts`` > 0; otherwise it is counted and
-        named on the console) and given the publication again."""
-        bad = mismatched_workers(manifest, self.pool.fingerprints())
-        if bad:
-            self.pool.kill(bad, FINGERPRINT_MISMATCH)
-            self.console.print(
-                f"[yellow]{', '.join(bad)}: served fingerprint differs from v{manifest.version}, restarting"
-            )
-        self.fingerprint_mismatch += len(bad)
+        named on the console) and given the publication again. A worker that did not answer is
+        checked later (:meth:`check_joined_workers`)."""
+        reports = self.pool.fingerprints()
+        for wid in self.pool.worker_ids():
+            if wid not in reports:
+                self.pool.mark_unverified(wid, manifest)
+        self.restart_mismatched(manifest, reports)
         calls = self.route.calls
         if scorer_weights is None or calls is None:
             return
@@ -343,6 +382,35 @@ class Job:
         )
         ray.kill(self.route.oldlogit, no_restart=False)
         calls.call("update_weights", *scorer_weights)
+
+    def restart_mismatched(self, manifest: WeightManifest, reports: dict[str, dict[str, Any]]) -> list[str]:
+        """Kill the workers of ``reports`` (their fingerprint reports after applying ``manifest``)
+        that serve other weights (:func:`trainer.driver.fingerprints.mismatched_workers`), to be
+        replaced like dead ones, count them in :attr:`fingerprint_mismatch`, and note what the
+        others vouch for in :attr:`served_expected`. Returns the killed ids."""
+        bad = mismatched_workers(manifest, reports)
+        self.served_expected.update(expected_entries(manifest, reports))
+        if bad:
+            self.pool.kill(bad, FINGERPRINT_MISMATCH)
+            self.console.print(
+                f"[yellow]{', '.join(bad)}: served fingerprint differs from v{manifest.version}, restarting"
+            )
+        self.fingerprint_mismatch += len(bad)
+        return bad
+
+    def check_joined_workers(self) -> list[str]:
+        """Check the rollout workers that applied a publication outside :meth:`publish` (a joiner's
+        catch-up, a late worker's update taken in later: :meth:`WorkerPool.take_unverified`) as
+        :meth:`check_fingerprints` checks a publication's: a mismatched one is killed, replaced like
+        a dead one (:meth:`replace_dead_workers`) and counted. One that does not answer is asked
+        again next time. Returns the killed ids."""
+        pending = self.pool.take_unverified()
+        if not pending:
+            return []
+        reports = self.pool.fingerprints(sorted(pending))
+        for wid in pending.keys() - reports.keys():
+            self.pool.mark_unverified(wid, pending[wid])
+        return [w for wid, r in sorted(reports.items()) for w in self.restart_mismatched(pending[wid], {wid: r})]
 
     def wait_published(self) -> None:
         """Wait until every consumer has applied the last publication; re-raise its failure, if any."""
@@ -489,8 +557,10 @@ class Job:
     def admit_started_workers(self, board: StatusBoard) -> None:
         """Rollout workers started in the background that are ready join at the current version;
         those not placed and started within ``rollout.start_timeout_s`` are given up (the job goes on
-        with fewer). ``scale_note`` says which."""
+        with fewer). ``scale_note`` says which. Then every worker that applied a publication
+        outside :meth:`publish` is fingerprint-checked (:meth:`check_joined_workers`)."""
         joined, gave_up = self.pool.admit_started()
+        self.check_joined_workers()
         if not joined and not gave_up:
             return
         self.report_workers(board, report.started_note(self, joined, gave_up))

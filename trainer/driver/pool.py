@@ -13,7 +13,12 @@ most ``hang_timeout_s``; a call not answered by then is *late*: it is kept, its 
 trajectories, an accepted submission's count) is taken in by a later :meth:`WorkerPool.poll`, and
 until it arrives the worker gets no new call. A publication it missed meanwhile is not queued behind
 (payloads would pile up in the object store): once its late answers are in, it is sent the newest
-publication before anything else. A worker with samples in flight and no finished trajectory for
+publication before anything else.
+
+A publication a worker applied outside :meth:`WorkerPool.update_weights`'s own answers - a joiner's
+catch-up in :meth:`WorkerPool.admit_started`, a late worker's update or catch-up taken in by a
+poll - is not yet checked against its manifest: :meth:`WorkerPool.take_unverified` hands those
+workers to the caller, which checks their served fingerprints as after a publication. A worker with samples in flight and no finished trajectory for
 longer than ``hang_timeout_s`` is hung (:func:`hung_workers`).
 
 The pool may be fed from several threads (the driver and the gateway): one lock guards the worker
@@ -104,9 +109,15 @@ class WorkerPool:
         self._died: dict[str, tuple[int, str]] = {}
         self._late: dict[str, list[tuple[str, Any, int]]] = {}  # wid -> [(method, ref, samples)], call order
         self._behind: set[str] = set()  # late workers that missed a publication
+        self._unverified: dict[str, WeightManifest] = {}  # applied outside update_weights' answers
 
     def __len__(self) -> int:
         return len(self.workers)
+
+    def worker_ids(self) -> list[str]:
+        """Ids of the live workers (those still starting left out)."""
+        with self._lock:
+            return sorted(self.workers, key=_number)
 
     def scale_to(self, n: int) -> tuple[list[str], dict[str, int]]:
         """Add or remove workers to reach ``n`` and wait for the new ones; returns (added ids,
@@ -190,6 +201,7 @@ class WorkerPool:
                     continue
                 if self._latest is not None:  # a late joiner starts at the current version
                     ray.get(actor.update_weights.remote(*self._latest))
+                    self._unverified[wid] = self._latest[0]
                 self.workers[wid], self.in_flight[wid] = actor, 0
                 self.last_progress[wid] = self.clock()
                 joined.append(wid)
@@ -204,6 +216,23 @@ class WorkerPool:
                 self.last_progress.pop(wid, None)
                 self._late.pop(wid, None)
                 self._behind.discard(wid)
+                self._unverified.pop(wid, None)
+
+    def take_unverified(self) -> dict[str, WeightManifest]:
+        """``{worker id: manifest}`` of the live workers that applied a publication since the last
+        call whose served fingerprint nobody has checked (a joiner's catch-up, a late worker's
+        update or catch-up; see the module docstring), and forget them."""
+        with self._lock:
+            out = {w: m for w, m in self._unverified.items() if w in self.workers}
+            self._unverified = {}
+        return out
+
+    def mark_unverified(self, wid: str, manifest: WeightManifest) -> None:
+        """Hand ``wid`` (applied ``manifest``, not checked yet: e.g. it was late when asked) to the
+        next :meth:`take_unverified` again, unless it is gone."""
+        with self._lock:
+            if wid in self.workers:
+                self._unverified[wid] = manifest
 
     def take_deaths(self) -> dict[str, tuple[int, str]]:
         """``{worker id: (in-flight samples lost, reason)}`` of workers found dead (:data:`WORKER_DIED`)
@@ -224,14 +253,18 @@ class WorkerPool:
             ray.kill(actor)
         return hung
 
-    def _call_all(self, method: str, *args: Any, wait_s: float | None = None) -> dict[str, Any]:
-        """``method`` on every worker that has no late call, at once; answers within ``wait_s``
-        seconds (None: however long they take). A worker found dead is buried and left out; an
-        unanswered call becomes late. A worker with late calls that misses ``update_weights`` is
-        marked behind (:meth:`_harvest` catches it up)."""
+    def _call_all(
+        self, method: str, *args: Any, wait_s: float | None = None, only: list[str] | None = None
+    ) -> dict[str, Any]:
+        """``method`` on every worker (of ``only``, when given) that has no late call, at once;
+        answers within ``wait_s`` seconds (None: however long they take). A worker found dead is
+        buried and left out; an unanswered call becomes late. A worker with late calls that misses
+        ``update_weights`` is marked behind (:meth:`_harvest` catches it up)."""
         with self._lock:
             refs = {}
             for wid, a in self.workers.items():
+                if only is not None and wid not in only:
+                    continue
                 if wid not in self._late:
                     refs[wid] = getattr(a, method).remote(*args)
                 elif method == "update_weights":
@@ -274,6 +307,8 @@ class WorkerPool:
                             break
                         done += 1
                         result = ray.get(ref)
+                        if method == "update_weights" and self._latest is not None:
+                            self.mark_unverified(wid, self._latest[0])
                         if method == "poll":
                             got.setdefault(wid, []).extend(result)
                         elif method == "submit":
@@ -373,10 +408,10 @@ class WorkerPool:
             self._latest = (manifest, payload_ref)
         return list(self._call_all("update_weights", manifest, payload_ref, wait_s=self.hang_timeout_s).values())
 
-    def fingerprints(self) -> dict[str, dict[str, Any]]:
+    def fingerprints(self, only: list[str] | None = None) -> dict[str, dict[str, Any]]:
         """``{worker id: served-fingerprint report}`` (:meth:`rollout.worker.RolloutWorkerCore.fingerprint`)
-        of each live worker; workers with a late call are left out."""
-        return self._call_all("fingerprint", wait_s=self._wait_s)
+        of each live worker (of ``only``, when given); workers with a late call are left out."""
+        return self._call_all("fingerprint", wait_s=self._wait_s, only=only)
 
     def kill(self, wids: list[str], reason: str) -> None:
         """Kill workers ``wids`` now; :meth:`take_deaths` reports them with ``reason`` and their

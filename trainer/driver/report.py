@@ -19,6 +19,7 @@ import ray
 
 from protocol import EwmaStatus, OldLogitServiceStatus, Trajectory
 from trainer.driver.buffer import token_staleness_histogram
+from trainer.driver.fingerprints import FINGERPRINT_MISMATCH
 from trainer.driver.metrics_log import StepMetrics
 
 if TYPE_CHECKING:
@@ -146,6 +147,7 @@ def lost_workers_note(job: Job, deaths: dict[str, tuple[int, str]]) -> str:
     what = {
         "worker_died": "died",
         "worker_hung": f"hung (no finished trajectory in {job.pool.hang_timeout_s or 0:g} s)",
+        FINGERPRINT_MISMATCH: "served other weights than its version's (fingerprint mismatch)",
     }
     return (
         f"rollout worker(s) {', '.join(f'{w} {what[r]}' for w, (_, r) in sorted(deaths.items()))} "

@@ -1,0 +1,84 @@
+"""A rollout worker that joins after a publication is fingerprint-checked like one that took it.
+
+Real rollout workers (Ray actors on the private test cluster, the transformers engine on the tiny
+model) in the driver's real :class:`trainer.driver.pool.WorkerPool`: version 1 (every weight x 1.25)
+is published to the first worker; a second joins with the test hook that makes its engine skip the
+catch-up load, so it serves the folder's weights under version 1. The job's controls find it,
+kill it as ``fingerprint_mismatch`` (counted once), replace it, and the replacement, which loads
+its catch-up, passes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from rich.console import Console
+
+from modelkit.modelhub import load_causal_lm
+from modelkit.weights import pack_weights
+from trainer.driver.buffer import TrajectoryBuffer
+from trainer.driver.config import load_config
+from trainer.driver.fingerprints import FINGERPRINT_MISMATCH
+from trainer.driver.parts import Job
+from trainer.driver.routes import NoRoute
+from trainer.driver.server import StatusBoard
+from trainer.driver.sources import EnvSource
+
+pytestmark = pytest.mark.integration
+
+
+def _admit_all(j: Job, board: StatusBoard, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while j.pool.starting and time.monotonic() < deadline:
+        j.admit_started_workers(board)
+        time.sleep(0.2)
+    assert not j.pool.starting, "a worker did not start in time"
+
+
+def test_a_joiner_that_skips_its_catch_up_load_is_killed_replaced_and_counted(ray_cluster, tiny_model_path):
+    ray = ray_cluster
+    from rollout.engine import EngineConfig
+    from trainer.driver.pool import WorkerPool
+
+    engine = EngineConfig(kind="transformers", model_path=str(tiny_model_path))
+    pool = WorkerPool(engine)
+    j = Job.__new__(Job)  # the parts the worker controls use; the pool and its workers are real
+    j.cfg = load_config(None, ["rollout.num_workers=2", "rollout.max_restarts=2"])
+    j.console, j.pool, j.fingerprint_mismatch, j.served_expected = Console(quiet=True), pool, 0, {}
+    j.workers_wanted, j.restarts, j.route = 2, 0, NoRoute()
+    j.buffer = TrajectoryBuffer(capacity=16, max_staleness=1)
+    j.source = EnvSource(j.cfg, pool, j.buffer, lambda: 1)
+    board = StatusBoard()
+    try:
+        assert pool.scale_to(1)[0] == ["rollout-0"]
+        model = load_causal_lm(tiny_model_path)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.25)
+        manifest, payload = pack_weights(model.state_dict().items(), version=1)
+        assert pool.update_weights(manifest, ray.put(payload)) == [1]
+        j.check_fingerprints(manifest, None)  # the publication's own check: rollout-0 serves it
+        assert j.fingerprint_mismatch == 0 and pool.take_unverified() == {}
+
+        pool.engine_config = engine.model_copy(update={"test_skip_weight_loads": True})
+        pool.request(2)  # a scale-up: rollout-1 starts in the background, then catches up to v1
+        _admit_all(j, board)
+        assert j.fingerprint_mismatch == 1 and pool.worker_ids() == ["rollout-0"]
+        assert pool._died == {"rollout-1": (0, FINGERPRINT_MISMATCH)}  # reported to the next controls
+
+        pool.engine_config = engine  # the replacement loads what it is sent
+        j.replace_dead_workers(board)
+        assert board.status().scale_note == (
+            "rollout worker(s) rollout-1 served other weights than its version's (fingerprint mismatch) "
+            "(0 samples lost); 1 of 2 running, 1 starting, 1 of 2 restarts used"
+        )
+        _admit_all(j, board)
+        assert j.fingerprint_mismatch == 1 and pool.worker_ids() == ["rollout-0", "rollout-2"]
+        reports = pool.fingerprints()
+        want = {"version": 1, "served": manifest.fingerprint, "applied": manifest.fingerprint}
+        assert reports == {"rollout-0": want, "rollout-2": want}
+        assert sum(j.buffer.dropped.values()) == 0 and j.buffer.accounting_ok()  # no sample was in flight on it
+    finally:
+        pool.shutdown()
