@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED := 1
 # DeepSpeed JIT-builds its CPU comm op; one build per venv (a shared cache rebuilds per venv switch).
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install test test-fast demo bench bench-latency bench-methods bench-trl lint model clean
+.PHONY: install test test-fast demo bench bench-latency bench-gateway-load bench-methods bench-trl lint model clean
 
 install: $(STAMP)
 
@@ -65,6 +65,11 @@ bench: install
 # async vs sync when agents' tool calls wait 0.5 s and 2 s (tiny model, ~8 minutes); JSON results/agent_latency.json
 bench-latency: install
 	$(VENV)/bin/vintage bench latency
+
+# the gateway under load: 64 concurrent sessions, ~10% bad or abandoned calls, 2 rounds (tiny model,
+# a few minutes); JSON results/gateway_load.json
+bench-gateway-load: install
+	$(VENV)/bin/vintage bench gateway-load
 
 bench-methods: install
 	$(VENV)/bin/vintage model prepare

@@ -206,6 +206,26 @@ def bench_latency(
     latency_main(argv)
 
 
+@bench_app.command("gateway-load")
+def bench_gateway_load(
+    sessions: Annotated[int, typer.Option(min=1, help="Concurrent agent sessions per round.")] = 64,
+    calls: Annotated[int, typer.Option(min=1, help="Good chat calls per session.")] = 3,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds of sessions (RSS is read after each).")] = 2,
+    max_tokens: Annotated[int, typer.Option(min=1, help="Completion budget of a good call.")] = 8,
+    model: Annotated[str, typer.Option(help="tiny (random 2-layer Llama, fast), smollm2 or an HF folder.")] = "tiny",
+    engine: Annotated[str, typer.Option(help="transformers or vllm.")] = "transformers",
+    out: Annotated[Path, typer.Option(help="JSON results file.")] = Path("results/gateway_load.json"),
+) -> None:
+    """The gateway under load over HTTP on 127.0.0.1: concurrent sessions with ~10% malformed,
+    unauthorised, over-long and abandoned calls; leaks, refusals by kind, p50/p99 latency (see
+    benchmarks/bench_gateway_load.py)."""
+    from benchmarks.bench_gateway_load import main as load_main
+
+    argv = ["--sessions", str(sessions), "--calls", str(calls), "--rounds", str(rounds)]
+    argv += ["--max-tokens", str(max_tokens), "--model", model, "--engine", engine, "--out", str(out)]
+    load_main(argv)
+
+
 @eval_app.command("tau2")
 def eval_tau2(
     domain: Annotated[str, typer.Option(help="tau2 domain: mock, retail, airline or telecom.")],
