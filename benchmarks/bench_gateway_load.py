@@ -119,6 +119,8 @@ class Round:
         self.good_failed: Counter = Counter()
         self.refused: dict[str, list[dict]] = {k: [] for k in EXPECTED}
         self.abandoned = self.abandon_completed = 0
+        self.session_errors: Counter = Counter()
+        """Sessions that could not open or end (the exception, its numbers and ids shaped out)."""
 
     def summary(self) -> dict[str, Any]:
         kinds = {}
@@ -141,6 +143,7 @@ class Round:
                 "mean": 1e3 * statistics.fmean(self.latencies) if self.latencies else None,
             },
             "refusals": kinds,
+            "session_errors": dict(self.session_errors),
             "abandoned": self.abandoned,
             "abandon_completed_first": self.abandon_completed,
         }
@@ -212,7 +215,10 @@ async def _session(i: int, gw_url: str, admin: str, http, rec: Round, args) -> N
                     model="vintage", messages=messages, max_tokens=args.max_tokens
                 )
             except openai.APIStatusError as e:
-                rec.good_failed[str(e.status_code)] += 1
+                rec.good_failed[f"{e.status_code}: {_shape(e.message)}"[:200]] += 1
+                continue
+            except openai.APIConnectionError as e:
+                rec.good_failed[f"no answer: {type(e.__cause__ or e).__name__}"] += 1
                 continue
             rec.latencies.append(time.perf_counter() - t0)
             messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""}]
@@ -233,7 +239,8 @@ async def run_round(gw_url: str, admin: str, args) -> Round:
     limits = httpx.Limits(max_connections=4 * args.sessions, max_keepalive_connections=args.sessions)
     async with httpx.AsyncClient(timeout=120.0, limits=limits) as http:
         jobs = [_session(i, gw_url, admin, http, rec, args) for i in range(args.sessions)]
-        await asyncio.wait_for(asyncio.gather(*jobs), args.budget_s)
+        done = await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), args.budget_s)
+    rec.session_errors.update(f"{type(e).__name__}: {_shape(str(e))}"[:200] for e in done if e is not None)
     return rec
 
 
@@ -278,6 +285,7 @@ def _checks(rounds: list[dict]) -> dict[str, bool]:
         "every_refusal_named": all(k["named"] for r in rounds for k in r["client"]["refusals"].values()),
         "refusals_as_expected": all(k["as_expected"] for r in rounds for k in r["client"]["refusals"].values()),
         "good_calls_all_served": all(not r["client"]["good_failed"] for r in rounds),
+        "sessions_all_ended": all(not r["client"]["session_errors"] for r in rounds),
     }
 
 
@@ -299,6 +307,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
+    from trainer.driver.environment import defaults_env
+
+    defaults_env()  # the job's defaults, before Ray starts: one thread per process, Ray's memory monitor off
     from benchmarks.bench_gateway import RayWorker
     from benchmarks.machine import machine_facts
     from modelkit.modelhub import make_tiny_model, prepare_smollm2

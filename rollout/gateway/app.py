@@ -36,8 +36,8 @@ Rules:
   leaves no room in the context (400), a wrong key (401), an unknown session (404), an ended
   session (409), a body too slow (408) or too large (413, with ``max_body_bytes``), no admission
   (429), and 503 with ``Retry-After`` when no worker can serve the call: none took it within the
-  backend's ``submit_timeout_s``, no result came within its ``call_timeout_s``, polling the
-  workers failed, or the worker aborted the generation (:mod:`rollout.gateway.backend`; counted
+  backend's ``submit_timeout_s``, no result came within its ``call_timeout_s``, submitting to
+  or polling the workers failed, or the worker aborted the generation (:mod:`rollout.gateway.backend`; counted
   by reason in ``unavailable``);
 * an open session is never refused for staleness; ``max_session_tokens`` caps one trajectory's
   length: a call that would cross it gets its budget cut, and a call with no room left is answered

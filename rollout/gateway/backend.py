@@ -23,6 +23,9 @@ Every wait is bounded:
   the late workers' answers and frees them;
 * a taken call waits at most ``call_timeout_s`` seconds for its trajectory (a worker that died
   or hung with it never delivers), then fails with :class:`Unavailable` ``timeout``;
+* a submission that raises (the worker behind it died, a refused call other than a bad field)
+  fails the call with :class:`Unavailable` ``submit_failed`` naming the error; a ``ValueError``
+  (the worker refused a field of the request) is raised as it is;
 * a call that ends in any way (result, failure, timeout, cancellation) leaves the pending list at
   once, so the dispatcher stops polling when no call is left. The result of a taken call that
   ended without it is discarded when it arrives (counted in :attr:`WorkerBackend.late_discarded`),
@@ -52,7 +55,8 @@ class Unavailable(RuntimeError):
     """The backend cannot serve a call now (the gateway answers HTTP 503).
 
     ``reason``: ``not_taken`` (no worker took it within ``submit_timeout_s``), ``timeout`` (no
-    result within ``call_timeout_s``) or ``poll_failed`` (polling the workers raised).
+    result within ``call_timeout_s``), ``submit_failed`` (submitting it raised) or ``poll_failed``
+    (polling the workers raised).
     """
 
     def __init__(self, reason: str, message: str):
@@ -122,7 +126,7 @@ class WorkerBackend:
         Raises:
             ValueError: the worker refused the request (the message names the field).
             Unavailable: no worker took it within ``submit_timeout_s``, no result within
-                ``call_timeout_s``, or polling the workers failed.
+                ``call_timeout_s``, submitting or polling the workers failed.
         """
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
@@ -151,13 +155,14 @@ class WorkerBackend:
             with self._lock:
                 if self._waiting.pop(request_id, None) is not None and taken:
                     self._abandon(request_id)
+            fut.cancel()  # a result or failure the dispatcher hands over later has no caller
 
     async def _submit_until_taken(self, req: RolloutRequest, fut: asyncio.Future) -> bool:
         """Submit ``req`` until a worker takes it, for at most ``submit_timeout_s`` (see the module
         docstring); True once taken, False when ``fut`` failed first (polling failed)."""
         deadline = time.monotonic() + self.submit_timeout_s
         pause = RESUBMIT_FIRST_S
-        while await asyncio.to_thread(self._submit, [req]) < req.sampling.n:
+        while await self._submit_once(req) < req.sampling.n:
             if fut.done():
                 return False
             left = deadline - time.monotonic()
@@ -172,6 +177,18 @@ class WorkerBackend:
             await asyncio.sleep(min(pause, left))
             pause = min(2 * pause, RESUBMIT_MAX_S)
         return True
+
+    async def _submit_once(self, req: RolloutRequest) -> int:
+        """Samples of ``req`` a worker took. Raises ValueError (a refused field) as it is, any
+        other failure as :class:`Unavailable` ``submit_failed``."""
+        try:
+            return await asyncio.to_thread(self._submit, [req])
+        except ValueError:
+            raise
+        except Exception as e:
+            raise Unavailable(
+                "submit_failed", f"submitting the call to the rollout workers failed: {e!r}"[:500]
+            ) from None
 
     def _abandon(self, request_id: str) -> None:
         """Remember that ``request_id``'s result, if it ever arrives, has no caller (lock held)."""

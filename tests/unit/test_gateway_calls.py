@@ -162,6 +162,32 @@ def test_a_failing_poll_answers_every_waiting_call_503():
         sv.close()
 
 
+def test_a_submission_that_raises_is_answered_503_naming_it():
+    """The worker behind the submission died (the error a lone Ray actor raises): the call is a
+    named, counted 503, not an unhandled 500, and nothing stays pending."""
+    polls = []
+
+    def submit(reqs):
+        raise RuntimeError("The actor died unexpectedly before finishing this task.")
+
+    sv = Served(submit, lambda: polls.append(1) or [])
+    try:
+        r, _ = sv.post(sv.gw.open_session(), {"messages": USER})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"] == {
+            "message": "submitting the call to the rollout workers failed: "
+            "RuntimeError('The actor died unexpectedly before finishing this task.')",
+            "type": "service_unavailable",
+            "param": None,
+            "code": 503,
+        }
+        st = sv.gw.status()
+        assert (st.unavailable, st.errors, st.calls_pending, st.calls) == ({"submit_failed": 1}, {"503": 1}, 0, 0)
+        assert idle_after(lambda: len(polls))
+    finally:
+        sv.close()
+
+
 # --- tool-call errors fed back -----------------------------------------------------------------------
 
 BAD = '<tool_call>{"name": "get_order", "arguments": {"order_id": W1}}</tool_call>'  # W1 is not JSON
