@@ -101,11 +101,17 @@ class ThreadedServer:
 class BodyLimit:
     """ASGI middleware bounding every request body in size and in the time its sender may take.
 
-    A declared ``Content-Length`` above ``max_bytes`` is answered 413 before anything is read. Any
-    other body is read here first, counted as it arrives and refused at ``max_bytes`` (413), or
+    A declared ``Content-Length`` above ``max_bytes`` is answered 413 without passing anything on.
+    Any other body is read here first, counted as it arrives and refused at ``max_bytes`` (413), or
     408 when its next chunk does not arrive within ``read_timeout_s`` seconds; the application then
     receives the whole body at once. Header sizes are bounded by the server (uvicorn's
     ``h11_max_incomplete_event_size``).
+
+    Before a 413 the rest of the body is read and thrown away, up to ``drain_bytes`` in all (each
+    chunk within ``read_timeout_s``): a client that sends its whole body before it reads the answer
+    (most HTTP clients) then finishes sending and reads the 413; were the connection closed with the
+    body unread, the kernel would reset it and the client would get no answer at all. A body
+    declared longer than ``drain_bytes`` is refused at once.
 
     ``error_body(status, message) -> dict`` is the JSON of a refusal, called once per refusal; the
     default is FastAPI's ``{"detail": message}`` (the gateway answers in the OpenAI error shape).
@@ -117,8 +123,10 @@ class BodyLimit:
         max_bytes: int,
         read_timeout_s: float,
         error_body: Callable[[int, str], dict] | None = None,
+        drain_bytes: int = 64 << 20,
     ):
         self.app, self.max_bytes, self.read_timeout_s = app, max_bytes, read_timeout_s
+        self.drain_bytes = drain_bytes
         self.error_body = error_body or (lambda status, message: {"detail": message})
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
@@ -127,6 +135,8 @@ class BodyLimit:
             return
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            if declared.isdigit() and int(declared) <= self.drain_bytes:
+                await self._drain(receive, 0)
             await self._refuse(
                 send, 413, f"request body: Content-Length {declared.decode()[:20]} > limit {self.max_bytes} bytes"
             )
@@ -143,6 +153,8 @@ class BodyLimit:
             body += msg.get("body", b"")
             more = msg.get("more_body", False)
             if len(body) > self.max_bytes:
+                if more:
+                    await self._drain(receive, len(body))
                 await self._refuse(send, 413, f"request body: more than {self.max_bytes} bytes")
                 return
         replayed = False
@@ -155,6 +167,20 @@ class BodyLimit:
             return {"type": "http.request", "body": bytes(body), "more_body": False}
 
         await self.app(scope, replay, send)
+
+    async def _drain(self, receive: Callable, seen: int) -> None:
+        """Read and drop the rest of a refused body (``seen`` bytes of it read already) until its
+        end, a disconnect, a chunk later than ``read_timeout_s`` or ``drain_bytes`` in all."""
+        while seen <= self.drain_bytes:
+            try:
+                msg = await asyncio.wait_for(receive(), self.read_timeout_s)
+            except TimeoutError:
+                return
+            if msg["type"] == "http.disconnect":
+                return
+            seen += len(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                return
 
     async def _refuse(self, send: Callable, status: int, message: str) -> None:
         body = json.dumps(self.error_body(status, message)).encode()

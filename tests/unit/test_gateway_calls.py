@@ -312,6 +312,37 @@ def test_body_limits_answer_in_the_openai_shape_and_are_counted():
         sv.close()
 
 
+def test_a_body_over_the_limit_is_read_to_its_end_so_the_client_gets_the_413():
+    """A client that sends its whole 256 KiB body before it reads (as httpx does) against a 64 KiB
+    limit: the refusal is sent once the body is in, so the client's send completes and it reads the
+    413 (refused on the declared length at once, the server would close with the body unread and
+    the connection would be reset under the client's send). Counted once."""
+    pool = ScriptedPool([])
+    sv = Served(pool.submit, pool.poll, server={"max_body_bytes": 64 << 10, "read_timeout_s": 5.0})
+    n = 256 << 10
+    try:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", sv.server.port), timeout=10) as conn:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+                head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {n}\r\n\r\n"
+                for k in range(0, n, 8192):  # in chunks, a little at a time, as a slow client sends
+                    conn.sendall((head.encode() if k == 0 else b"") + b"x" * 8192)
+                    time.sleep(0.001)
+                raw = b""
+                while b"}}" not in raw:
+                    got = conn.recv(4096)
+                    assert got, raw
+                    raw += got
+            text = raw.decode()
+            assert text.startswith("HTTP/1.1 413")
+            assert json.loads(text[text.index("{") : text.rindex("}") + 1])["error"]["message"] == (
+                f"request body: Content-Length {n} > limit {64 << 10} bytes"
+            )
+        assert sv.gw.status().errors == {"413": 3}
+    finally:
+        sv.close()
+
+
 class SlowDecode(TemplateChatFormat):
     """The chat format whose decoding (the gateway's own work) takes 0.125 s on a fake clock."""
 
