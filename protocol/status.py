@@ -87,7 +87,7 @@ class GatewayStatus(Message):
     unavailable: dict[str, int] = Field(default_factory=dict)
     """Calls answered 503, by reason: ``not_taken`` (no worker took the call within
     ``gateway.submit_timeout_s``), ``timeout`` (no result within ``gateway.call_timeout_s``),
-    ``poll_failed``, ``aborted`` (the worker aborted the generation)."""
+    ``submit_failed``, ``poll_failed``, ``aborted`` (the worker aborted the generation)."""
     calls_pending: int = Field(0, ge=0)
     """Calls waiting now for a worker to take them or for their result."""
     sessions_waiting_for_group: int = Field(0, ge=0)
@@ -101,6 +101,9 @@ class GatewayStatus(Message):
     """Submissions repeated because no worker took the call (every worker late, or none running)."""
     late_results_discarded: int = Field(0, ge=0)
     """Results that arrived after their call had been answered 503; never trained on."""
+    abandoned_calls: int = Field(0, ge=0)
+    """Calls whose client disconnected before its reply was ready: sampled, never recorded in the
+    session (the agent never saw the reply), never trained on."""
     overhead_ms_mean: float = Field(0.0, ge=0.0)
     """Mean time per served call spent in the gateway's own work (render, stitch, respond), from
     the session's turn to the answer, generation excluded, ms."""

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -67,6 +67,9 @@ from rollout.gateway.tools import normalized, parse_tool_calls, tool_error_text,
 from rollout.httpserve import BodyLimit, ThreadedServer, is_loopback_host
 
 __all__ = ["ApiError", "EndedSession", "Gateway", "GatewayServer"]
+
+Gone = Callable[[], Awaitable[bool]] | None
+"""``await gone()`` is True once the call's client has disconnected (Starlette's ``Request.is_disconnected``)."""
 
 
 class Gateway(SessionTable):
@@ -145,24 +148,31 @@ class Gateway(SessionTable):
         temperature, stop = sampling_choice(req, s is not None and s.train, self.train_temperature)
         return s, temperature, stop
 
-    async def chat_completions(self, body: dict, key: str | None, sid: str | None = None) -> Any:
-        """``POST /v1/chat/completions`` with the JSON ``body``, API key ``key``, in session ``sid``."""
+    async def chat_completions(self, body: dict, key: str | None, sid: str | None = None, gone: Gone = None) -> Any:
+        """``POST /v1/chat/completions`` with the JSON ``body``, API key ``key``, in session ``sid``;
+        ``gone()`` says whether the client has disconnected (None: never asked)."""
         req = validate(ChatRequest, body)
         s, temperature, stop = self._open_call(req, key, sid)
         prompt = ChatPrompt.of(req)
-        return await self._serve(req, s, prompt, temperature, stop, "chat")
+        return await self._serve(req, s, prompt, temperature, stop, "chat", gone)
 
-    async def completions(self, body: dict, key: str | None, sid: str | None = None) -> Any:
-        """``POST /v1/completions`` with the JSON ``body``, API key ``key``, in session ``sid``."""
+    async def completions(self, body: dict, key: str | None, sid: str | None = None, gone: Gone = None) -> Any:
+        """``POST /v1/completions`` with the JSON ``body``, API key ``key``, in session ``sid``;
+        ``gone`` as in :meth:`chat_completions`."""
         req = validate(CompletionRequest, body)
         s, temperature, stop = self._open_call(req, key, sid)
-        return await self._serve(req, s, text_prompt_ids(req, self.chat), temperature, stop, "text")
+        return await self._serve(req, s, text_prompt_ids(req, self.chat), temperature, stop, "text", gone)
 
     async def _serve(
         self, req: Sampling, s: Session | None, prompt: ChatPrompt | list[int], temperature: float,
-        stop: list[str], kind: str,
+        stop: list[str], kind: str, gone: Gone = None,
     ) -> dict | StreamingResponse:  # fmt: skip
-        """Render, sample and record one call under its session's call lock; the reply to send."""
+        """Render, sample and record one call under its session's call lock; the reply to send.
+
+        A call whose client disconnected before its reply was ready (``gone()``) is counted in
+        ``abandoned`` and not recorded: the agent never saw the reply, so its tokens are not
+        stitched into the session, never trained on, and the agent's next call extends the
+        session's ids as if it had not been made."""
         t0 = self.clock()
         async with self.call_lock(s):
             t_turn = self.clock()  # the session's earlier calls are done: the gateway's own work starts
@@ -175,6 +185,10 @@ class Gateway(SessionTable):
                 c, text = self._cut_at_stop(c, text, stop)
             names = prompt.names if isinstance(prompt, ChatPrompt) else None
             reply = self._reply(req, kind, s, call_id, len(ids), c, text, names)
+            if gone is not None and await gone():
+                with self._lock:
+                    self.stats.abandoned += 1
+                return reply.answer(False)  # to nobody
             with self._lock:
                 self._record(s, ids, reply, prompt.key if isinstance(prompt, ChatPrompt) else None)
                 self.stats.turn_wait_s += t_turn - t0

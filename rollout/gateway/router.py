@@ -7,7 +7,8 @@
 * :meth:`Guards.reads`: the admin token when the gateway serves beyond loopback (``token_for_reads``).
 
 Calls (``/v1/chat/completions``, ``/v1/completions``) read the body first and check the key after
-it, so a malformed body is a 400 whatever the key. Every :class:`rollout.gateway.errors.ApiError`
+it, so a malformed body is a 400 whatever the key; they pass the request's disconnect check on, so
+a call whose client left is not recorded. Every :class:`rollout.gateway.errors.ApiError`
 is answered in the OpenAI error shape and counted by status in ``errors``.
 """
 
@@ -76,20 +77,20 @@ def call_routes(gw: Any) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/chat/completions")
-    async def chat(body: Body, key: Key):
-        return await gw.chat_completions(body, key)
+    async def chat(body: Body, key: Key, request: Request):
+        return await gw.chat_completions(body, key, gone=request.is_disconnected)
 
     @router.post("/sessions/{sid}/v1/chat/completions")
-    async def chat_in(sid: str, body: Body, key: Key):
-        return await gw.chat_completions(body, key, sid)
+    async def chat_in(sid: str, body: Body, key: Key, request: Request):
+        return await gw.chat_completions(body, key, sid, gone=request.is_disconnected)
 
     @router.post("/v1/completions")
-    async def completions(body: Body, key: Key):
-        return await gw.completions(body, key)
+    async def completions(body: Body, key: Key, request: Request):
+        return await gw.completions(body, key, gone=request.is_disconnected)
 
     @router.post("/sessions/{sid}/v1/completions")
-    async def completions_in(sid: str, body: Body, key: Key):
-        return await gw.completions(body, key, sid)
+    async def completions_in(sid: str, body: Body, key: Key, request: Request):
+        return await gw.completions(body, key, sid, gone=request.is_disconnected)
 
     @router.get("/v1/models")
     @router.get("/sessions/{sid}/v1/models")

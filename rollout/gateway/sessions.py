@@ -57,6 +57,7 @@ class GatewayStats:
     unparsed: int = 0
     tool_errors: int = 0
     truncated: int = 0
+    abandoned: int = 0
     errors: Counter = field(default_factory=Counter)
     unavailable: Counter = field(default_factory=Counter)
     overhead_s: float = 0.0
@@ -321,6 +322,7 @@ class SessionTable:
                 unparsed_tool_calls=st.unparsed,
                 tool_call_errors=st.tool_errors,
                 truncated_sessions=st.truncated,
+                abandoned_calls=st.abandoned,
                 errors=dict(st.errors),
                 unavailable=dict(st.unavailable),
                 sessions_waiting_for_group=self.groups.waiting,

@@ -147,6 +147,31 @@ def test_a_taken_call_without_result_times_out_leaves_the_pending_list_and_its_l
         sv.close()
 
 
+def test_a_call_whose_client_left_is_not_recorded_and_the_next_call_extends_the_session():
+    """The client gives up on its first call after 0.3 s (its connection closes) while the worker
+    still holds it; the reply the worker then samples reaches nobody: counted as abandoned, not
+    stitched, not trained on. The agent repeats the call and gets "Here.": one trajectory holding
+    that reply only, no split, nothing pending."""
+    pool = ScriptedPool([reply("never seen"), reply("Here.")], held={0})
+    sv = Served(pool.submit, pool.poll)
+    try:
+        s = sv.gw.open_session()
+        with pytest.raises(httpx.ReadTimeout):
+            sv.post(s, {"messages": USER, "max_tokens": 32}, timeout=0.3)
+        pool.release(0)
+        deadline = time.monotonic() + 10
+        while sv.gw.status().abandoned_calls == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        r, _ = sv.post(s, {"messages": USER, "max_tokens": 32})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Here."
+        st = sv.gw.status()
+        assert (st.abandoned_calls, st.calls, st.splits, st.calls_pending, st.errors) == (1, 1, 0, 0, {})
+        (t,) = sv.gw.end_session(s.session_id).trajectories
+        assert t.token_ids[t.prompt_len :].tolist() == reply("Here.")
+    finally:
+        sv.close()
+
+
 def test_a_failing_poll_answers_every_waiting_call_503():
     def poll():
         raise RuntimeError("late update refused")
