@@ -20,6 +20,8 @@ extra calls among 214 (10.3%), 3-4 of each kind:
     unauthorised    the session's URL with another key               401, param api_key
     abandoned       a good call whose client disconnects after ``--abandon-after-s``
 
+An abandoned call is sampled but never recorded (the gateway counts it in ``abandoned_calls``), so
+the calls recorded are the good ones plus any abandoned call that finished before its client left.
 At the end of every round, once no call is pending: the gateway's open sessions, pending calls,
 call locks and key table (all 0 when nothing leaks), the sessions it still remembers and the
 resident memory (RSS) of this process (the gateway, its server and the clients; the worker is
@@ -286,6 +288,11 @@ def _checks(rounds: list[dict]) -> dict[str, bool]:
         "refusals_as_expected": all(k["as_expected"] for r in rounds for k in r["client"]["refusals"].values()),
         "good_calls_all_served": all(not r["client"]["good_failed"] for r in rounds),
         "sessions_all_ended": all(not r["client"]["session_errors"] for r in rounds),
+        "abandoned_calls_not_recorded": all(
+            r["calls_recorded"] == r["client"]["good_calls"] + r["client"]["abandon_completed_first"]
+            and r["abandoned_calls_gateway"] == r["client"]["abandoned"] - r["client"]["abandon_completed_first"]
+            for r in rounds
+        ),
     }
 
 
@@ -334,7 +341,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         warm.chat.completions.create(model="vintage", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
         result["rss_mib_before"] = rss_mib()
         for k in range(a.rounds):
-            errors_before = Counter(gw.status().errors)
+            before = gw.status()
+            errors_before = Counter(before.errors)
             t0 = time.perf_counter()
             rec = asyncio.run(run_round(server.url, gw.admin_token, a))
             seconds = time.perf_counter() - t0
@@ -354,6 +362,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "refused_by_status_client": dict(sorted(by_status.items())),
                     "refused_by_status_gateway": dict(sorted((Counter(st.errors) - errors_before).items())),
                     "tables": gateway_tables(gw),
+                    "calls_recorded": st.calls - before.calls,
+                    "abandoned_calls_gateway": st.abandoned_calls - before.abandoned_calls,
+                    "splits": st.splits - before.splits,
                     "sessions_ended_handed_over": len(ended),
                     "trajectories": sum(len(e.trajectories) for e in ended),
                     "status": st.model_dump(),
@@ -394,6 +405,10 @@ def _print(result: dict[str, Any]) -> None:
             )
         print(
             f"  refusals by status: clients {r['refused_by_status_client']}, gateway {r['refused_by_status_gateway']}"
+        )
+        print(
+            f"  calls recorded {r['calls_recorded']}, abandoned (gateway) {r['abandoned_calls_gateway']}, "
+            f"splits {r['splits']}, trajectories {r['trajectories']} of {r['sessions_ended_handed_over']} sessions"
         )
         print(f"  tables after: {t}")
     print(f"checks: {result['checks']}")

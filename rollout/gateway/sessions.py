@@ -2,7 +2,9 @@
 
 Thread-safe (one lock): used by the HTTP routes and, in-process, by the agent runner. A session
 is found by its id (the base URL ``/sessions/{id}/v1``) or by its key (the API key of a call).
-Ending a training session turns it into trajectories; they are held by GRPO group
+An ended session is remembered (``GET /v1/sessions/{id}``, a 409 for a call with its key) until
+``ended_kept`` newer ones have ended, then forgotten (404, and 401 for its key), so the table does
+not grow with the sessions a long job has run. Ending a training session turns it into trajectories; they are held by GRPO group
 (:class:`rollout.gateway.groups.GroupGate`) and handed to :meth:`SessionTable.take_ended` when their
 group fills or has waited ``group_wait_s`` (then with a stated baseline); a dropped session is
 handed over at once.
@@ -15,7 +17,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,9 @@ from rollout.gateway.errors import ApiError, ended
 from rollout.gateway.groups import GroupGate
 from rollout.gateway.session import Session
 from rollout.httpserve import token_matches
+
+ENDED_KEPT = 16384
+"""Ended sessions remembered (the oldest are forgotten first)."""
 
 
 @dataclass
@@ -76,6 +81,7 @@ class SessionTable:
         group_size: sessions of a full GRPO group (``rollout.sampling.n``).
         group_wait_s: longest wait for a group to fill after its first session ended, seconds.
         clock: seconds (monotonic), for ``group_wait_s``.
+        ended_kept: ended sessions remembered (the oldest forgotten first, see the module docstring).
 
     Raises:
         ValueError: an ``admin_token`` shorter than 16 characters (names ``gateway.token``), a
@@ -91,6 +97,7 @@ class SessionTable:
         group_size: int = 1,
         group_wait_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
+        ended_kept: int = ENDED_KEPT,
     ):
         if admin_token is not None and len(admin_token) < 16:
             raise ValueError(f"gateway.token: {len(admin_token)} characters, at least 16 required")
@@ -100,6 +107,8 @@ class SessionTable:
         self._sessions: dict[str, Session] = {}
         self._by_key: dict[str, str] = {}
         self._ended_keys: set[str] = set()
+        self._ended_order: deque[str] = deque()
+        self.ended_kept = ended_kept
         self._call_locks: dict[str, asyncio.Lock] = {}
         self._ended: list[EndedSession] = []
         self.groups = GroupGate(group_size, group_wait_s, clock)
@@ -215,6 +224,10 @@ class SessionTable:
             # free the token state of the session; its counts stay for GET /v1/sessions/{id}
             s.info["calls"], s.segments, s.history, s.calls, s.last_ids = len(s.calls), [], None, [], []
             self._call_locks.pop(s.session_id, None)
+            self._ended_order.append(s.session_id)
+            while len(self._ended_order) > self.ended_kept:
+                old = self._sessions.pop(self._ended_order.popleft())
+                self._ended_keys.discard(old.key)
         return out
 
     def _hand_over(self, s: Session, dropped: str | None) -> EndedSession:
