@@ -21,7 +21,9 @@ extra calls among 214 (10.3%), 3-4 of each kind:
     abandoned       a good call whose client disconnects after ``--abandon-after-s``
 
 An abandoned call is sampled but never recorded (the gateway counts it in ``abandoned_calls``), so
-the calls recorded are the good ones plus any abandoned call that finished before its client left.
+the calls recorded are the good ones plus any abandoned call that finished before its client left;
+one whose client gave up before its request reached the gateway (still connecting, under load) is
+in neither count.
 At the end of every round, once no call is pending: the gateway's open sessions, pending calls,
 call locks and key table (all 0 when nothing leaks), the sessions it still remembers and the
 resident memory (RSS) of this process (the gateway, its server and the clients; the worker is
@@ -290,7 +292,7 @@ def _checks(rounds: list[dict]) -> dict[str, bool]:
         "sessions_all_ended": all(not r["client"]["session_errors"] for r in rounds),
         "abandoned_calls_not_recorded": all(
             r["calls_recorded"] == r["client"]["good_calls"] + r["client"]["abandon_completed_first"]
-            and r["abandoned_calls_gateway"] == r["client"]["abandoned"] - r["client"]["abandon_completed_first"]
+            and r["abandoned_calls_gateway"] <= r["client"]["abandoned"] - r["client"]["abandon_completed_first"]
             for r in rounds
         ),
     }
