@@ -5,7 +5,8 @@ model) in the driver's real :class:`trainer.driver.pool.WorkerPool`: version 1 (
 is published to the first worker; a second joins with the test hook that makes its engine skip the
 catch-up load, so it serves the folder's weights under version 1. The job's controls find it,
 kill it as ``fingerprint_mismatch`` (counted once), replace it, and the replacement, which loads
-its catch-up, passes.
+its catch-up, passes. The pool's other route to a publication, a late worker's update or
+catch-up taken in by a poll, is handed over for the same check.
 """
 
 from __future__ import annotations
@@ -82,3 +83,39 @@ def test_a_joiner_that_skips_its_catch_up_load_is_killed_replaced_and_counted(ra
         assert sum(j.buffer.dropped.values()) == 0 and j.buffer.accounting_ok()  # no sample was in flight on it
     finally:
         pool.shutdown()
+
+
+class _Method:
+    """``actor.<method>.remote(...)``: a ready reference to ``value`` (nothing runs)."""
+
+    def __init__(self, ray, value):
+        self.ray, self.value = ray, value
+
+    def remote(self, *args):
+        return self.ray.put(self.value)
+
+
+def test_a_late_workers_update_and_catch_up_are_handed_over_for_checking(ray_cluster):
+    """The pool's other route to a publication: rollout-0's update to v2 is answered late (taken
+    in by a poll), then it misses a publication while late and is caught up once its late calls
+    are in. Each time it is handed over (``take_unverified``) with the manifest it applied, once."""
+    ray = ray_cluster
+    from types import SimpleNamespace
+
+    from rollout.engine import EngineConfig
+    from trainer.driver.pool import WorkerPool
+
+    pool = WorkerPool(EngineConfig(kind="transformers", model_path="unused"), hang_timeout_s=600.0)
+    manifest = SimpleNamespace(version=2)
+    actor = SimpleNamespace(poll=_Method(ray, []), update_weights=_Method(ray, 2))
+    pool.workers["rollout-0"], pool.in_flight["rollout-0"] = actor, 0
+    pool._latest = (manifest, None)
+    pool._late["rollout-0"] = [("update_weights", ray.put(2), 0)]
+    assert pool.take_unverified() == {}
+    pool.poll()
+    assert pool.take_unverified() == {"rollout-0": manifest} and pool.take_unverified() == {}
+    pool._late["rollout-0"], pool._behind = [("poll", ray.put([]), 0)], {"rollout-0"}
+    pool.poll()  # the late poll is in: the catch-up goes out (a late call of its own)
+    assert pool._late["rollout-0"][0][0] == "update_weights" and pool.take_unverified() == {}
+    pool.poll()  # its answer
+    assert pool.take_unverified() == {"rollout-0": manifest} and "rollout-0" not in pool._late
