@@ -11,6 +11,9 @@ wheels and can import nothing else::
     python -m deploy.gpu_wheels --python-version 3.11 --out /tmp/w311 --tokenizer-out /tmp/tok
     python -m deploy.gpu_rehearse --wheels /tmp/w311 --tokenizer /tmp/tok --out /tmp/rehearsal.json
 
+Its folders stay under ``--work`` (the links ``borrowed/``, the installed wheels ``carried/``, and
+``torch_extensions/``, where DeepSpeed's CPU op is JIT-built once for these paths).
+
 What it cannot rehearse: the borrowed machine's Python (3.12; here the cp311 builds of the same
 wheels are installed) and its CUDA torch (the checks run with ``--device cpu``).
 """
@@ -20,9 +23,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
-import tempfile
 from importlib import metadata
 from pathlib import Path
 
@@ -81,8 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheels", required=True, help="carried wheels built for this interpreter")
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--work", type=Path, default=REPO / "runs" / "gpu-rehearse" / "work")
     a = ap.parse_args(argv)
-    site = Path(tempfile.mkdtemp(prefix="vintage-borrowed-site-"))
+    site, carried = a.work / "borrowed", a.work / "carried"
+    shutil.rmtree(site, ignore_errors=True)
+    shutil.rmtree(carried, ignore_errors=True)
     dists = closure(leave_out={p.name for p in CARRIED})
     linked = link_site(dists, site)
     print(f"[gpu_rehearse] {len(dists)} distributions ({len(linked)} links) in {site}: "
@@ -91,8 +97,19 @@ def main(argv: list[str] | None = None) -> int:
     env.update(PYTHONPATH=os.pathsep.join((str(site), str(REPO))), PYTHONNOUSERSITE="1")
     # DeepSpeed's CPU op is JIT-built against the carried copy: in a folder of its own, so no other
     # interpreter's build of it is touched
-    env["TORCH_EXTENSIONS_DIR"] = str(site / "torch_extensions")
-    cmd = [sys.executable, "-S", "-m", "deploy.gpu_check", "--device", "cpu", "--wheels", a.wheels]
+    env["TORCH_EXTENSIONS_DIR"] = str(a.work / "torch_extensions")
+    cmd = [
+        sys.executable,
+        "-S",
+        "-m",
+        "deploy.gpu_check",
+        "--device",
+        "cpu",
+        "--wheels",
+        a.wheels,
+        "--site",
+        str(carried),
+    ]
     cmd += ["--tokenizer", a.tokenizer, "--out", a.out]
     return subprocess.run(cmd, cwd=REPO, env=env).returncode
 

@@ -237,7 +237,7 @@ def install_wheels(wheels: Path, target: Path) -> str:
                 z.extractall(target)
         return "unzip"
     cmd = [sys.executable, *_interpreter_flags(), "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
-    cmd += ["--disable-pip-version-check", "--target", str(target), *map(str, files)]
+    cmd += ["--disable-pip-version-check", "--upgrade", "--target", str(target), *map(str, files)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(
