@@ -39,6 +39,7 @@ import platform
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -263,7 +264,7 @@ def _fwd_bwd(model: Any, ids: Any, chunk_bytes: int, device: str, reps: int) -> 
     return sum(secs) / len(secs), peak
 
 
-def check_chunked(parts: Parts, batch: int, seq: int) -> dict:
+def check_chunked(parts: Parts, batch: int, seq: int, reps: int) -> dict:
     """Chunked against full-logit log-probs on the tiny model in ``parts.dtype``."""
     import torch
 
@@ -281,11 +282,11 @@ def check_chunked(parts: Parts, batch: int, seq: int) -> dict:
     diff = float((full - chunked).abs().max())
     tol = logprob_tolerance(parts.dtype, max_logit)
     model.train()
-    full_s, full_peak = _fwd_bwd(model, ids, 0, parts.device, reps=3)
-    chunk_s, chunk_peak = _fwd_bwd(model, ids, DEFAULT_CHUNK_BYTES, parts.device, reps=3)
+    full_s, full_peak = _fwd_bwd(model, ids, 0, parts.device, reps)
+    chunk_s, chunk_peak = _fwd_bwd(model, ids, DEFAULT_CHUNK_BYTES, parts.device, reps)
     mib = lambda b: None if b is None else round(b / 2**20, 1)  # noqa: E731
     out = {
-        "batch": batch, "seq": seq, "vocab": int(model.config.vocab_size), "dtype": parts.dtype,
+        "batch": batch, "seq": seq, "vocab": int(model.config.vocab_size), "dtype": parts.dtype, "timed_reps": reps,
         "max_abs_diff": diff, "tolerance": tol, "max_abs_logit": max_logit, "finite": bool(torch.isfinite(full).all()),
         "full_fwd_bwd_s": round(full_s, 4), "chunked_fwd_bwd_s": round(chunk_s, 4),
         "full_peak_mib": mib(full_peak), "chunked_peak_mib": mib(chunk_peak),
@@ -467,6 +468,7 @@ def check_loop(parts: Parts, versions: int = 3, groups: int = 2, group: int = 4,
         del payload
     engine.close()
     out = {"transport": transport, "versions": versions, "trajectories_per_version": groups * group, "rows": rows}
+    out["max_tokens"] = max_tokens
     ok = [
         r["token_versions"] == [i] and r["learner_version"] == r["engine_version"] == i + 1 and r["fingerprint_match"]
         for i, r in enumerate(rows)
@@ -548,22 +550,44 @@ def run_checks(a: argparse.Namespace) -> int:
     big = a.device == "cuda"
     fns = {
         "learner": lambda: check_learner(parts),
-        "chunked": lambda: check_chunked(parts, batch=8 if big else 2, seq=1024 if big else 128),
+        "chunked": lambda: check_chunked(parts, batch=8 if big else 2, seq=1024 if big else 128, reps=3 if big else 1),
         "oldlogit": lambda: check_oldlogit(parts),
         "ipc": lambda: check_ipc(parts),
-        "loop": lambda: check_loop(parts),
+        "loop": lambda: check_loop(parts, group=4 if big else 2, max_tokens=16 if big else 12),
     }
-    result["checks"] = {name: _run_check(name, fns[name]) for name in a.checks}
+    result.update(ok=False, checks={})
+    watchdog = threading.Timer(a.budget_s, _over_budget, (a, result, t0))
+    watchdog.daemon = True
+    watchdog.start()
+    for name in a.checks:  # the file is rewritten after each check: a run cut short leaves what it did
+        result["running"] = name
+        result["checks"][name] = _run_check(name, fns[name])
+        _save(a, result, t0)
+    watchdog.cancel()
+    result.pop("running")
     result["ok"] = all(c["ok"] for c in result["checks"].values())
     shutil.rmtree(cache, ignore_errors=True)
     return _write(a, result, t0)
 
 
-def _write(a: argparse.Namespace, result: dict, t0: float) -> int:
+def _over_budget(a: argparse.Namespace, result: dict, t0: float) -> None:
+    """The watchdog: record which check was running when ``--budget-s`` ran out, and exit 1."""
+    result["error"] = f"budget: --budget-s {a.budget_s:g} s ran out during check {result.get('running')!r}"
+    print(f"[gpu_check] {result['error']}", flush=True)
+    _write(a, result, t0)
+    os._exit(1)
+
+
+def _save(a: argparse.Namespace, result: dict, t0: float) -> None:
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))
+
+
+def _write(a: argparse.Namespace, result: dict, t0: float) -> int:
+    _save(a, result, t0)
+    out = Path(a.out)
     passed = [n for n, c in result.get("checks", {}).items() if c["ok"]]
     print(f"[gpu_check] ok={result['ok']} passed {passed} in {result['wall_s']} s; result {out}", flush=True)
     return 0 if result["ok"] else 1
@@ -582,6 +606,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tokenizer", default=str(REPO / "deploy" / "gpu" / "tokenizer"), help="the carried tokenizer")
     ap.add_argument("--site", default=None, help="install the wheels here and keep them (default: a temporary folder)")
     ap.add_argument("--checks", nargs="+", choices=CHECKS, default=list(CHECKS))
+    ap.add_argument("--budget-s", type=float, default=450.0, help="stop (exit 1, result kept) after this many seconds")
     a = ap.parse_args(argv)
     a.dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
     return a

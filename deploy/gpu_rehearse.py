@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         "--site",
         str(carried),
     ]
-    cmd += ["--tokenizer", a.tokenizer, "--out", a.out]
+    cmd += ["--tokenizer", a.tokenizer, "--out", a.out, "--budget-s", "3600"]  # a first JIT build takes minutes
     return subprocess.run(cmd, cwd=REPO, env=env).returncode
 
 

@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 def result(tmp_path_factory, tiny_model_path):
     out = tmp_path_factory.mktemp("gpu-check") / "result.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
-    cmd = [sys.executable, "-m", "deploy.gpu_check", "--device", "cpu", "--out", str(out)]
+    # the budget is for a GPU; a shared CPU box may need more
+    cmd = [sys.executable, "-m", "deploy.gpu_check", "--device", "cpu", "--out", str(out), "--budget-s", "900"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -61,7 +62,7 @@ def test_learner_two_steps_per_batch(result):
 
 def test_chunked_equals_full_logits(result):
     c = result["checks"]["chunked"]
-    assert (c["batch"], c["seq"], c["vocab"]) == (2, 128, 49152)
+    assert (c["batch"], c["seq"], c["vocab"], c["timed_reps"]) == (2, 128, 49152, 1)
     assert c["tolerance"] == 1e-5 and c["max_abs_diff"] <= 1e-5
     assert c["full_peak_mib"] is None and c["chunked_peak_mib"] is None  # no allocator statistics on CPU
 
@@ -83,8 +84,8 @@ def test_second_process_reads_the_publication(result):
 
 def test_loop_publishes_three_versions(result):
     c = result["checks"]["loop"]
-    assert c["versions"] == 3 and c["trajectories_per_version"] == 8
+    assert c["versions"] == 3 and c["trajectories_per_version"] == 4 and c["max_tokens"] == 12  # CPU sizes
     assert [r["token_versions"] for r in c["rows"]] == [[0], [1], [2]]
     assert [(r["learner_version"], r["engine_version"]) for r in c["rows"]] == [(1, 1), (2, 2), (3, 3)]
     assert all(r["fingerprint_match"] for r in c["rows"])
-    assert all(0.0 <= r["mean_reward"] <= 1.0 and 8 <= r["tokens"] <= 8 * 16 for r in c["rows"])
+    assert all(0.0 <= r["mean_reward"] <= 1.0 and 4 <= r["tokens"] <= 4 * 12 for r in c["rows"])
