@@ -87,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=REPO / "runs" / "gpu-rehearse" / "work")
     a = ap.parse_args(argv)
     site, carried = a.work / "borrowed", a.work / "carried"
-    shutil.rmtree(site, ignore_errors=True)
-    shutil.rmtree(carried, ignore_errors=True)
+    shutil.rmtree(site, ignore_errors=True)  # the links; the installed wheels are kept while they match
     dists = closure(leave_out={p.name for p in CARRIED})
     linked = link_site(dists, site)
     print(f"[gpu_rehearse] {len(dists)} distributions ({len(linked)} links) in {site}: "

@@ -221,7 +221,9 @@ def install_wheels(wheels: Path, target: Path) -> str:
 
     With pip (``pip install --no-index --no-deps --target``, which refuses a wheel whose tags do
     not fit this interpreter) when this interpreter has it, else by unpacking each wheel into
-    ``target`` (a wheel is a zip of its installed files). Returns ``"pip"`` or ``"unzip"``.
+    ``target`` (a wheel is a zip of its installed files). A ``target`` that already holds these
+    wheels (its ``.vintage-wheels`` record lists the same names and sizes) is kept as it is, so
+    what was JIT-built against it stays valid. Returns ``"pip"``, ``"unzip"`` or ``"kept"``.
 
     Raises:
         FileNotFoundError: ``wheels`` holds no wheel (the message says how to fill it).
@@ -230,7 +232,18 @@ def install_wheels(wheels: Path, target: Path) -> str:
     files = sorted(wheels.glob("*.whl"))
     if not files:
         raise FileNotFoundError(f"--wheels: no *.whl in {wheels}; run `make gpu-wheels` where a registry is reachable")
+    record = "".join(f"{f.name} {f.stat().st_size}\n" for f in files)
+    marker = target / ".vintage-wheels"
+    if marker.is_file() and marker.read_text() == record:
+        return "kept"
     target.mkdir(parents=True, exist_ok=True)
+    how = _install(files, target)
+    marker.write_text(record)
+    return how
+
+
+def _install(files: list[Path], target: Path) -> str:
+    """pip (``--no-index --no-deps --upgrade --target``) or, without pip, unzip each wheel into ``target``."""
     if util.find_spec("pip") is None:
         for f in files:
             with zipfile.ZipFile(f) as z:

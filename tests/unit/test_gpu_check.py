@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from deploy.gpu_check import BF16_REL, FP32_TOL, adam_step_bound, logprob_tolerance, weight_change_excess
+from deploy.gpu_bounds import BF16_REL, FP32_TOL, adam_step_bound, logprob_tolerance, weight_change_excess
 from deploy.gpu_rehearse import canonical, closure
 from deploy.gpu_wheels import CARRIED, Carried, check_limit, download_command, missing_modules, size_report
 
@@ -95,3 +95,23 @@ def test_borrowed_closure_leaves_carried_out():
     got = {canonical(d.metadata["Name"]) for d in closure(("pydantic",), leave_out={"typing_extensions"})}
     assert got == {"pydantic", "pydantic-core", "annotated-types", "typing-inspection"}
     assert closure(("no-such-vintage-probe",)) == []
+
+
+def test_install_wheels_unpacks_records_and_keeps(tmp_path, monkeypatch):
+    import zipfile
+
+    import deploy.gpu_wheels as gw
+
+    wheels, target = tmp_path / "wheels", tmp_path / "site"
+    wheels.mkdir()
+    with zipfile.ZipFile(wheels / "vintage_probe-1.0-py3-none-any.whl", "w") as z:
+        z.writestr("vintage_probe/__init__.py", "VALUE = 7\n")
+    real = gw.util.find_spec
+    monkeypatch.setattr(gw.util, "find_spec", lambda name: None if name == "pip" else real(name))  # no pip
+    assert gw.install_wheels(wheels, target) == "unzip"
+    assert (target / "vintage_probe" / "__init__.py").read_text() == "VALUE = 7\n"
+    size = (wheels / "vintage_probe-1.0-py3-none-any.whl").stat().st_size
+    assert (target / ".vintage-wheels").read_text() == f"vintage_probe-1.0-py3-none-any.whl {size}\n"
+    assert gw.install_wheels(wheels, target) == "kept"  # the same wheels: nothing is rewritten
+    with pytest.raises(FileNotFoundError, match="--wheels: no \\*.whl in .*empty; run `make gpu-wheels`"):
+        gw.install_wheels(tmp_path / "empty", target)
