@@ -267,7 +267,7 @@ def rerun_with_wheels(module: str, argv: list[str], wheels: Path, site: Path | N
     t0 = time.perf_counter()
     try:
         how = install_wheels(wheels, folder)
-        print(f"[gpu_wheels] installed {wheels}/*.whl into {folder} by {how} in {time.perf_counter() - t0:.1f} s")
+        print(f"[gpu_wheels] {wheels}/*.whl -> {folder}: {how} ({time.perf_counter() - t0:.1f} s)")
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder), str(REPO), env.get("PYTHONPATH", "")) if p)
         env["PATH"] = os.pathsep.join((str(folder / "bin"), env.get("PATH", "")))
