@@ -491,7 +491,7 @@ def run_checks(a: argparse.Namespace) -> int:
         "loop": lambda: check_loop(parts, group=4 if big else 2, max_tokens=16 if big else 12),
     }
     result.update(ok=False, checks={})
-    watchdog = threading.Timer(a.budget_s, _over_budget, (a, result, t0))
+    watchdog = threading.Timer(a.budget_s, _over_budget, (a, result, t0, cache))
     watchdog.daemon = True
     watchdog.start()
     for name in a.checks:  # the file is rewritten after each check: a run cut short leaves what it did
@@ -505,11 +505,13 @@ def run_checks(a: argparse.Namespace) -> int:
     return _write(a, result, t0)
 
 
-def _over_budget(a: argparse.Namespace, result: dict, t0: float) -> None:
-    """The watchdog: record which check was running when ``--budget-s`` ran out, and exit 1."""
+def _over_budget(a: argparse.Namespace, result: dict, t0: float, cache: Path) -> None:
+    """The watchdog: record which check was running when ``--budget-s`` ran out, remove the model
+    folder ``cache``, and exit 1."""
     result["error"] = f"budget: --budget-s {a.budget_s:g} s ran out during check {result.get('running')!r}"
     print(f"[gpu_check] {result['error']}", flush=True)
     _write(a, result, t0)
+    shutil.rmtree(cache, ignore_errors=True)
     os._exit(1)
 
 
