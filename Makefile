@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED := 1
 # DeepSpeed JIT-builds its CPU comm op; one build per venv (a shared cache rebuilds per venv switch).
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install test test-fast demo bench bench-latency bench-gateway-load bench-methods bench-trl lint model clean
+.PHONY: install test test-fast demo bench bench-latency bench-gateway-load bench-methods bench-trl lint model clean gpu-wheels gpu-rehearse
 
 install: $(STAMP)
 
@@ -85,6 +85,16 @@ bench-trl: install
 		$(PY) -c "import torch, transformers, trl; print('torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"; }
 	$(VENV)/bin/vintage model prepare
 	$(VENV)/bin/vintage bench trl --budget-s $(BUDGET_S)
+
+# what a borrowed GPU machine lacks (cp312 wheels, SmolLM2's tokenizer) into the ignored deploy/gpu/;
+# there: `python -m deploy.gpu_check --out result.json` (README: "GPU check on a borrowed machine")
+gpu-wheels: install
+	$(PY) -m deploy.gpu_wheels
+
+# the same check here with only the borrowed machine's packages (cp311 builds of the carried wheels)
+gpu-rehearse: install
+	$(PY) -m deploy.gpu_wheels --python-version 3.11 --out runs/gpu-rehearse/wheels --tokenizer-out runs/gpu-rehearse/tokenizer
+	$(PY) -m deploy.gpu_rehearse --wheels runs/gpu-rehearse/wheels --tokenizer runs/gpu-rehearse/tokenizer --out runs/gpu-rehearse/result.json
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -244,3 +244,27 @@ def test_a_snapshot_request_leaves_the_consuming_versions_tokens_to_the_learner(
     # sampled versions 3, 4, 4 at positions 2-4; scored for consumption at 4: only position 2
     (item,) = items_before([traj(versions=(3, 4, 4))], 4)
     assert item.loss_mask.tolist() == [0, 0, 1, 0, 0] and item.versions.tolist() == [-1, -1, 3, 4, 4]
+
+
+def test_to_moves_every_row_tensor_and_keeps_the_rest():
+    ids = torch.tensor([[5, 6, 7], [8, 9, 2]])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]], dtype=torch.bool)
+    b = Batch(
+        ids, torch.ones_like(ids), mask, torch.zeros(2, 3), torch.ones(2, 3), consuming_version=4, temperature=0.7
+    )
+    b.stats["groups"] = 1.0
+    moved = b.to("meta")  # a device with shapes and no data: every row tensor must land there
+    row = ("token_ids", "attention_mask", "loss_mask", "sampled_mask", "behav_logprobs", "versions", "staleness")
+    row += (
+        "old_logprobs",
+        "exact_mask",
+        "advantages",
+        "rewards",
+        "seq_advantages",
+        "recompute_logprobs",
+        "current_mask",
+    )
+    assert {getattr(moved, n).device.type for n in row} == {"meta"}
+    assert (moved.consuming_version, moved.temperature, moved.stats) == (4, 0.7, {"groups": 1.0})
+    back = b.to("cpu")  # already there: the same tensors, not copies
+    assert back.token_ids is b.token_ids and back.n_tokens == 3

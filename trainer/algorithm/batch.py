@@ -124,6 +124,13 @@ class Batch:
                 picked[n] = v[:, :width].contiguous()
         return replace(self, **picked, stats={})
 
+    def to(self, device: torch.device | str) -> Batch:
+        """The same batch with every row tensor on ``device`` (no copy for those already there);
+        ``stats`` and the scalars are kept. The learner moves each micro-batch to its engine's device."""
+        device = torch.device(device)
+        moved = {n: getattr(self, n).to(device) for n in _ROW_TENSORS}
+        return replace(self, **moved)
+
     def shard(self, rank: int, world_size: int) -> Batch:
         """Rows ``rank, rank + world_size, ...`` (data-parallel share; may be empty)."""
         if not 0 <= rank < world_size:

@@ -54,7 +54,6 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
-import ray
 import torch
 
 from modelkit.scoring import sequence_logprobs, sequence_logprobs_and_entropy
@@ -141,6 +140,8 @@ class LearnerCore:
         if settings.dtype == "bfloat16":
             ds_config["bf16"] = {"enabled": True}
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self._optimizer, config=ds_config)
+        if scorer is not None:  # the EWMA forwards run where the engine's do
+            scorer.to(self.engine.device)
         self._guard.watch(self.engine.module.parameters())
         self.version = 0
         self.skipped_steps = 0
@@ -320,11 +321,12 @@ class LearnerCore:
         model.eval()
         try:  # the first ceil(rows / mbs) micro-batches are this rank's rows in order, the rest padding
             for k, mb in enumerate(local.micro_batches(mbs, n_micro)):
+                mb = mb.to(self.engine.device)
                 lp = sequence_logprobs(
                     model, mb.token_ids, mb.attention_mask, mb.temperature, first, self.settings.logprob_chunk_bytes
                 )
                 rows = local_rows[k * mbs : k * mbs + mb.size] if k * mbs < local.size else local_rows[:0]
-                ref[rows, : lp.shape[1]] = lp[: len(rows)]
+                ref[rows, : lp.shape[1]] = lp[: len(rows)].to(ref.device)
         finally:
             model.train(was_training)
         return replace(batch, recompute_logprobs=ref)
@@ -345,7 +347,8 @@ class LearnerCore:
         library's token-weighted means and extremes (``entropy`` among them), proxy error sums,
         ``ewma_kept_frac``, ``ewma_reset``, phase seconds and micro-batch counts."""
         local = batch.shard(self.rank, self.world_size) if self.world_size > 1 else batch
-        micro = local.micro_batches(self.settings.micro_batch_size, self._micro_count(batch))
+        split = local.micro_batches(self.settings.micro_batch_size, self._micro_count(batch))
+        micro = [m.to(self.engine.device) for m in split]
         first = first_loss_position(local)  # one for every micro-batch: their sums match a single pass
         n_tok, n_seq = self._all_reduce([float(local.n_tokens), float(local.loss_mask.any(-1).sum())])
         self._guard.clear()
@@ -476,17 +479,19 @@ class LearnerCore:
 
     @torch.no_grad()
     def logprobs(self, batch: Batch) -> torch.Tensor:
-        """``[batch, seq]`` fp32 log-probs (nats) of ``batch`` under the current weights (no grad).
+        """``[batch, seq]`` fp32 log-probs (nats) of ``batch`` under the current weights (no grad),
+        computed on the engine's device and returned on the CPU.
 
         Under ZeRO-3 with several ranks every rank must call it (the forward gathers parameters).
         """
         was_training = self.engine.module.training
         self.engine.module.eval()
         try:
+            on_device = batch.to(self.engine.device)
             return sequence_logprobs(
-                self.engine.module, batch.token_ids, batch.attention_mask, batch.temperature,
+                self.engine.module, on_device.token_ids, on_device.attention_mask, batch.temperature,
                 chunk_bytes=self.settings.logprob_chunk_bytes,
-            ).float()  # fmt: skip
+            ).float().cpu()  # fmt: skip
         finally:
             self.engine.module.train(was_training)
 
@@ -603,5 +608,12 @@ class LearnerCore:
         return checkpoint.load_checkpoint(self, directory, tag=tag)
 
 
-Learner = ray.remote(LearnerCore)
-"""The Ray actor wrapping :class:`LearnerCore`: one per data-parallel rank, created concurrently."""
+def __getattr__(name: str) -> Any:
+    """``Learner``: the Ray actor wrapping :class:`LearnerCore`, one per data-parallel rank, created
+    concurrently. Made on first use, so the plain class imports where Ray is not installed."""
+    if name == "Learner":
+        import ray
+
+        actor = globals().setdefault("Learner", ray.remote(LearnerCore))
+        return actor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
