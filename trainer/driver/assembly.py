@@ -163,6 +163,7 @@ def learner_settings(cfg: JobConfig, model_path: Path) -> LearnerSettings:
         temperature=s.temperature,
         max_token_staleness=c.max_token_staleness,
         seed=c.seed,
+        torch_threads=cfg.thread_plan().learner,
         lora=cfg.lora,
         current_from_learner=cfg.current_from_learner,
     )
@@ -207,10 +208,12 @@ def engine_config(cfg: JobConfig, model_path: Path | str) -> EngineConfig:
 
 def start_workers(cfg: JobConfig, model_path: Path, route: NoRoute, console: Console) -> WorkerPool:
     """The rollout worker pool at ``rollout.num_workers`` workers, each serving the model folder
-    (version 0); on ``interrupt_sync`` the workers score their prefixes with the route's service.
+    (version 0) with the job's rollout threads and CPU priority (:meth:`JobConfig.thread_plan`);
+    on ``interrupt_sync`` the workers score their prefixes with the route's service.
     A worker not started within ``rollout.start_timeout_s`` is given up (the pool holds fewer)."""
     from trainer.driver.pool import WorkerPool
 
+    plan = cfg.thread_plan()
     pool = WorkerPool(
         engine_config(cfg, model_path),
         actor_options=cfg.rollout.actor_options(),
@@ -219,6 +222,7 @@ def start_workers(cfg: JobConfig, model_path: Path, route: NoRoute, console: Con
         oldlogit_restart_timeout_s=cfg.oldlogit.restart_timeout_s,
         start_timeout_s=cfg.rollout.start_timeout_s,
         hang_timeout_s=cfg.rollout.hang_timeout_s,
+        worker_options={"torch_threads": plan.rollout, "yield_cpu": plan.yield_to_learner},
     )
     with console.status(f"starting {cfg.rollout.num_workers} rollout worker(s) ..."):
         pool.scale_to(cfg.rollout.num_workers)
