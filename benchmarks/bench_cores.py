@@ -97,7 +97,8 @@ def run_one(model: str, steps: int, staleness: int, overrides: list[str]) -> dic
         [
             f'model.path="{model}"', f"controller.total_steps={steps}", f"controller.max_staleness={staleness}",
             "controller.time_budget_s=3600", "env.eval_prompts=0", "server.enabled=false", "logging.trackers=[]",
-            "logging.plots=false", "logging.samples_per_step=0", f'logging.run_dir="{run_dir}"', *overrides,
+            "logging.plots=false", "logging.samples_per_step=0", "rollout.start_timeout_s=900",
+            f'logging.run_dir="{run_dir}"', *overrides,
         ],
     )  # fmt: skip
     plan = cfg.thread_plan()
@@ -159,26 +160,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0, cores = time.perf_counter(), available_cores()
     runs: dict[str, dict[str, Any]] = {}
     alone_for = {"one_each": "alone@1", "threads": f"alone@{cores}", "plan": f"alone@{cores}"}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {}
     for name in a.policies:
         key = alone_for[name]
         if key not in runs:
             threads = key.split("@")[1]
             runs[key] = run_one(a.model, a.steps, 0, [f"learner.threads={threads}", "machine.yield_to_learner=false"])
         runs[f"{name}/loop"] = run_one(a.model, a.steps, 2, [o.format(cores=cores) for o in POLICIES[name]])
-    result = {
-        "model": a.model,
-        "steps": a.steps,
-        "cores": cores,
-        "machine": machine_facts(t0),
-        "load_limit": LOAD_LIMIT,
-        "goals": {"in_loop_over_alone": LEARNER_GOAL, "loop_over_learner": LOOP_GOAL},
-        "runs": runs,
-        "policies": {n: compare(runs[alone_for[n]], runs[f"{n}/loop"]) for n in a.policies},
-    }
+        done = [n for n in a.policies if f"{n}/loop" in runs]
+        result = {
+            "model": a.model,
+            "steps": a.steps,
+            "cores": cores,
+            "machine": machine_facts(t0),
+            "load_limit": LOAD_LIMIT,
+            "goals": {"in_loop_over_alone": LEARNER_GOAL, "loop_over_learner": LOOP_GOAL},
+            "runs": runs,
+            "policies": {n: compare(runs[alone_for[n]], runs[f"{n}/loop"]) for n in done},
+        }
+        out.write_text(json.dumps(result, indent=2))  # after every policy: a stopped run keeps what it measured
     print_table(result)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
-    print(f"wrote {a.out}")
+    print(f"wrote {out}")
     return result
 
 
