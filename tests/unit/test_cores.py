@@ -168,3 +168,18 @@ def test_yield_cpu_puts_every_thread_of_the_process_at_idle_priority():
     assert int(n) >= 2 and every == "True" and late == "True"  # main + the sleeping thread, and a later one
     assert threading.current_thread() is threading.main_thread()
     assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the test process itself is untouched
+
+
+def test_learner_train_step_runs_on_its_thread_count_and_restores_it():
+    from tests.unit.test_batch import traj
+    from trainer.learner.core import LearnerCore
+    from trainer.learner.settings import LearnerSettings
+
+    core = LearnerCore.__new__(LearnerCore)  # the step's thread handling only: no model, no DeepSpeed
+    core.settings = LearnerSettings(model_path="unused", torch_threads=2)
+    core.version, core.pad_token_id = 0, 0
+    seen: list[int] = []
+    core.train_batch = lambda batch: seen.append(torch.get_num_threads()) or {"rows": float(batch.token_ids.shape[0])}
+    before = torch.get_num_threads()
+    out = core.train_step([traj("a", reward=1.0), traj("b", reward=0.0)])
+    assert seen == [2] and out == {"rows": 2.0} and torch.get_num_threads() == before
