@@ -166,3 +166,23 @@ def yield_cpu() -> int:
         except (ProcessLookupError, PermissionError):
             continue
     return done
+
+
+def shared_box_warning(plan: ThreadPlan, load: float) -> str | None:
+    """A one-line warning when the machine is busy with other work while the plan gives the learner
+    more than one thread or has the other parts yield, else None.
+
+    Both assume the job has the cores to itself: an OpenMP learner whose threads share cores with
+    other processes waits at every barrier for the one that lost its core, and idle-priority parts
+    yield to every other process too. ``load``: the 1-minute load average before the job starts
+    (``os.getloadavg()[0]``, runnable threads); busy means ``load >= 1`` (a core's worth of work).
+    Example: learner 2, yield, load 14.0 on 2 cores -> a warning naming ``learner.threads=1`` and
+    ``machine.yield_to_learner=false``; load 0.3 -> None.
+    """
+    if load < 1.0 or (plan.learner == 1 and not plan.yield_to_learner):
+        return None
+    return (
+        f"machine: load average {load:.1f} on {plan.cores} cores before the job starts: other work shares them, "
+        f"and the thread plan (learner {plan.learner} threads, yield_to_learner {str(plan.yield_to_learner).lower()}) "
+        "assumes the cores are the job's; on a shared box set learner.threads=1 and machine.yield_to_learner=false"
+    )

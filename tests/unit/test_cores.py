@@ -183,3 +183,17 @@ def test_learner_train_step_runs_on_its_thread_count_and_restores_it():
     before = torch.get_num_threads()
     out = core.train_step([traj("a", reward=1.0), traj("b", reward=0.0)])
     assert seen == [2] and out == {"rows": 2.0} and torch.get_num_threads() == before
+
+
+def test_shared_box_warning_only_when_busy_and_the_plan_assumes_the_cores():
+    from modelkit.cores import shared_box_warning
+
+    plan = ThreadPlan(2, 2, 1, 1, True)
+    assert shared_box_warning(plan, 0.3) is None and shared_box_warning(plan, 0.99) is None
+    assert shared_box_warning(plan, 14.0) == (
+        "machine: load average 14.0 on 2 cores before the job starts: other work shares them, and the thread "
+        "plan (learner 2 threads, yield_to_learner true) assumes the cores are the job's; on a shared box set "
+        "learner.threads=1 and machine.yield_to_learner=false"
+    )
+    assert shared_box_warning(ThreadPlan(2, 1, 1, 1, False), 14.0) is None  # one thread each: nothing assumed
+    assert "yield_to_learner false" in shared_box_warning(ThreadPlan(16, 14, 1, 1, False), 3.0)

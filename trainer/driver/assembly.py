@@ -20,11 +20,13 @@ an error naming it; the parts already started stop with the job's Ray session.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
+from modelkit.cores import shared_box_warning
 from trainer.driver.buffer import TrajectoryBuffer
 from trainer.driver.config import JobConfig, write_private
 from trainer.driver.ledger import Ledger
@@ -42,7 +44,8 @@ if TYPE_CHECKING:
 
 def start_job(cfg: JobConfig, console: Console) -> Job:
     """The parts of the job ``cfg`` started in order (see the module docstring), resumed from
-    ``controller.resume_from`` when set.
+    ``controller.resume_from`` when set. A machine already busy when the job starts gets a warning
+    line when the thread plan assumes its cores (:func:`modelkit.cores.shared_box_warning`).
 
     Raises:
         FileNotFoundError: ``model.path`` is not an HF model folder; ``controller.resume_from`` has no
@@ -54,6 +57,8 @@ def start_job(cfg: JobConfig, console: Console) -> Job:
             ``controller.start_timeout_s``.
     """
     c = cfg.controller
+    if msg := shared_box_warning(cfg.thread_plan(), os.getloadavg()[0]):  # the plan assumes the cores are the job's
+        console.print(f"[yellow]{msg}[/yellow]")
     model_path = resolve_model(cfg)
     vocab_size = int(json.loads((model_path / "config.json").read_text())["vocab_size"])
     buffer = TrajectoryBuffer(capacity=c.buffer_capacity, max_staleness=c.max_staleness)
