@@ -25,17 +25,21 @@ from oldlogit_service.service import OldLogitService
 
 
 class _OldLogitActorBody(OldLogitService):
-    """:class:`OldLogitService` plus the actor-only bits: thread count, a readiness probe, and an
-    empty start after a restart.
+    """:class:`OldLogitService` plus the actor-only bits: thread count and CPU priority, a readiness
+    probe, and an empty start after a restart.
 
     A process Ray restarts (``max_restarts``) runs the constructor again with the same arguments; it
     then holds no version (``initial_version=None``) until the next publication: nothing held before
     the restart is assumed, and tokens of those versions are answered ``missing``.
     """
 
-    def __init__(self, *args: Any, torch_threads: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, torch_threads: int | None = None, yield_cpu: bool = False, **kwargs: Any) -> None:
         import torch
 
+        if yield_cpu:  # idle CPU priority for every thread, those created later included
+            from modelkit.cores import yield_cpu as to_idle
+
+            to_idle()
         torch.set_num_threads(torch_threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
         if ray.get_runtime_context().was_current_actor_reconstructed:
             kwargs["initial_version"] = None
@@ -48,7 +52,8 @@ class _OldLogitActorBody(OldLogitService):
 
 OldLogitServer = ray.remote(num_cpus=0.5, max_restarts=0)(_OldLogitActorBody)
 """Ray actor class: ``OldLogitServer.remote(model_path, route=..., max_staleness=..., memory_budget_bytes=...,
-device=..., dtype=..., initial_version=..., torch_threads=None)``; same methods as OldLogitService."""
+device=..., dtype=..., initial_version=..., torch_threads=None, yield_cpu=False)``; same methods as
+OldLogitService. ``yield_cpu`` runs the server at idle CPU priority (:func:`modelkit.cores.yield_cpu`)."""
 
 
 def start_server(

@@ -64,6 +64,8 @@ class RolloutWorkerCore:
         worker_id: name reported in trajectories and status.
         max_num_seqs: most sequences handed to the engine at once (the rest wait, in order).
         score_prefixes: scorer of prefixes at the outgoing version (interrupt_sync route).
+        torch_threads: torch intra-op threads of the background generation thread (set when it
+            starts, :func:`modelkit.cores.set_torch_threads`); None leaves the process's count.
 
     Raises:
         ValueError: ``max_num_seqs`` < 1.
@@ -76,6 +78,7 @@ class RolloutWorkerCore:
         worker_id: str = "rollout-0",
         max_num_seqs: int = 64,
         score_prefixes: PrefixScorer | None = None,
+        torch_threads: int | None = None,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: must be >= 1, got {max_num_seqs}")
@@ -85,6 +88,7 @@ class RolloutWorkerCore:
             chat = TemplateChatFormat(AutoTokenizer.from_pretrained(engine.config.model_path))
         self.engine, self.chat, self.worker_id = engine, chat, worker_id
         self.max_num_seqs, self.score_prefixes = max_num_seqs, score_prefixes
+        self.torch_threads = torch_threads
         self.max_context = engine.config.max_model_len
         self._lock = threading.RLock()
         self._waiting = 0  # callers waiting for the lock: the loop yields to them between steps
@@ -338,6 +342,10 @@ class RolloutWorkerCore:
         return RolloutWorkerCore._Locked(self)
 
     def _loop(self) -> None:
+        if self.torch_threads:  # torch's thread count is per thread: set it where the engine steps
+            from modelkit.cores import set_torch_threads
+
+            set_torch_threads(self.torch_threads)
         while not self._stop.is_set():
             try:
                 n = self.step()
@@ -508,6 +516,10 @@ class RolloutWorkerActor:
     ``handle.score_prefixes(items, temperature, known)`` at the outgoing version and attaches them;
     each such call waits out a restart of the service for at most ``oldlogit_restart_timeout_s``
     seconds (:class:`oldlogit_service.calls.ServiceCalls`), then the weight update fails.
+
+    ``torch_threads``: the generation thread's torch threads (None: the process's). ``yield_cpu``:
+    the whole process runs at idle CPU priority (:func:`modelkit.cores.yield_cpu`, set before the
+    engine starts, so every thread it creates inherits it).
     """
 
     def __init__(
@@ -518,7 +530,13 @@ class RolloutWorkerActor:
         autostart: bool = True,
         oldlogit: Any = None,
         oldlogit_restart_timeout_s: float = 600.0,
+        torch_threads: int | None = None,
+        yield_cpu: bool = False,
     ):
+        if yield_cpu:
+            from modelkit.cores import yield_cpu as to_idle
+
+            to_idle()
         cfg = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.model_validate(engine_config)
         scorer = None
         if oldlogit is not None:
@@ -528,8 +546,9 @@ class RolloutWorkerActor:
                 return calls.call("score_prefixes", items, temperature, known)
 
         self.core = RolloutWorkerCore(
-            make_engine(cfg), worker_id=worker_id, max_num_seqs=max_num_seqs, score_prefixes=scorer
-        )
+            make_engine(cfg), worker_id=worker_id, max_num_seqs=max_num_seqs, score_prefixes=scorer,
+            torch_threads=torch_threads,
+        )  # fmt: skip
         self.engine_start_seconds = getattr(self.core.engine, "start_seconds", None)
         if autostart:
             self.core.start()

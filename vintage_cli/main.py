@@ -226,6 +226,19 @@ def bench_gateway_load(
     load_main(argv)
 
 
+@bench_app.command("cores")
+def bench_cores(
+    model: Annotated[str, typer.Option(help="tiny (random 2-layer Llama) or smollm2.")] = "tiny",
+    steps: Annotated[int, typer.Option(min=2, help="Learner steps per run (the first is left out as warm-up).")] = 8,
+    out: Annotated[Path, typer.Option(help="JSON results file.")] = Path("runs/bench/cores.json"),
+) -> None:
+    """The learner's seconds per step alone vs inside the asynchronous loop, one thread each vs the
+    thread plan of ``[machine]``; prints a table, writes JSON (see benchmarks/bench_cores.py)."""
+    from benchmarks.bench_cores import main as cores_main
+
+    cores_main(["--model", model, "--steps", str(steps), "--out", str(out)])
+
+
 @eval_app.command("tau2")
 def eval_tau2(
     domain: Annotated[str, typer.Option(help="tau2 domain: mock, retail, airline or telecom.")],

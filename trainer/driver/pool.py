@@ -76,7 +76,9 @@ class WorkerPool:
     which a worker is hung (see the module docstring); None or 0: no hang detection, and every call
     waits for its answer. ``clock``: monotonic seconds (a test may pass its own). ``oldlogit``: the
     old-logit service handle workers score their prefixes with on ``interrupt_sync``, each call
-    waiting at most ``oldlogit_restart_timeout_s`` for a restarting service.
+    waiting at most ``oldlogit_restart_timeout_s`` for a restarting service. ``worker_options``:
+    further keyword arguments of every worker's constructor (:class:`rollout.worker.RolloutWorkerActor`:
+    ``torch_threads``, ``yield_cpu``).
     """
 
     def __init__(
@@ -89,12 +91,14 @@ class WorkerPool:
         start_timeout_s: float = 300.0,
         hang_timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        worker_options: dict | None = None,
     ):
         self.engine_config, self.max_num_seqs = engine_config, max_num_seqs
         self.start_timeout_s = start_timeout_s
         self.hang_timeout_s = hang_timeout_s or None
         self.clock = clock
         self.actor_options = actor_options or {"num_cpus": 1.0}
+        self.worker_options = dict(worker_options or {})
         self.oldlogit = oldlogit  # interrupt_sync: workers score their prefixes there at each update
         self.oldlogit_restart_timeout_s = oldlogit_restart_timeout_s
         self.workers: dict[str, Any] = {}
@@ -171,6 +175,7 @@ class WorkerPool:
             max_num_seqs=self.max_num_seqs,
             oldlogit=self.oldlogit,
             oldlogit_restart_timeout_s=self.oldlogit_restart_timeout_s,
+            **self.worker_options,
         )
         self.starting[wid] = (actor, actor.ready.remote(), deadline)
 

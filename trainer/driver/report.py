@@ -205,9 +205,9 @@ def run_summary(
     t_start: float,
 ) -> dict[str, Any]:
     """The summary of a finished loop: why it ended (``reason``), the held-out scores ``before`` and
-    ``after``, the last step's row ``last`` (None without a step), accounting, the time split and
-    the old-logit service's counters. ``loop_s``: the loop's wall seconds; ``t_end``, ``t_start``:
-    ``time.perf_counter()`` at the loop's end and the job's start."""
+    ``after``, the last step's row ``last`` (None without a step), accounting, the time split, the
+    old-logit service's counters and the job's thread plan (``thread_plan``). ``loop_s``: the loop's
+    wall seconds; ``t_end``, ``t_start``: ``time.perf_counter()`` at the loop's end and the job's start."""
     gateway = job.source.status()
     return {
         "state": "finished",
@@ -240,6 +240,7 @@ def run_summary(
         "oldlogit_route": job.route.name,
         **job.route.service_record(),
         "method": job.cfg.loss.method,
+        "thread_plan": vars(job.cfg.thread_plan()),  # torch threads per part and who yields (modelkit.cores)
         "gateway": gateway.model_dump() if gateway is not None else None,
     }
 

@@ -182,8 +182,9 @@ def make_route(
 def start_service(cfg: JobConfig, model_path: Path, console: Console) -> Any:
     """The old-logit service's Ray handle, started and ready; None on the ``none`` route. Its
     settings come from the route and the job: ``loss.oldlogit_route``, the versions it keeps
-    (``controller.max_staleness``), ``oldlogit.memory_budget_bytes``, the LoRA adapter spec, and
-    :data:`SCORER_DTYPE` (the learner's numerics).
+    (``controller.max_staleness``), ``oldlogit.memory_budget_bytes``, the LoRA adapter spec,
+    :data:`SCORER_DTYPE` (the learner's numerics), and its threads and CPU priority
+    (:meth:`JobConfig.thread_plan`: ``oldlogit.threads``, ``machine.yield_to_learner``).
 
     Raises:
         TimeoutError: not ready within ``controller.start_timeout_s`` (the actor is killed).
@@ -192,7 +193,7 @@ def start_service(cfg: JobConfig, model_path: Path, console: Console) -> Any:
 
     if cfg.oldlogit_route == "none":
         return None
-    c = cfg.controller
+    c, plan = cfg.controller, cfg.thread_plan()
     with console.status(f"starting old-logit service ({cfg.oldlogit_route}) ..."):
         restarts = cfg.oldlogit.max_restarts
         oldlogit = OldLogitServer.options(
@@ -204,6 +205,8 @@ def start_service(cfg: JobConfig, model_path: Path, console: Console) -> Any:
             memory_budget_bytes=cfg.oldlogit.memory_budget_bytes,
             adapter=cfg.lora.spec() if cfg.lora.enabled else None,
             dtype=SCORER_DTYPE,
+            torch_threads=plan.oldlogit,
+            yield_cpu=plan.yield_to_learner,
         )
         try:
             ray.get(oldlogit.ready.remote(), timeout=c.start_timeout_s)

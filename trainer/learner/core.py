@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from modelkit.cores import torch_threads
 from modelkit.scoring import sequence_logprobs, sequence_logprobs_and_entropy
 from modelkit.weights import PackedWeights, Transport, pack_weights, perturbed_weights
 from protocol import OldLogitAnswer, Trajectory, WeightManifest
@@ -213,6 +214,7 @@ class LearnerCore:
         Every rank gets the *same* full list (advantages need whole groups) and trains on its rows.
         ``old_logits``: exact pi_old aligned with ``trajectories`` (an :class:`OldLogitAnswer` or
         arrays with NaN where missing); None uses each trajectory's attached ``old_logprobs``.
+        The step runs on ``settings.torch_threads`` torch threads (the count before is restored).
         Returns :meth:`train_batch`'s metrics.
         """
         s = self.settings
@@ -221,7 +223,8 @@ class LearnerCore:
             max_token_staleness=s.max_token_staleness, overlong_filter=s.overlong_filter, advantage=s.loss.advantage,
             current_from_learner=s.current_from_learner,
         )  # fmt: skip
-        return self.train_batch(batch)
+        with torch_threads(s.torch_threads):
+            return self.train_batch(batch)
 
     def train_batch(self, batch: Batch) -> dict[str, float]:
         """One learner step on a collated (or hand-built) :class:`Batch`: ``ppo_epochs`` passes over

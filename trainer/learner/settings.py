@@ -86,6 +86,9 @@ class LearnerSettings(LearnerOptions):
     (:func:`trainer.algorithm.batch.learner_gives_current`)."""
     seed: int = 0
     """Seed of the learner's torch generators."""
+    torch_threads: int = Field(1, ge=1)
+    """Torch intra-op threads of this rank during :meth:`trainer.learner.core.LearnerCore.train_step`
+    (the job's ``learner.threads``, :func:`modelkit.cores.plan_threads`); the count is restored after."""
     master_addr: str = "127.0.0.1"
     """Rendezvous address of rank 0 (``MASTER_ADDR``)."""
     master_port: int = Field(29500, ge=1, le=65535)
