@@ -93,6 +93,8 @@ def test_a_ledger_closes_by_id_over_a_resume(tmp_path):
     b2.ledger("checkpoint", b2.state_dict()["buffered_ids"], tag="v1")
     b2.ledger.close()
     events = read_ledger(tmp_path)
+    stamps = {e["ids"][0]: e["stamps"] for e in events if e["event"] == "buffered"}
+    assert stamps == {i: [[0, None]] for i in ("a", "b", "c", "r1.e")}  # [policy_version, served_fingerprint]
     assert fates(events)["b"] == ["consumed", "consumed"]  # the raw ledger holds the discarded step
     got = fates(lineage(events))
     assert got == {

@@ -3,13 +3,18 @@
 ``<run_dir>/ledger.jsonl`` gets one line per event, appended (and flushed) as it happens, over
 every run segment of the run folder::
 
-    {"segment": 0, "version": 3, "event": "buffered", "ids": ["v3-5-24/0"]}
+    {"segment": 0, "version": 3, "event": "published", "published": 3, "fingerprint": "9f0c...", "ids": []}
+    {"segment": 0, "version": 3, "event": "buffered", "stamps": [[3, "9f0c..."]], "ids": ["v3-5-24/0"]}
     {"segment": 0, "version": 3, "event": "consumed", "ids": [...]}
     {"segment": 0, "version": 4, "event": "dropped", "reason": "stale", "ids": [...]}
     {"segment": 0, "version": 4, "event": "checkpoint", "tag": "v4", "ids": [...buffered...]}
     {"segment": 1, "version": 4, "event": "resumed", "tag": "v4", "ids": [...restored...], "lost_at_restart": 2}
 
-``version`` is the learner's when the event happened. A resume goes back to a checkpoint: what the
+``version`` is the learner's when the event happened. A ``published`` line gives the learner's
+fingerprint of each published version (``manifest.fingerprint``, :mod:`modelkit.fingerprint`); a
+``buffered`` line gives, per id, the version the trajectory was sampled at and the fingerprint its
+worker read back from the weights it served (``Trajectory.policy_version``, ``served_fingerprint``),
+so a reader can check that no trained trajectory came from weights other than its version's. A resume goes back to a checkpoint: what the
 segment before did after it is not part of the run any more (its steps are trained again).
 :func:`lineage` keeps the events the final weights descend from; over them every id that arrived
 (``buffered``, or ``dropped`` on arrival) is consumed exactly once, dropped with a reason, or still

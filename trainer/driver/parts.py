@@ -318,6 +318,7 @@ class Job:
             seed = self.cfg.controller.seed * 100_003 + manifest.version
             manifest, payload = perturbed(manifest, ray.get(ref), noise, seed=seed)
             ref = ray.put(payload)
+        self.ledger("published", [], published=manifest.version, fingerprint=manifest.fingerprint)
         self.last_publish = {"seconds": time.perf_counter() - t0, "bytes": manifest.total_bytes, "unix": time.time()}
         self.times["publish"] += self.last_publish["seconds"]
 
