@@ -1,7 +1,8 @@
 """Chaos soak: a long tiny-model run on a two-node loopback Ray cluster while parts are killed.
 
 Two phases share ``--minutes``, one after the other, on one cluster (a job is either the env loop
-or agents through the gateway, never both):
+or agents through the gateway, never both); a phase's clock starts at its job's first ``running``
+status, so start-up (at most ``--start-timeout`` s) comes on top:
 
 * ``env``: the env loop (reasoning-gym arithmetic) trains; killed parts: a rollout worker, the
   old-logit service, the learner, the second node (``ENV_KINDS``);
@@ -88,7 +89,12 @@ def job_overrides(phase: str, run_dir: Path, seed: int) -> list[str]:
         f'logging.run_dir="{run_dir}"',
     ]  # fmt: skip
     if phase == "agent":
-        out += ["agent.concurrency=8", "gateway.group_wait_s=20", "gateway.call_timeout_s=60"]
+        out += [
+            "agent.concurrency=8",
+            "gateway.group_wait_s=20",
+            "gateway.call_timeout_s=60",
+            "gateway.session_idle_s=60",
+        ]
     return out
 
 
@@ -290,32 +296,53 @@ def judged(kind: str, before: dict[str, Any], now: dict[str, Any], exits_before:
     return {"detected": noticed, "restarted": agent_ok}
 
 
-def run_phase(phase: Phase, plan: list[PlannedKill], minutes: float, args: argparse.Namespace, clock) -> dict:
-    """Run one phase for ``minutes``: its kills in order, each after the one before recovered."""
-    rng = random.Random(args.seed * 7919 + len(phase.name))
+def wait_running(phase: Phase, args: argparse.Namespace, clock) -> float | None:
+    """Start the phase's job (and agent); poll until its status says ``running``, at most
+    ``args.start_timeout`` s. Returns the seconds it took (None: it never ran)."""
     phase.start_job()
     if phase.name == "agent":
         phase.start_agent()
-    t0, end = clock(), clock() + minutes * 60
-    kills, pending, t_running = [], None, None
+    t0 = clock()
+    while clock() - t0 < args.start_timeout:
+        phase.tick(0.0)
+        args.sampler(clock())
+        if phase.last["state"] == "running":
+            return round(clock() - t0, 1)
+        time.sleep(1.0)
+    return None
+
+
+def settle(pending: tuple[dict, dict], now: dict, t: float, phase: Phase, timeout_s: float) -> bool:
+    """Update a kill's record ``pending = (record, status before)`` from status ``now`` at phase
+    time ``t``; True once it recovered (back, running, past the kill's version) or timed out."""
+    rec, before = pending
+    j = judged(rec["kind"], before, now, rec["_exits"], phase)
+    rec["detected"] = rec["detected"] or j["detected"]
+    rec["restarted"] = rec["restarted"] or j["restarted"]
+    done = rec["restarted"] and now["state"] == "running" and now["version"] > before["version"]
+    if done:
+        rec["recovered_s"] = round(t - rec["fired_at_s"], 1)
+    if done or t - rec["fired_at_s"] > timeout_s:
+        rec["lost"] = dropped_delta(before["dropped"], now["dropped"])
+        rec["version_at_recovery"] = now["version"]
+        return True
+    return False
+
+
+def run_phase(phase: Phase, plan: list[PlannedKill], minutes: float, args: argparse.Namespace, clock) -> dict:
+    """Run one phase: start its job, then ``minutes`` from its first ``running`` status with its
+    kills in order, each after the one before recovered (or ``args.recover_timeout`` passed)."""
+    rng = random.Random(args.seed * 7919 + len(phase.name))
+    start_s = wait_running(phase, args, clock)
+    t0 = clock()
+    end = t0 + minutes * 60 if start_s is not None else t0
+    kills, pending = [], None
     while clock() < end:
         t = clock() - t0
         phase.tick(t)
         now = phase.last
-        if t_running is None and now["state"] == "running":
-            t_running = clock()
-        if pending is not None:
-            rec, before = pending
-            j = judged(rec["kind"], before, now, rec["_exits"], phase)
-            rec["detected"] = rec["detected"] or j["detected"]
-            rec["restarted"] = rec["restarted"] or j["restarted"]
-            if rec["restarted"] and now["state"] == "running" and now["version"] > before["version"]:
-                rec["recovered_s"] = round(t - rec["fired_at_s"], 1)
-                rec["lost"] = dropped_delta(before["dropped"], now["dropped"])
-                pending = None
-            elif t - rec["fired_at_s"] > args.recover_timeout:
-                rec["lost"] = dropped_delta(before["dropped"], now["dropped"])
-                pending = None
+        if pending is not None and settle(pending, now, t, phase, args.recover_timeout):
+            pending = None
         nxt = plan[len(kills)] if len(kills) < len(plan) else None
         if pending is None and nxt is not None and t >= nxt.at_s and now["state"] == "running":
             rec = {"phase": phase.name, "kind": nxt.kind, "planned_at_s": nxt.at_s, "fired_at_s": round(t, 1),
@@ -328,8 +355,8 @@ def run_phase(phase: Phase, plan: list[PlannedKill], minutes: float, args: argpa
         time.sleep(1.0)
     for rec in kills:
         rec.pop("_exits", None)
-    window = [t_running if t_running is not None else t0, clock()]  # memory: from the first running status
-    return {"kills": kills, "exits": phase.exits, "stopped": phase.stop(), "window": window}
+    window = [t0, clock()]
+    return {"start_s": start_s, "kills": kills, "exits": phase.exits, "stopped": phase.stop(), "window": window}
 
 
 class Sampler:
@@ -386,6 +413,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--phases", nargs="+", default=["env", "agent"], choices=["env", "agent"])
     ap.add_argument("--sample-every", type=float, default=5.0, help="Seconds between RSS samples.")
     ap.add_argument("--recover-timeout", type=float, default=300.0, help="Longest wait for a kill's recovery, s.")
+    ap.add_argument("--start-timeout", type=float, default=900.0, help="Longest wait for a phase's job to run, s.")
     ap.add_argument("--run-dir", type=Path, default=Path("runs/soak"))
     ap.add_argument("--out", type=Path, default=Path("results/soak.json"))
     a = ap.parse_args(argv)

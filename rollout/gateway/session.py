@@ -118,6 +118,8 @@ class Session:
     last_ids: list[int] = field(default_factory=list)
     """Sampled ids of the session's last call (their template close is appended before new messages)."""
     last_finish: str = "stop"
+    last_active: float = 0.0
+    """When the session last had a request (its table's clock, seconds): for ``idle_s``."""
 
     @property
     def current(self) -> Segment | None:
