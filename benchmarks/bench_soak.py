@@ -174,6 +174,11 @@ class Proc:
         return self.popen.poll()
 
 
+def say(line: str) -> None:
+    """One progress line, at once."""
+    print(time.strftime("%H:%M:%S ") + line, flush=True)
+
+
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
@@ -239,6 +244,7 @@ class Phase:
             )
             self.job.stop(timeout_s=5)
             self.job = None
+            say(f"{self.name} t={t:.0f}s: job exited {self.exits[-1]}; starting it again (--resume auto)")
             if len(self.exits) <= MAX_JOB_STARTS:
                 self.start_job()
         self.last = snapshot(job_status(self.run_dir)) if self.job else snapshot(None)
@@ -307,6 +313,7 @@ def wait_running(phase: Phase, args: argparse.Namespace, clock) -> float | None:
         phase.tick(0.0)
         args.sampler(clock())
         if phase.last["state"] == "running":
+            say(f"{phase.name}: job running after {clock() - t0:.0f} s")
             return round(clock() - t0, 1)
         time.sleep(1.0)
     return None
@@ -325,6 +332,7 @@ def settle(pending: tuple[dict, dict], now: dict, t: float, phase: Phase, timeou
     if done or t - rec["fired_at_s"] > timeout_s:
         rec["lost"] = dropped_delta(before["dropped"], now["dropped"])
         rec["version_at_recovery"] = now["version"]
+        say(f"{phase.name} t={t:.0f}s: {rec['kind']} {'recovered' if done else 'NOT recovered'} {rec}")
         return True
     return False
 
@@ -349,6 +357,9 @@ def run_phase(phase: Phase, plan: list[PlannedKill], minutes: float, args: argpa
                    "version_at_kill": now["version"], "detected": False, "restarted": False, "recovered_s": None,
                    "_exits": len(phase.exits)}  # fmt: skip
             rec.update(phase.fire(nxt.kind, rng))
+            say(
+                f"{phase.name} t={t:.0f}s: killed {nxt.kind} at v{now['version']}: {rec.get('target', rec.get('skipped'))}"
+            )
             kills.append(rec)
             pending = None if "skipped" in rec else (rec, now)
         args.sampler(clock())

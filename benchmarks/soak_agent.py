@@ -10,7 +10,8 @@ session (it stays open in the gateway, as when an agent dies) and is counted.
 
 After every change it writes ``--status`` (JSON, replaced atomically): its ``pid``, ``in_flight``
 (chat calls awaiting an answer now), ``open`` (sessions it opened and has not ended), ``opened``,
-``ended``, ``abandoned`` and ``errors`` by kind, so the soak can kill it mid-call.
+``ended``, ``abandoned`` (opened, then a call failed: left open) and ``errors`` by kind (also
+failures to open), so the soak can kill it mid-call.
 
     python -m benchmarks.soak_agent --run-dir runs/soak/agent --status runs/soak/agent-status.json
 """
@@ -68,23 +69,27 @@ async def session(client: httpx.AsyncClient, gw: dict, group: str, k: int, st: A
     st.opened += 1
     st.open += 1
     st.write()
-    messages = [{"role": "user", "content": f"Count from {k} to {k + 3}."}]
-    text = ""
-    for _ in range(2):
-        st.in_flight += 1
-        st.write()
-        try:
-            reply = await _post(
-                client, f"{s['base_url']}/chat/completions", s["key"], {"model": "vintage", "messages": messages}
-            )
-        finally:
-            st.in_flight -= 1
-        content = reply["choices"][0]["message"]["content"] or ""
-        text += content
-        messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "Go on."}]
-    await _post(client, f"{gw['url']}/v1/sessions/{s['id']}/end", gw["token"], {"reward": reward_of(text)})
-    st.open -= 1
-    st.ended += 1
+    try:
+        messages = [{"role": "user", "content": f"Count from {k} to {k + 3}."}]
+        text = ""
+        for _ in range(2):
+            st.in_flight += 1
+            st.write()
+            try:
+                url = f"{s['base_url']}/chat/completions"
+                reply = await _post(client, url, s["key"], {"model": "vintage", "messages": messages})
+            finally:
+                st.in_flight -= 1
+            content = reply["choices"][0]["message"]["content"] or ""
+            text += content
+            messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "Go on."}]
+        await _post(client, f"{gw['url']}/v1/sessions/{s['id']}/end", gw["token"], {"reward": reward_of(text)})
+        st.ended += 1
+    except BaseException:
+        st.abandoned += 1  # left open in the gateway, as by an agent that died
+        raise
+    finally:
+        st.open -= 1
     st.write()
 
 
@@ -110,8 +115,6 @@ async def run(run_dir: Path, st: AgentState, groups: int, group_size: int) -> No
             failed = [e for e in got if isinstance(e, BaseException)]
             for e in failed:
                 st.errors[type(e).__name__] += 1
-                st.abandoned += 1
-            st.open = max(0, st.open - len(failed))  # abandoned: counted once, left open in the gateway
             st.write()
             if failed:
                 await asyncio.sleep(2.0)

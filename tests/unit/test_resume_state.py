@@ -107,6 +107,23 @@ def test_a_ledger_closes_by_id_over_a_resume(tmp_path):
     assert b2.accounting_ok() and b2.dropped["lost_at_restart"] == 2
 
 
+def test_a_run_started_afresh_in_a_used_folder_replaces_the_earlier_runs_ledger(tmp_path):
+    """A learner killed before the first checkpoint: the next start is fresh (segment 0 again) and
+    samples the same ids; the lineage holds only the second run's events."""
+    for consumed in (["a", "b"], ["a"]):
+        b = TrajectoryBuffer(capacity=8, max_staleness=1)
+        b.ledger = Ledger(tmp_path, 0, lambda: 0)
+        b.note_submitted(2)
+        b.offer(traj("a", [0], "ga"))
+        b.offer(traj("b", [0], "gb"))
+        b.take(len(consumed), 0, group_size=1)  # one group of one per consumed id
+        b.ledger.close()
+    events = read_ledger(tmp_path)
+    assert [e["event"] for e in events].count("started") == 2
+    assert fates(events)["a"] == ["consumed", "consumed"]  # the raw file holds both runs
+    assert fates(lineage(events)) == {"a": ["consumed"], "b": []}  # b buffered, never checkpointed
+
+
 def test_a_malformed_trajectories_file_is_refused_naming_the_file_and_line(tmp_path):
     saved = [traj("x", [1]), traj("y", [1])]
     path = write_trajectories(tmp_path, saved, [])
