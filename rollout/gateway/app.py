@@ -239,7 +239,7 @@ class Gateway(SessionTable):
         old = t.old_logprobs[p:].tolist() if t.old_logprobs is not None else None
         c = Completion(
             t.token_ids[p:].tolist(), t.behav_logprobs[p:].tolist(), t.versions[p:].tolist(), t.finish_reason,
-            t.policy_version, old,
+            t.policy_version, old, t.served_fingerprint,
         )  # fmt: skip
         if cut and c.finish_reason == "length":
             self.truncate(s)

@@ -1,5 +1,7 @@
-"""Sessions whose agent is gone: ended as ``idle`` after ``gateway.session_idle_s``, which frees
-their places under the staleness admission rule (rollout.gateway.sessions, AgentRunner.poll)."""
+"""What the chaos soak found in the gateway: sessions whose agent is gone are ended as ``idle``
+after ``gateway.session_idle_s``, freeing their places under the staleness admission rule
+(rollout.gateway.sessions, AgentRunner.poll); a session's trajectory carries the served
+fingerprint of its policy version, as an env-loop trajectory does."""
 
 from __future__ import annotations
 
@@ -96,4 +98,44 @@ def test_sessions_of_a_dead_agent_hold_admission_until_they_are_ended_idle(idle_
         assert dict(buffer.dropped) == {"idle": 2} and buffer.in_flight == 0 and buffer.accounting_ok()
         assert gw.open_session("task-1").state == "open" and gw.status().sessions_dropped == {"idle": 2}
     finally:
+        backend.close()
+
+
+def test_a_gateway_trajectory_carries_the_served_fingerprint_of_its_policy_version():
+    """The fingerprint a worker read back at the version it sampled at goes with each call and, for
+    the segment, with the call that reached the segment's newest version; a version reached only by
+    a token (no worker report) leaves it unknown."""
+    from rollout.gateway.session import Completion, Session
+
+    s = Session(session_id="s-1", key="k", group_id="g")
+    s.stitch("c0", [1, 2], Completion([3], [-0.5], [1], "stop", 1, None, "00000000000000f1"))
+    s.stitch("c1", [1, 2, 3, 4], Completion([5], [-0.5], [2], "stop", 2, None, "00000000000000f2"))
+    (t,) = s.to_trajectories()
+    assert (t.policy_version, t.served_fingerprint) == (2, "00000000000000f2")
+    s.stitch("c2", [1, 2, 3, 4, 5, 6], Completion([7], [-0.5], [3], "stop", 2, None, "00000000000000f2"))
+    (t,) = s.to_trajectories()
+    assert (t.policy_version, t.served_fingerprint) == (3, None)
+
+
+def test_the_http_path_stamps_each_session_trajectory_with_the_workers_fingerprint():
+    from rollout.gateway import GatewayServer
+    from tests.scripted_gateway import reply
+
+    pool = ScriptedPool([reply("A"), reply("B")])
+    backend = WorkerBackend(pool.submit, pool.poll, lambda: 0)
+    gw = Gateway(backend, chat_format(), 4096, admin_token=ADMIN)
+    server = GatewayServer(gw).start()
+    try:
+        import httpx
+
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        s = httpx.post(f"{server.url}/v1/sessions", json={}, headers=admin, timeout=10).json()
+        h = {"Authorization": f"Bearer {s['key']}"}
+        body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8}
+        assert httpx.post(f"{s['base_url']}/chat/completions", json=body, headers=h, timeout=30).status_code == 200
+        httpx.post(f"{server.url}/v1/sessions/{s['id']}/end", json={"reward": 1.0}, headers=h, timeout=10)
+        (e,) = gw.take_ended()
+        assert e.trajectories[0].served_fingerprint == "0000000000000000"  # version 0's, as the worker read it
+    finally:
+        server.stop()
         backend.close()
