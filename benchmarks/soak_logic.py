@@ -117,6 +117,38 @@ def manifest_fingerprints(events: Sequence[Mapping[str, Any]], v0: str | None) -
     return out
 
 
+def verify_consumed(
+    kept: Sequence[Mapping[str, Any]], got: Mapping[str, list[str]], v0_fingerprint: str | None
+) -> tuple[Counter, list[list[Any]]]:
+    """Each consumed id of ``got`` (:func:`trainer.driver.ledger.fates` of the lineage ``kept``)
+    judged ``verified`` (its stamped served fingerprint is its version's learner fingerprint),
+    ``mismatch``, ``unknown_version`` or ``no_fingerprint``; and the mismatches, ``[id, version,
+    served, expected]``."""
+    stamps: dict[str, tuple[int, str | None]] = {}
+    for e in kept:
+        if e["event"] == "buffered":
+            for i, s in zip(e["ids"], e.get("stamps") or [[None, None]] * len(e["ids"]), strict=True):
+                stamps[i] = (s[0], s[1])
+    manifests = manifest_fingerprints(kept, v0_fingerprint)
+    verdict: Counter = Counter()
+    mismatched = []
+    for i, f in got.items():
+        if f != ["consumed"]:
+            continue
+        version, served = stamps.get(i, (None, None))
+        want = manifests.get(version) if version is not None else None
+        if served is None:
+            verdict["no_fingerprint"] += 1
+        elif want is None:
+            verdict["unknown_version"] += 1
+        elif served != want:
+            verdict["mismatch"] += 1
+            mismatched.append([i, version, served, want])
+        else:
+            verdict["verified"] += 1
+    return verdict, mismatched
+
+
 def ledger_check(
     events: Sequence[Mapping[str, Any]], v0_fingerprint: str | None, summary: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -145,28 +177,7 @@ def ledger_check(
     kept = lineage(list(events))
     got = fates(kept)
     arrived_all = {i for e in events if e["event"] in ("buffered", "dropped") for i in e["ids"]}
-    stamps: dict[str, tuple[int, str | None]] = {}
-    for e in kept:
-        if e["event"] == "buffered":
-            for i, s in zip(e["ids"], e.get("stamps") or [[None, None]] * len(e["ids"]), strict=True):
-                stamps[i] = (s[0], s[1])
-    manifests = manifest_fingerprints(kept, v0_fingerprint)
-    verdict: Counter = Counter()
-    mismatched = []
-    for i, f in got.items():
-        if f != ["consumed"]:
-            continue
-        version, served = stamps.get(i, (None, None))
-        want = manifests.get(version) if version is not None else None
-        if served is None:
-            verdict["no_fingerprint"] += 1
-        elif want is None:
-            verdict["unknown_version"] += 1
-        elif served != want:
-            verdict["mismatch"] += 1
-            mismatched.append([i, version, served, want])
-        else:
-            verdict["verified"] += 1
+    verdict, mismatched = verify_consumed(kept, got, v0_fingerprint)
     fate_counts = Counter(f[0].split(":")[0] if len(f) == 1 else "multiple" if f else "none" for f in got.values())
     dropped_by = Counter(
         f[0].removeprefix("dropped:") for f in got.values() if len(f) == 1 and f[0].startswith("dropped:")
@@ -182,7 +193,7 @@ def ledger_check(
         "rolled_back": len(arrived_all - set(got)),
         "fingerprints": {k: verdict.get(k, 0) for k in ("verified", "mismatch", "unknown_version", "no_fingerprint")},
         "mismatched": mismatched[:20],
-        "versions_published": len(manifests),
+        "versions_published": len(manifest_fingerprints(kept, v0_fingerprint)),
     }
     ok = not multiple and not no_fate and verdict["verified"] == sum(verdict.values())
     if summary is not None:

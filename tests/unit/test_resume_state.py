@@ -112,7 +112,9 @@ def test_a_run_started_afresh_in_a_used_folder_replaces_the_earlier_runs_ledger(
     samples the same ids; the lineage holds only the second run's events."""
     for consumed in (["a", "b"], ["a"]):
         b = TrajectoryBuffer(capacity=8, max_staleness=1)
-        b.ledger = Ledger(tmp_path, 0, lambda: 0)
+        version: list[int] = []  # empty while the ledger opens (the job does not exist yet): not read then
+        b.ledger = Ledger(tmp_path, 0, lambda v=version: v[0])
+        version.append(0)
         b.note_submitted(2)
         b.offer(traj("a", [0], "ga"))
         b.offer(traj("b", [0], "gb"))

@@ -49,8 +49,8 @@ class Ledger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.segment, self.version = segment, version
         self._fh = self.path.open("a", buffering=1)  # one line per write reaches the file
-        if segment == 0:
-            self("started", [])
+        if segment == 0:  # before the job exists: a fresh run starts at version 0
+            self._fh.write(json.dumps({"segment": 0, "version": 0, "event": "started", "ids": []}) + "\n")
 
     def __call__(self, event: str, ids: list[str], reason: str | None = None, **fields: Any) -> None:
         """Append ``event`` for ``ids`` (with its drop ``reason`` and any other ``fields``)."""
