@@ -1,8 +1,9 @@
 """Chaos soak: a long tiny-model run on a two-node loopback Ray cluster while parts are killed.
 
 Two phases share ``--minutes``, one after the other, on one cluster (a job is either the env loop
-or agents through the gateway, never both); a phase's clock starts at its job's first ``running``
-status, so start-up (at most ``--start-timeout`` s) comes on top:
+or agents through the gateway, never both). A phase's clock runs only while its job's status says
+``running``: start-up (at most ``--start-timeout`` s) and the restart after a killed learner come on
+top (a phase ends after at most ``WALL_FACTOR`` times its minutes of wall time):
 
 * ``env``: the env loop (reasoning-gym arithmetic) trains; killed parts: a rollout worker, the
   old-logit service, the learner, the second node (``ENV_KINDS``);
@@ -71,6 +72,8 @@ HEAD_RESOURCES = {"learner_node": 1, "rollout_node": 1}
 NODE_RESOURCES = {"rollout_node": 1, "oldlogit_node": 1}
 ROLES = {"rollout_worker": "RolloutWorker", "oldlogit": "OldLogit", "learner": "Learner"}
 """Kill kind -> a part of the Ray actor class name of the process that holds it."""
+WALL_FACTOR = 3.0
+"""A phase ends after at most this many times its minutes of wall time, however long its job ran."""
 MAX_JOB_STARTS = 20
 """Most restarts of one phase's job (a job that cannot start is not started for ever)."""
 
@@ -319,43 +322,46 @@ def wait_running(phase: Phase, args: argparse.Namespace, clock) -> float | None:
     return None
 
 
-def settle(pending: tuple[dict, dict], now: dict, t: float, phase: Phase, timeout_s: float) -> bool:
-    """Update a kill's record ``pending = (record, status before)`` from status ``now`` at phase
-    time ``t``; True once it recovered (back, running, past the kill's version) or timed out."""
+def settle(pending: tuple[dict, dict], now: dict, w: float, phase: Phase, timeout_s: float) -> bool:
+    """Update a kill's record ``pending = (record, status before)`` from status ``now`` at wall
+    time ``w`` (seconds since the phase's start); True once it recovered (back, running, past the
+    kill's version) or ``timeout_s`` passed. ``recovered_s`` is in wall seconds."""
     rec, before = pending
     j = judged(rec["kind"], before, now, rec["_exits"], phase)
     rec["detected"] = rec["detected"] or j["detected"]
     rec["restarted"] = rec["restarted"] or j["restarted"]
     done = rec["restarted"] and now["state"] == "running" and now["version"] > before["version"]
     if done:
-        rec["recovered_s"] = round(t - rec["fired_at_s"], 1)
-    if done or t - rec["fired_at_s"] > timeout_s:
+        rec["recovered_s"] = round(w - rec["_fired_wall"], 1)
+    if done or w - rec["_fired_wall"] > timeout_s:
         rec["lost"] = dropped_delta(before["dropped"], now["dropped"])
         rec["version_at_recovery"] = now["version"]
-        say(f"{phase.name} t={t:.0f}s: {rec['kind']} {'recovered' if done else 'NOT recovered'} {rec}")
+        say(f"{phase.name} w={w:.0f}s: {rec['kind']} {'recovered' if done else 'NOT recovered'} {rec}")
         return True
     return False
 
 
 def run_phase(phase: Phase, plan: list[PlannedKill], minutes: float, args: argparse.Namespace, clock) -> dict:
-    """Run one phase: start its job, then ``minutes`` from its first ``running`` status with its
-    kills in order, each after the one before recovered (or ``args.recover_timeout`` passed)."""
+    """Run one phase: start its job, then ``minutes`` of the job running (its clock ``t`` stops
+    while the job is not ``running``: a resume's start-up does not use up the schedule; at most
+    ``WALL_FACTOR * minutes`` of wall time), its kills in order at their ``t``, each after the one
+    before recovered (or ``args.recover_timeout`` passed)."""
     rng = random.Random(args.seed * 7919 + len(phase.name))
     start_s = wait_running(phase, args, clock)
-    t0 = clock()
-    end = t0 + minutes * 60 if start_s is not None else t0
+    t0 = last = clock()
+    t, budget = 0.0, (minutes * 60 if start_s is not None else 0.0)
     kills, pending = [], None
-    while clock() < end:
-        t = clock() - t0
+    while t < budget and clock() - t0 < WALL_FACTOR * budget:
         phase.tick(t)
-        now = phase.last
-        if pending is not None and settle(pending, now, t, phase, args.recover_timeout):
+        now, w = phase.last, clock() - t0
+        t, last = t + (clock() - last if now["state"] == "running" else 0.0), clock()
+        if pending is not None and settle(pending, now, w, phase, args.recover_timeout):
             pending = None
         nxt = plan[len(kills)] if len(kills) < len(plan) else None
         if pending is None and nxt is not None and t >= nxt.at_s and now["state"] == "running":
             rec = {"phase": phase.name, "kind": nxt.kind, "planned_at_s": nxt.at_s, "fired_at_s": round(t, 1),
-                   "version_at_kill": now["version"], "detected": False, "restarted": False, "recovered_s": None,
-                   "_exits": len(phase.exits)}  # fmt: skip
+                   "fired_wall_s": round(w, 1), "version_at_kill": now["version"], "detected": False,
+                   "restarted": False, "recovered_s": None, "_exits": len(phase.exits), "_fired_wall": w}  # fmt: skip
             rec.update(phase.fire(nxt.kind, rng))
             say(
                 f"{phase.name} t={t:.0f}s: killed {nxt.kind} at v{now['version']}: {rec.get('target', rec.get('skipped'))}"
@@ -366,6 +372,7 @@ def run_phase(phase: Phase, plan: list[PlannedKill], minutes: float, args: argpa
         time.sleep(1.0)
     for rec in kills:
         rec.pop("_exits", None)
+        rec.pop("_fired_wall", None)
     window = [t0, clock()]
     return {"start_s": start_s, "kills": kills, "exits": phase.exits, "stopped": phase.stop(), "window": window}
 
