@@ -286,7 +286,10 @@ class Phase:
 
 
 def judged(kind: str, before: dict[str, Any], now: dict[str, Any], exits_before: int, phase: Phase) -> dict[str, bool]:
-    """Whether the job noticed the kill (``detected``) and the part is back (``restarted``)."""
+    """Whether the job noticed the kill (``detected``) and the part is back (``restarted``): a new
+    rollout worker id (or ``worker_died`` drops) and both workers running; a new old-logit service
+    start time; the job's exit and its resumed segment running; for a node both; for the agent, the
+    gateway dropping sessions ``idle`` and the new agent process having ended a session."""
     new_worker = bool(set(now["workers"]) - set(before["workers"]))
     worker_back = new_worker and len(now["workers"]) >= 2
     died = dropped_delta(before["dropped"], now["dropped"]).get("worker_died", 0) > 0
@@ -300,9 +303,10 @@ def judged(kind: str, before: dict[str, Any], now: dict[str, Any], exits_before:
         return {"detected": len(phase.exits) > exits_before, "restarted": resumed}
     if kind == "node":
         return {"detected": (new_worker or died) and service_back, "restarted": worker_back and service_back}
-    agent_ok = phase.agent is not None and phase.agent.alive()
-    noticed = sum(now["sessions_dropped"].values()) > sum(before["sessions_dropped"].values())
-    return {"detected": noticed, "restarted": agent_ok}
+    st = read_json(phase.run_dir / "agent-status.json") or {}
+    agent_ok = phase.agent is not None and phase.agent.alive() and st.get("pid") == phase.agent.pid
+    idle = now["sessions_dropped"].get("idle", 0) > before["sessions_dropped"].get("idle", 0)
+    return {"detected": idle, "restarted": agent_ok and st.get("ended", 0) > 0}  # its orphans ended idle
 
 
 def wait_running(phase: Phase, args: argparse.Namespace, clock) -> float | None:
@@ -370,6 +374,9 @@ def run_phase(phase: Phase, plan: list[PlannedKill], minutes: float, args: argpa
             pending = None if "skipped" in rec else (rec, now)
         args.sampler(clock())
         time.sleep(1.0)
+    if pending is not None:  # the phase ended first: what was seen so far
+        rec, before = pending
+        rec.update(lost=dropped_delta(before["dropped"], phase.last["dropped"]), note="phase ended before recovery")
     for rec in kills:
         rec.pop("_exits", None)
         rec.pop("_fired_wall", None)
