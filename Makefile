@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED := 1
 # DeepSpeed JIT-builds its CPU comm op; one build per venv (a shared cache rebuilds per venv switch).
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install test test-fast demo bench bench-latency bench-gateway-load bench-methods bench-trl lint model clean gpu-wheels gpu-rehearse
+.PHONY: install test test-fast demo bench bench-latency bench-gateway-load bench-methods bench-trl bench-soak lint model clean gpu-wheels gpu-rehearse
 
 install: $(STAMP)
 
@@ -58,8 +58,9 @@ demo: install
 
 bench: install
 	$(VENV)/bin/vintage model prepare
-	# bench_vs_trl needs the optional trl group and runs for tens of minutes: `make bench-trl`
-	for b in $(filter-out benchmarks/bench_vs_trl.py,$(wildcard benchmarks/bench_*.py)); do \
+	# bench_vs_trl needs the optional trl group and runs for tens of minutes: `make bench-trl`;
+	# bench_soak runs for SOAK_MINUTES: `make bench-soak`
+	for b in $(filter-out benchmarks/bench_vs_trl.py benchmarks/bench_soak.py,$(wildcard benchmarks/bench_*.py)); do \
 		$(PY) -m benchmarks.$$(basename $$b .py) || exit 1; done
 
 # async vs sync when agents' tool calls wait 0.5 s and 2 s (tiny model, ~8 minutes); JSON results/agent_latency.json
@@ -95,6 +96,12 @@ gpu-wheels: install
 gpu-rehearse: install
 	$(PY) -m deploy.gpu_wheels --python-version 3.11 --out runs/gpu-rehearse/wheels --tokenizer-out runs/gpu-rehearse/tokenizer
 	$(PY) -m deploy.gpu_rehearse --wheels runs/gpu-rehearse/wheels --tokenizer runs/gpu-rehearse/tokenizer --out runs/gpu-rehearse/result.json
+
+# chaos soak: the tiny model on a two-node loopback cluster while parts are killed every 60-120 s
+# (30 minutes; SOAK_MINUTES=... to change); JSON results/soak.json
+SOAK_MINUTES ?= 30
+bench-soak: install
+	$(VENV)/bin/vintage bench soak --minutes $(SOAK_MINUTES)
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -123,4 +123,5 @@ def trajectory(r: RolloutRequest, ids: list[int], version: int = 0) -> Trajector
         policy_version=version,
         prompt_len=p,
         finish_reason=finish,
+        served_fingerprint=f"{version:016x}",  # the worker's read-back of version ``version``
     )

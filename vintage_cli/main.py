@@ -239,6 +239,29 @@ def bench_cores(
     cores_main(["--model", model, "--steps", str(steps), "--out", str(out)])
 
 
+@bench_app.command("soak")
+def bench_soak(
+    minutes: Annotated[float, typer.Option(help="Soak length, shared by the env and agent phases.")] = 30.0,
+    kill_every: Annotated[
+        tuple[float, float], typer.Option(help="Seconds between kills: drawn uniformly from LO HI.")
+    ] = (60.0, 120.0),
+    seed: Annotated[int, typer.Option(help="Seed of the kill schedule.")] = 0,
+    max_kills: Annotated[int, typer.Option(min=0, help="Most kills over the soak.")] = 30,
+    phases: Annotated[list[str] | None, typer.Option(help="env and/or agent (repeatable; default both).")] = None,
+    out: Annotated[Path, typer.Option(help="JSON results file.")] = Path("results/soak.json"),
+) -> None:
+    """Chaos soak: the tiny model trains on a two-node loopback cluster while a rollout worker, the
+    old-logit service, the learner, an outside agent or a node is killed; prints what each kill did,
+    the ledger check and memory growth, writes JSON (see benchmarks/bench_soak.py)."""
+    from benchmarks.bench_soak import main as soak_main
+
+    argv = ["--minutes", str(minutes), "--kill-every", *map(str, kill_every), "--seed", str(seed)]
+    argv += ["--max-kills", str(max_kills), "--out", str(out)]
+    if phases:
+        argv += ["--phases", *phases]
+    soak_main(argv)
+
+
 @eval_app.command("tau2")
 def eval_tau2(
     domain: Annotated[str, typer.Option(help="tau2 domain: mock, retail, airline or telecom.")],

@@ -97,6 +97,8 @@ class Gateway(SessionTable):
             session over at once.
         group_wait_s: longest wait for a group to fill after its first session ended, seconds; then
             it is handed over short of ``group_size``, with baselines (:mod:`rollout.gateway.groups`).
+        session_idle_s: end a session with no call running and no request for this many seconds,
+            dropped as ``idle`` (:mod:`rollout.gateway.sessions`); ``None``: never.
 
     Raises:
         ValueError: an ``admin_token`` shorter than 16 characters, ``group_size < 1``, or a
@@ -119,8 +121,11 @@ class Gateway(SessionTable):
         clock: Callable[[], float] = time.perf_counter,
         group_size: int = 1,
         group_wait_s: float = 120.0,
+        session_idle_s: float | None = None,
     ):
-        super().__init__(backend.version, admin_token, admission, retry_after_s, group_size, group_wait_s, clock)
+        super().__init__(
+            backend.version, admin_token, admission, retry_after_s, group_size, group_wait_s, clock, session_idle_s
+        )
         self.backend, self.chat, self.max_model_len = backend, chat, max_model_len
         self.token_for_reads = False
         """Require the admin token for ``/v1/status`` too (set when serving beyond loopback)."""
@@ -193,6 +198,7 @@ class Gateway(SessionTable):
                 self._record(s, ids, reply, prompt.key if isinstance(prompt, ChatPrompt) else None)
                 self.stats.turn_wait_s += t_turn - t0
                 self.stats.overhead_s += max(0.0, self.clock() - t_turn - gen_s)
+            self.touch(s)
         if req.logprobs:
             reply.logprobs = logprobs_body(self.chat, c.ids, c.logprobs, kind)
         return reply.answer(bool(req.stream))
@@ -247,7 +253,7 @@ class Gateway(SessionTable):
         old = t.old_logprobs[p:].tolist() if t.old_logprobs is not None else None
         c = Completion(
             t.token_ids[p:].tolist(), t.behav_logprobs[p:].tolist(), t.versions[p:].tolist(), t.finish_reason,
-            t.policy_version, old,
+            t.policy_version, old, t.served_fingerprint,
         )  # fmt: skip
         if cut and c.finish_reason == "length":
             self.truncate(s)

@@ -29,7 +29,8 @@ from rollout.agent import TokenTrace
 @dataclass
 class Completion:
     """What one call sampled, per sampled token: ids, mu (nats) and versions; the finish reason,
-    the worker's policy version, and pi_old when the worker attached it."""
+    the worker's policy version, pi_old when the worker attached it, and the fingerprint of the
+    weights the worker served at that version (``Trajectory.served_fingerprint``)."""
 
     ids: list[int]
     logprobs: list[float]
@@ -37,11 +38,15 @@ class Completion:
     finish_reason: str
     policy_version: int
     old_logprobs: list[float] | None = None
+    served_fingerprint: str | None = None
 
     def head(self, k: int, finish_reason: str) -> Completion:
         """The first ``k`` sampled tokens, ended for ``finish_reason`` (a stop string cut)."""
         old = self.old_logprobs[:k] if self.old_logprobs else self.old_logprobs
-        return Completion(self.ids[:k], self.logprobs[:k], self.versions[:k], finish_reason, self.policy_version, old)
+        return Completion(
+            self.ids[:k], self.logprobs[:k], self.versions[:k], finish_reason, self.policy_version, old,
+            self.served_fingerprint,
+        )  # fmt: skip
 
 
 @dataclass
@@ -63,12 +68,14 @@ class CallRecord:
 @dataclass
 class Segment(TokenTrace):
     """Token state of one trajectory of a session (:class:`rollout.agent.TokenTrace`), plus pi_old
-    per token (NaN where none), the ids of its calls and the newest version it holds."""
+    per token (NaN where none), the ids of its calls, the newest version it holds and the served
+    fingerprint of that version (from the call that reached it; None when no call did)."""
 
     old_logprobs: list[float] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)
     finish_reason: str = "stop"
     policy_version: int = 0
+    served_fingerprint: str | None = None
 
     def extends(self, prompt_ids: list[int]) -> bool:
         """True when ``prompt_ids`` starts with every id of this segment (and the segment is not empty)."""
@@ -90,7 +97,12 @@ class Segment(TokenTrace):
         self.calls.append(call_id)
         self.finish_reason = c.finish_reason
         self.truncated = self.truncated or c.finish_reason == "length"
-        self.policy_version = max([self.policy_version, c.policy_version, *c.versions])
+        version = max([self.policy_version, c.policy_version, *c.versions])
+        if c.policy_version == version:
+            self.served_fingerprint = c.served_fingerprint
+        elif version != self.policy_version:  # reached by a token, not by a worker's report: unknown
+            self.served_fingerprint = None
+        self.policy_version = version
 
 
 @dataclass
@@ -118,6 +130,8 @@ class Session:
     last_ids: list[int] = field(default_factory=list)
     """Sampled ids of the session's last call (their template close is appended before new messages)."""
     last_finish: str = "stop"
+    last_active: float = 0.0
+    """When the session last had a request (its table's clock, seconds): for ``idle_s``."""
 
     @property
     def current(self) -> Segment | None:
@@ -195,6 +209,7 @@ class Session:
                     group_id=self.group_id,
                     worker_id=worker_id,
                     policy_version=seg.policy_version,
+                    served_fingerprint=seg.served_fingerprint,
                     finish_reason=seg.finish_reason if seg.finish_reason in ("stop", "length", "abort") else "stop",
                     reward=reward,
                     turn_rewards=[float(self.call_rewards.get(c, 0.0)) for c in seg.calls],

@@ -8,11 +8,19 @@ not grow with the sessions a long job has run. Ending a training session turns i
 (:class:`rollout.gateway.groups.GroupGate`) and handed to :meth:`SessionTable.take_ended` when their
 group fills or has waited ``group_wait_s`` (then with a stated baseline); a dropped session is
 handed over at once.
+
+A session whose agent is gone (its process died mid-episode) would stay open for ever, holding
+its place under the staleness admission rule: once ``(max_staleness + 1) * batch`` such sessions
+exist, no session is admitted again and training stops. So a session with no call running and
+no request (open, call, reward) for ``idle_s`` seconds is ended by :meth:`SessionTable.take_ended`
+without trajectories, dropped as :data:`IDLE` (an episode without its end has no reward to train
+on); a later request for it is answered 409, as for any ended session.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import threading
 import time
@@ -31,6 +39,9 @@ from rollout.httpserve import token_matches
 
 ENDED_KEPT = 16384
 """Ended sessions remembered (the oldest are forgotten first)."""
+
+IDLE = "idle"
+"""Drop reason of a session ended for want of any request in ``idle_s`` seconds."""
 
 
 @dataclass
@@ -80,12 +91,14 @@ class SessionTable:
         retry_after_s: ``Retry-After`` seconds sent with a 429 or a 503.
         group_size: sessions of a full GRPO group (``rollout.sampling.n``).
         group_wait_s: longest wait for a group to fill after its first session ended, seconds.
-        clock: seconds (monotonic), for ``group_wait_s``.
+        clock: seconds (monotonic), for ``group_wait_s`` and ``idle_s``.
         ended_kept: ended sessions remembered (the oldest forgotten first, see the module docstring).
+        idle_s: end an open session after this many seconds with no call running and no request
+            for it, dropped as :data:`IDLE` (see the module docstring); ``None``: never.
 
     Raises:
         ValueError: an ``admin_token`` shorter than 16 characters (names ``gateway.token``), a
-            ``group_size`` below 1 or a ``group_wait_s`` that is not a positive number.
+            ``group_size`` below 1, a ``group_wait_s`` or an ``idle_s`` that is not a positive number.
     """
 
     def __init__(
@@ -98,9 +111,13 @@ class SessionTable:
         group_wait_s: float = 120.0,
         clock: Callable[[], float] = time.monotonic,
         ended_kept: int = ENDED_KEPT,
+        idle_s: float | None = None,
     ):
         if admin_token is not None and len(admin_token) < 16:
             raise ValueError(f"gateway.token: {len(admin_token)} characters, at least 16 required")
+        if idle_s is not None and not (isinstance(idle_s, int | float) and 0 < idle_s < float("inf")):
+            raise ValueError(f"gateway.session_idle_s: expected a positive number of seconds, got {idle_s!r}")
+        self.idle_s, self._clock = idle_s, clock
         self.admin_token = admin_token or secrets.token_urlsafe(24)
         self._version, self.admission, self.retry_after_s = version, admission, retry_after_s
         self._lock = threading.Lock()
@@ -139,6 +156,7 @@ class SessionTable:
             train=train,
             admitted_version=self._version(),
         )
+        s.last_active = self._clock()
         with self._lock:
             self._sessions[sid] = s
             self._by_key[s.key] = sid
@@ -182,6 +200,7 @@ class SessionTable:
                 raise ApiError(401, "api_key: unknown key (use a session key or the admin token)", "api_key")
         if s.state != "open":
             raise ended(s.session_id)
+        s.last_active = self._clock()
         return s
 
     def set_reward(self, sid: str, reward: float | None = None, rewards: Any = None) -> Session:
@@ -200,6 +219,7 @@ class SessionTable:
             if reward is not None:
                 s.reward = float(reward)
             s.call_rewards.update(per)
+            s.last_active = self._clock()
         return s
 
     def end_session(self, sid: str, reward: float | None = None, dropped: str | None = None) -> EndedSession:
@@ -272,11 +292,30 @@ class SessionTable:
         return len(sessions)
 
     def take_ended(self) -> list[EndedSession]:
-        """Training sessions handed over since the last call, oldest first: dropped ones, and those
-        of groups that filled or waited ``group_wait_s`` (see :mod:`rollout.gateway.groups`)."""
+        """Training sessions handed over since the last call, oldest first: dropped ones (the idle
+        ones ended here first, see the module docstring), and those of groups that filled or waited
+        ``group_wait_s`` (see :mod:`rollout.gateway.groups`)."""
+        for sid in self.idle_sessions():
+            with contextlib.suppress(ApiError):  # ended meanwhile by its agent
+                self.end_session(sid, dropped=IDLE)
         with self._lock:
             out, self._ended = self._ended + self.groups.due(), []
         return out
+
+    def idle_sessions(self) -> list[str]:
+        """Ids of the open sessions with no call running and no request for ``idle_s`` seconds."""
+        if self.idle_s is None:
+            return []
+        now = self._clock()
+        with self._lock:
+            open_ = [self._sessions[sid] for sid in self._by_key.values()]
+            busy = {sid for sid, lock in self._call_locks.items() if lock.locked()}
+        return [s.session_id for s in open_ if s.session_id not in busy and now - s.last_active >= self.idle_s]
+
+    def touch(self, s: Session | None) -> None:
+        """Note a request of session ``s`` now (a call that just finished)."""
+        if s is not None:
+            s.last_active = self._clock()
 
     # --- per-call state and counts ---------------------------------------------------------------
 

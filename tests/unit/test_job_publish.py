@@ -25,7 +25,7 @@ class Learner:
 
 class Manifest:
     def __init__(self, version):
-        self.version, self.total_bytes, self.adapter, self.fingerprint = version, 100, None, None
+        self.version, self.total_bytes, self.adapter, self.fingerprint = version, 100, None, f"{version:016x}"
 
 
 class GatedPool:
@@ -74,6 +74,8 @@ def job(pool, route):
     j.cfg = load_config(None, [])
     j.learner, j.pool, j.route, j.times, j.last_publish = Learner(), pool, route, Counter(), {}
     j.fingerprint_mismatch, j.served_expected = 0, {}
+    j.ledger_rows = []
+    j.ledger = lambda event, ids, reason=None, **fields: j.ledger_rows.append({"event": event, "ids": ids, **fields})
     return j
 
 
@@ -90,6 +92,10 @@ def test_publish_returns_before_the_workers_apply_and_the_next_waits():
     nxt.join(30)
     j.wait_published()
     assert pool.applied == [(1, "ref-1"), (2, "ref-2")]
+    assert j.ledger_rows == [  # each version's learner fingerprint, for checks of what was served
+        {"event": "published", "ids": [], "published": 1, "fingerprint": "0000000000000001"},
+        {"event": "published", "ids": [], "published": 2, "fingerprint": "0000000000000002"},
+    ]
 
 
 def test_a_failed_apply_is_raised_by_the_next_wait():

@@ -93,6 +93,8 @@ def test_a_ledger_closes_by_id_over_a_resume(tmp_path):
     b2.ledger("checkpoint", b2.state_dict()["buffered_ids"], tag="v1")
     b2.ledger.close()
     events = read_ledger(tmp_path)
+    stamps = {e["ids"][0]: e["stamps"] for e in events if e["event"] == "buffered"}
+    assert stamps == {i: [[0, None]] for i in ("a", "b", "c", "r1.e")}  # [policy_version, served_fingerprint]
     assert fates(events)["b"] == ["consumed", "consumed"]  # the raw ledger holds the discarded step
     got = fates(lineage(events))
     assert got == {
@@ -103,6 +105,25 @@ def test_a_ledger_closes_by_id_over_a_resume(tmp_path):
         "r1.e": ["consumed"],
     }
     assert b2.accounting_ok() and b2.dropped["lost_at_restart"] == 2
+
+
+def test_a_run_started_afresh_in_a_used_folder_replaces_the_earlier_runs_ledger(tmp_path):
+    """A learner killed before the first checkpoint: the next start is fresh (segment 0 again) and
+    samples the same ids; the lineage holds only the second run's events."""
+    for consumed in (["a", "b"], ["a"]):
+        b = TrajectoryBuffer(capacity=8, max_staleness=1)
+        version: list[int] = []  # empty while the ledger opens (the job does not exist yet): not read then
+        b.ledger = Ledger(tmp_path, 0, lambda v=version: v[0])
+        version.append(0)
+        b.note_submitted(2)
+        b.offer(traj("a", [0], "ga"))
+        b.offer(traj("b", [0], "gb"))
+        b.take(len(consumed), 0, group_size=1)  # one group of one per consumed id
+        b.ledger.close()
+    events = read_ledger(tmp_path)
+    assert [e["event"] for e in events].count("started") == 2
+    assert fates(events)["a"] == ["consumed", "consumed"]  # the raw file holds both runs
+    assert fates(lineage(events)) == {"a": ["consumed"], "b": []}  # b buffered, never checkpointed
 
 
 def test_a_malformed_trajectories_file_is_refused_naming_the_file_and_line(tmp_path):

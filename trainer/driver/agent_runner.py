@@ -166,6 +166,7 @@ class AgentRunner:
             tool_call_feedback=g.tool_call_feedback,
             group_size=s.n,
             group_wait_s=g.group_wait_s,
+            session_idle_s=g.session_idle_s,
         )
         self.server = GatewayServer(self.gateway, g.host, g.port, max_body_bytes=g.max_body_bytes).start()
         self.loop = asyncio.new_event_loop()

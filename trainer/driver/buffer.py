@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from protocol import NO_VERSION, Trajectory
 
 
-def no_ledger(event: str, ids: list[str], reason: str | None = None) -> None:
+def no_ledger(event: str, ids: list[str], reason: str | None = None, **fields: object) -> None:
     """The default ledger of a buffer: records nothing."""
 
 
@@ -73,8 +73,9 @@ class TrajectoryBuffer:
     in_flight: int = 0
     dropped_total: int = 0
     ledger: Callable[..., None] = no_ledger
-    """Called ``ledger(event, ids, reason)`` with the ids of each finished trajectory's fate:
-    ``buffered`` (arrived), ``consumed``, ``dropped`` (``reason``: the drop reason)."""
+    """Called ``ledger(event, ids, reason, **fields)`` with the ids of each finished trajectory's fate:
+    ``buffered`` (arrived; ``stamps``: ``[policy_version, served_fingerprint]`` of each id), ``consumed``,
+    ``dropped`` (``reason``: the drop reason)."""
     _items: OrderedDict = field(default_factory=OrderedDict)
     _held: dict = field(default_factory=dict)
 
@@ -134,7 +135,7 @@ class TrajectoryBuffer:
         if traj.trajectory_id in self._items or traj.trajectory_id in self._held:
             raise ValueError(f"trajectory_id: {traj.trajectory_id!r} offered twice")
         self._items[traj.trajectory_id] = traj
-        self.ledger("buffered", [traj.trajectory_id])
+        self.ledger("buffered", [traj.trajectory_id], stamps=[[traj.policy_version, traj.served_fingerprint]])
         return True
 
     def drop_stale(self, consuming_version: int) -> int:

@@ -335,6 +335,10 @@ class GatewayConfig(_Section):
     the group's other sessions, or for a session alone the mean of the last 32 sessions' rewards; see
     ``rollout.gateway.groups``), counted in ``groups_partial``. A session opened without a ``group_id`` is
     such a group of one at once."""
+    session_idle_s: float | None = Field(600.0, gt=0.0, allow_inf_nan=False)
+    """End a session with no call running and no request (call, reward) for this many seconds, dropped as
+    ``idle`` and never trained on: its agent is gone, and an open session holds its place under the staleness
+    admission rule (enough of them would admit no new session again). ``None``: never."""
 
 
 class JobConfig(_Section):

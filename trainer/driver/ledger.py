@@ -3,13 +3,21 @@
 ``<run_dir>/ledger.jsonl`` gets one line per event, appended (and flushed) as it happens, over
 every run segment of the run folder::
 
-    {"segment": 0, "version": 3, "event": "buffered", "ids": ["v3-5-24/0"]}
+    {"segment": 0, "version": 0, "event": "started", "ids": []}
+    {"segment": 0, "version": 3, "event": "published", "published": 3, "fingerprint": "9f0c...", "ids": []}
+    {"segment": 0, "version": 3, "event": "buffered", "stamps": [[3, "9f0c..."]], "ids": ["v3-5-24/0"]}
     {"segment": 0, "version": 3, "event": "consumed", "ids": [...]}
     {"segment": 0, "version": 4, "event": "dropped", "reason": "stale", "ids": [...]}
     {"segment": 0, "version": 4, "event": "checkpoint", "tag": "v4", "ids": [...buffered...]}
     {"segment": 1, "version": 4, "event": "resumed", "tag": "v4", "ids": [...restored...], "lost_at_restart": 2}
 
-``version`` is the learner's when the event happened. A resume goes back to a checkpoint: what the
+``version`` is the learner's when the event happened. A fresh run (segment 0) opens with a
+``started`` line: a run started afresh in a folder that held another run replaces it, and
+:func:`lineage` keeps nothing from before its last ``started`` line. A ``published`` line gives the learner's
+fingerprint of each published version (``manifest.fingerprint``, :mod:`modelkit.fingerprint`); a
+``buffered`` line gives, per id, the version the trajectory was sampled at and the fingerprint its
+worker read back from the weights it served (``Trajectory.policy_version``, ``served_fingerprint``),
+so a reader can check that no trained trajectory came from weights other than its version's. A resume goes back to a checkpoint: what the
 segment before did after it is not part of the run any more (its steps are trained again).
 :func:`lineage` keeps the events the final weights descend from; over them every id that arrived
 (``buffered``, or ``dropped`` on arrival) is consumed exactly once, dropped with a reason, or still
@@ -32,7 +40,7 @@ class Ledger:
 
     Args:
         run_dir: the run folder.
-        segment: the run segment (0 for a fresh run, +1 at every resume).
+        segment: the run segment (0 for a fresh run, which writes the ``started`` line; +1 at every resume).
         version: the learner's version now (read at every event).
     """
 
@@ -41,6 +49,8 @@ class Ledger:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.segment, self.version = segment, version
         self._fh = self.path.open("a", buffering=1)  # one line per write reaches the file
+        if segment == 0:  # before the job exists: a fresh run starts at version 0
+            self._fh.write(json.dumps({"segment": 0, "version": 0, "event": "started", "ids": []}) + "\n")
 
     def __call__(self, event: str, ids: list[str], reason: str | None = None, **fields: Any) -> None:
         """Append ``event`` for ``ids`` (with its drop ``reason`` and any other ``fields``)."""
@@ -67,13 +77,15 @@ def read_ledger(run_dir: str | Path) -> list[dict[str, Any]]:
 def lineage(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The events the final weights descend from: at every ``resumed`` event, the events after the
     last ``checkpoint`` of its tag are cut (an earlier segment's steps past that checkpoint were
-    trained again).
+    trained again); at every ``started`` event (a fresh run), every event before it is cut.
 
     Raises:
         ValueError: a ``resumed`` event whose tag no kept ``checkpoint`` event names.
     """
     kept: list[dict[str, Any]] = []
     for e in events:
+        if e["event"] == "started":
+            kept = []
         if e["event"] == "resumed":
             at = [i for i, k in enumerate(kept) if k["event"] == "checkpoint" and k["tag"] == e["tag"]]
             if not at:

@@ -334,6 +334,7 @@ class Job:
             (manifest, ref), self.cfg.rollout.dtype, self.learner.async_publish, perturbed=noise > 0
         )
         self.served_expected.update(expected_entries(manifest, {}))  # full weights: known before any worker applies
+        self.ledger("published", [], published=manifest.version, fingerprint=manifest.fingerprint)
         self.last_publish = {"seconds": time.perf_counter() - t0, "bytes": manifest.total_bytes, "unix": time.time()}
         self.times["publish"] += self.last_publish["seconds"]
 
