@@ -124,7 +124,14 @@ class Gateway(SessionTable):
         session_idle_s: float | None = None,
     ):
         super().__init__(
-            backend.version, admin_token, admission, retry_after_s, group_size, group_wait_s, clock, session_idle_s
+            backend.version,
+            admin_token,
+            admission,
+            retry_after_s,
+            group_size,
+            group_wait_s,
+            clock,
+            idle_s=session_idle_s,
         )
         self.backend, self.chat, self.max_model_len = backend, chat, max_model_len
         self.token_for_reads = False

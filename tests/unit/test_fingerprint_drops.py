@@ -83,7 +83,7 @@ def test_buffered_and_taken_ahead_mismatches_are_dropped_and_the_ledger_closes()
     whole groups g2 (t3, t4) and g4 (t7, t8); t1 and t6 wait for their group."""
     events = []
     buf = TrajectoryBuffer(
-        capacity=16, max_staleness=2, ledger=lambda e, ids, reason=None: events.append((e, ids, reason))
+        capacity=16, max_staleness=2, ledger=lambda e, ids, reason=None, **fields: events.append((e, ids, reason))
     )
     buf.note_submitted(10)
     rows = [
