@@ -87,6 +87,7 @@ class GatewayStatus(Message):
     unavailable: dict[str, int] = Field(default_factory=dict)
     """Calls answered 503, by reason: ``not_taken`` (no worker took the call within
     ``gateway.submit_timeout_s``), ``timeout`` (no result within ``gateway.call_timeout_s``),
+    ``worker_lost`` (the worker holding the call was lost, and each resubmission's too),
     ``submit_failed``, ``poll_failed``, ``aborted`` (the worker aborted the generation)."""
     calls_pending: int = Field(0, ge=0)
     """Calls waiting now for a worker to take them or for their result."""
@@ -99,6 +100,8 @@ class GatewayStatus(Message):
     """Sessions handed over in those groups."""
     resubmissions: int = Field(0, ge=0)
     """Submissions repeated because no worker took the call (every worker late, or none running)."""
+    lost_resubmissions: int = Field(0, ge=0)
+    """Calls submitted again because the rollout worker holding them died, hung or was removed."""
     late_results_discarded: int = Field(0, ge=0)
     """Results that arrived after their call had been answered 503; never trained on."""
     abandoned_calls: int = Field(0, ge=0)

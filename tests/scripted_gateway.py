@@ -78,6 +78,7 @@ class ScriptedPool:
         self.taken: list[RolloutRequest] = []
         self.submits = self.polls = 0
         self._queue: list[tuple[int, RolloutRequest, list[int]]] = []
+        self._lost: list[str] = []
         self._lock = threading.Lock()
 
     def submit(self, requests: list[RolloutRequest]) -> int:
@@ -107,6 +108,18 @@ class ScriptedPool:
         """Deliver request ``k``'s trajectory at the next poll."""
         with self._lock:
             self.held.discard(k)
+
+    def lose(self, k: int) -> None:
+        """The worker holding request ``k`` dies: its trajectory never comes, and :meth:`lost`
+        names its id (as ``WorkerPool.take_lost_requests`` does)."""
+        with self._lock:
+            self._queue = [x for x in self._queue if x[0] != k]
+            self._lost.append(self.taken[k].request_id)
+
+    def lost(self) -> list[str]:
+        with self._lock:
+            out, self._lost = self._lost, []
+            return out
 
 
 def trajectory(r: RolloutRequest, ids: list[int], version: int = 0) -> Trajectory:

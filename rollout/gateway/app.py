@@ -148,6 +148,7 @@ class Gateway(SessionTable):
             policy_version=max(0, b.version()),
             calls_pending=b.pending,
             resubmissions=b.resubmissions,
+            lost_resubmissions=b.lost_resubmissions,
             late_results_discarded=b.late_discarded,
             **self.session_counts(),
         )

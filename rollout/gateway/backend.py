@@ -8,7 +8,7 @@ between two tokens and resumes it under the new version. The finished one-turn
 their mu and versions.
 
 :class:`WorkerBackend` works over anything with ``submit(requests) -> int`` and
-``poll() -> list[Trajectory]``, both safe to call from two threads at once: a
+``poll() -> list[Trajectory]`` (and, optionally, ``lost() -> list[str]``), all safe to call from two threads at once: a
 :class:`rollout.worker.RolloutWorkerCore` (in-process, its own generation thread) or a
 ``trainer.driver.pool.WorkerPool`` of Ray actors. A dispatcher thread polls while
 calls are pending and hands each trajectory to the call waiting for its id; trajectories of other
@@ -21,8 +21,13 @@ Every wait is bounded:
   twice as long each time up to 1 s, for at most ``submit_timeout_s`` seconds; past that it fails
   with :class:`Unavailable` ``not_taken``. The dispatcher polls meanwhile, which is what takes in
   the late workers' answers and frees them;
-* a taken call waits at most ``call_timeout_s`` seconds for its trajectory (a worker that died
-  or hung with it never delivers), then fails with :class:`Unavailable` ``timeout``;
+* a taken call whose worker died, hung or was removed with it (the source's ``lost()`` names its
+  id; a ``WorkerPool``'s ``take_lost_requests``) is submitted again at once, to a live worker, at
+  most :data:`LOST_RESUBMITS` times; past that it fails with :class:`Unavailable` ``worker_lost``.
+  The client sees nothing of it but the wait;
+* a taken call waits at most ``call_timeout_s`` seconds for its trajectory (a worker that hung
+  with it, or died without being noticed, never delivers), then fails with :class:`Unavailable`
+  ``timeout``;
 * a submission that raises (the worker behind it died, a refused call other than a bad field)
   fails the call with :class:`Unavailable` ``submit_failed`` naming the error; a ``ValueError``
   (the worker refused a field of the request) is raised as it is;
@@ -47,6 +52,9 @@ RESUBMIT_FIRST_S, RESUBMIT_MAX_S = 0.05, 1.0
 """Pause before the first resubmission of a call no worker took, and the longest pause (seconds);
 the pause doubles in between."""
 
+LOST_RESUBMITS = 3
+"""Times a call is submitted again after the worker holding it was lost; one more loss fails it."""
+
 ABANDONED_KEPT = 65536
 """Ids of ended calls whose result may still arrive that are remembered (the oldest are forgotten first)."""
 
@@ -55,13 +63,18 @@ class Unavailable(RuntimeError):
     """The backend cannot serve a call now (the gateway answers HTTP 503).
 
     ``reason``: ``not_taken`` (no worker took it within ``submit_timeout_s``), ``timeout`` (no
-    result within ``call_timeout_s``), ``submit_failed`` (submitting it raised) or ``poll_failed``
+    result within ``call_timeout_s``), ``worker_lost`` (the worker holding it was lost more than
+    :data:`LOST_RESUBMITS` times), ``submit_failed`` (submitting it raised) or ``poll_failed``
     (polling the workers raised).
     """
 
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
+
+
+class _WorkerLost(Exception):
+    """The worker holding a taken call was lost (raised into the call's future, caught in ``generate``)."""
 
 
 class WorkerBackend:
@@ -74,6 +87,8 @@ class WorkerBackend:
         poll_interval_s: dispatcher sleep between polls while calls are pending.
         submit_timeout_s: how long a call no worker took is submitted again, seconds.
         call_timeout_s: longest wait for a taken call's trajectory, seconds.
+        lost: ``lost() -> list[str]``: ids of requests whose worker was lost since the last call
+            (None: the source never loses one, e.g. an in-process core).
 
     Raises:
         ValueError: a timeout that is not positive (the message names the ``gateway`` setting).
@@ -87,11 +102,13 @@ class WorkerBackend:
         poll_interval_s: float = 0.002,
         submit_timeout_s: float = 30.0,
         call_timeout_s: float = 600.0,
+        lost: Callable[[], list[str]] | None = None,
     ):
         for name, v in (("submit_timeout_s", submit_timeout_s), ("call_timeout_s", call_timeout_s)):
             if not v > 0:
                 raise ValueError(f"gateway.{name}: must be > 0, got {v!r}")
         self._submit, self._poll, self.version = submit, poll, version
+        self._lost = lost or list
         self.poll_interval_s = poll_interval_s
         self.submit_timeout_s, self.call_timeout_s = submit_timeout_s, call_timeout_s
         self._lock = threading.Lock()
@@ -104,6 +121,8 @@ class WorkerBackend:
         """Submissions repeated because no worker took the call."""
         self.late_discarded = 0
         """Trajectories that arrived after their call had ended (timed out or failed); not used."""
+        self.lost_resubmissions = 0
+        """Calls submitted again because the worker holding them was lost."""
         self._thread = threading.Thread(target=self._dispatch, name="vintage-gateway-poll", daemon=True)
         self._thread.start()
 
@@ -126,10 +145,9 @@ class WorkerBackend:
         Raises:
             ValueError: the worker refused the request (the message names the field).
             Unavailable: no worker took it within ``submit_timeout_s``, no result within
-                ``call_timeout_s``, submitting or polling the workers failed.
+                ``call_timeout_s``, its worker was lost more than :data:`LOST_RESUBMITS` times,
+                submitting or polling the workers failed.
         """
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
         req = RolloutRequest(
             request_id=request_id,
             group_id=group_id,
@@ -137,6 +155,25 @@ class WorkerBackend:
             sampling=sampling,
             admitted_version=admitted_version,
         )
+        losses = 0
+        while True:
+            try:
+                return await self._attempt(req)
+            except _WorkerLost:
+                losses += 1
+                if losses > LOST_RESUBMITS:
+                    raise Unavailable(
+                        "worker_lost", f"the rollout worker holding the call was lost {losses} times; retry"
+                    ) from None
+                with self._lock:
+                    self.lost_resubmissions += 1
+
+    async def _attempt(self, req: RolloutRequest) -> Trajectory:
+        """Submit ``req`` once over, until taken, and wait for its trajectory (see :meth:`generate`);
+        raises :class:`_WorkerLost` when the worker that took it was lost."""
+        request_id = req.request_id
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
         with self._lock:
             self._waiting[request_id] = (loop, fut)
         self._has_work.set()
@@ -215,6 +252,13 @@ class WorkerBackend:
                 for loop, fut in failed.values():
                     loop.call_soon_threadsafe(_fail, fut, Unavailable("poll_failed", err))
                 continue
+            lost = set(self._lost())
+            with self._lock:
+                orphaned = [(rid, self._waiting.pop(rid)) for rid in lost if rid in self._waiting]
+                for rid, _ in orphaned:  # should a copy still arrive, it is discarded as late
+                    self._abandon(rid)
+            for _, (loop, fut) in orphaned:
+                loop.call_soon_threadsafe(_fail, fut, _WorkerLost())
             for t in got:
                 with self._lock:
                     w = self._waiting.pop(t.trajectory_id, None)

@@ -13,7 +13,7 @@ from rich.console import Console
 from protocol import Trajectory
 from trainer.driver.buffer import TrajectoryBuffer
 from trainer.driver.config import load_config
-from trainer.driver.fingerprints import FINGERPRINT_MISMATCH, expected_entries, trajectory_mismatch
+from trainer.driver.fingerprints import FINGERPRINT_MISMATCH, expected_entries, prune_expected, trajectory_mismatch
 from trainer.driver.parts import Job, intake_refusal
 
 A, B, C, X = "a" * 16, "b" * 16, "c" * 16, "0" * 16
@@ -61,6 +61,13 @@ def test_expected_entries_full_weights_and_adapters():
         "w2": {"version": 2, "served": C, "applied": C},  # another version
     }
     assert expected_entries(adapter, reports) == {("w0", 3): B}
+
+
+def test_entries_below_the_staleness_bound_are_pruned():
+    expected = {1: A, 2: B, ("w0", 1): C, ("w0", 3): X}
+    # at version 4 with max_staleness 2, versions 2 .. 4 can still be trained on
+    assert prune_expected(expected, 4 - 2) == {2: B, ("w0", 3): X}
+    assert prune_expected(expected, 0) == expected
 
 
 def _job(buffer: TrajectoryBuffer) -> Job:

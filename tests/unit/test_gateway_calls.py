@@ -6,6 +6,7 @@ counters, with hand-worked ids and times."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import socket
 import time
@@ -143,6 +144,54 @@ def test_a_taken_call_without_result_times_out_leaves_the_pending_list_and_its_l
         assert sv.backend.take_foreign() == []  # never handed to the training loop as someone else's
         (t,) = sv.gw.end_session(s.session_id).trajectories
         assert t.token_ids[t.prompt_len :].tolist() == reply("Here.")
+    finally:
+        sv.close()
+
+
+def wait_taken(pool: ScriptedPool, k: int, timeout_s: float = 5.0) -> None:
+    """Until the pool has taken its ``k``-th request (0-based)."""
+    deadline = time.monotonic() + timeout_s
+    while len(pool.taken) <= k:
+        assert time.monotonic() < deadline, f"request {k} was never taken"
+        time.sleep(0.01)
+
+
+def test_a_call_whose_worker_is_lost_is_submitted_again_at_once_and_served():
+    pool = ScriptedPool([reply("lost"), reply("Here.")], held={0})  # the first worker never answers
+    sv = Served(pool.submit, pool.poll, call_timeout_s=60.0, lost=pool.lost)
+    try:
+        s = sv.gw.open_session()
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            answer = ex.submit(sv.post, s, {"messages": USER, "max_tokens": 32})
+            wait_taken(pool, 0)
+            pool.lose(0)  # its worker dies: the call is not left to wait the 60 s call timeout
+            r, took = answer.result(timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Here."
+        assert took < 30, took
+        assert [q.request_id for q in pool.taken] == [pool.taken[0].request_id] * 2  # the same call, again
+        st = sv.gw.status()
+        assert (st.lost_resubmissions, st.calls, st.errors, st.unavailable, st.calls_pending) == (1, 1, {}, {}, 0)
+        (t,) = sv.gw.end_session(s.session_id).trajectories
+        assert t.token_ids[t.prompt_len :].tolist() == reply("Here.")
+    finally:
+        sv.close()
+
+
+def test_a_call_whose_worker_is_lost_every_time_is_answered_503_worker_lost():
+    pool = ScriptedPool([reply("lost")] * 4, held={0, 1, 2, 3})
+    sv = Served(pool.submit, pool.poll, call_timeout_s=60.0, lost=pool.lost)
+    try:
+        s = sv.gw.open_session()
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            answer = ex.submit(sv.post, s, {"messages": USER, "max_tokens": 32})
+            for k in range(4):  # the first submission and its 3 resubmissions each lose their worker
+                wait_taken(pool, k)
+                pool.lose(k)
+            r, _ = answer.result(timeout=30)
+        assert r.status_code == 503
+        assert r.json()["error"]["message"] == "the rollout worker holding the call was lost 4 times; retry"
+        st = sv.gw.status()
+        assert (st.lost_resubmissions, st.unavailable, st.calls_pending) == (3, {"worker_lost": 1}, 0)
     finally:
         sv.close()
 

@@ -122,6 +122,8 @@ class AgentRunner:
         buffer: the job's trajectory buffer (admission and accounting).
         model_path: HF folder of the served model (its tokenizer renders the chat template).
         max_model_len: context length of the engines.
+        lost: ``lost() -> list[str]``: ids of requests lost with a worker since the last call (a
+            ``WorkerPool``'s ``take_lost_requests``); the gateway submits those calls again.
     """
 
     def __init__(
@@ -133,6 +135,7 @@ class AgentRunner:
         buffer: TrajectoryBuffer,
         model_path: str | Path,
         max_model_len: int,
+        lost: Callable[[], list[str]] | None = None,
     ):
         from transformers import AutoTokenizer
 
@@ -151,7 +154,7 @@ class AgentRunner:
         self._undrained = 0
         g = cfg.gateway
         self.backend = WorkerBackend(
-            submit, poll, version, submit_timeout_s=g.submit_timeout_s, call_timeout_s=g.call_timeout_s
+            submit, poll, version, submit_timeout_s=g.submit_timeout_s, call_timeout_s=g.call_timeout_s, lost=lost
         )
         self.gateway = Gateway(
             self.backend,
@@ -189,6 +192,7 @@ class AgentRunner:
             job.buffer,
             job.model_path,
             job.pool.engine_config.max_model_len,
+            lost=job.pool.take_lost_requests,
         )
 
     @property

@@ -327,8 +327,9 @@ class GatewayConfig(_Section):
     """How long a call no rollout worker takes (every worker late, or none running) is submitted again,
     seconds; then it is answered 503 (``unavailable.not_taken``)."""
     call_timeout_s: float = Field(600.0, gt=0.0)
-    """Longest wait for a taken call's result, seconds (its worker may have died or hung); then it is answered
-    503 (``unavailable.timeout``) and its result, should it come later, is discarded."""
+    """Longest wait for a taken call's result, seconds (its worker may have hung); then it is answered 503
+    (``unavailable.timeout``) and its result, should it come later, is discarded. A call whose worker is
+    found dead, hung or removed does not wait for this: it is submitted again at once."""
     group_wait_s: float = Field(120.0, gt=0.0, allow_inf_nan=False)
     """Longest wait, seconds, for a GRPO group of ``rollout.sampling.n`` sessions to fill after its first session
     ended; then its ended sessions are trained on anyway, each trajectory with a baseline (the mean reward of

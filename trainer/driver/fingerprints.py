@@ -84,6 +84,15 @@ def expected_entries(manifest: WeightManifest, reports: Mapping[str, Mapping[str
     }
 
 
+def prune_expected(expected: ExpectedFingerprints, oldest: int) -> dict:
+    """``expected`` without the entries of versions below ``oldest`` (a trajectory of such a version
+    is too stale to train on, so nothing is checked against them any more).
+
+    Example: ``{1: "a", 2: "b", ("w0", 1): "c", ("w0", 3): "d"}`` with ``oldest = 2`` gives
+    ``{2: "b", ("w0", 3): "d"}``."""
+    return {k: v for k, v in expected.items() if (k if isinstance(k, int) else k[1]) >= oldest}
+
+
 def trajectory_mismatch(t: Trajectory, expected: ExpectedFingerprints) -> bool:
     """True when ``t.served_fingerprint`` and the expected value of ``t.policy_version`` (its
     worker's own entry first, then the version's) are both known and differ.

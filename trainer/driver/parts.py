@@ -40,6 +40,7 @@ from trainer.driver.fingerprints import (
     expected_entries,
     is_mismatch,
     mismatched_workers,
+    prune_expected,
     trajectory_mismatch,
 )
 from trainer.driver.ledger import Ledger
@@ -168,7 +169,8 @@ class Job:
         """Consumers found serving other weights than the version published to them, restarted."""
         self.served_expected: dict = {}
         """What each published version should serve (:data:`trainer.driver.fingerprints.ExpectedFingerprints`):
-        trajectories served otherwise are dropped as ``fingerprint_mismatch``."""
+        trajectories served otherwise are dropped as ``fingerprint_mismatch``. Versions older than
+        ``controller.max_staleness`` behind are pruned at each publication."""
         self.ledger = ledger
         self.source: TrajectorySource = source(self)
         """Where training trajectories come from (:mod:`trainer.driver.sources`): it admits, collects and evaluates."""
@@ -326,6 +328,8 @@ class Job:
         """
         self.wait_published()
         t0 = time.perf_counter()
+        # no publication thread runs now; versions older than the staleness bound are never trained on
+        self.served_expected = prune_expected(self.served_expected, self.version - self.cfg.controller.max_staleness)
         noise = self.cfg.rollout.inject_mismatch_std
         manifest, ref = self.learner.async_publish(
             self.cfg.rollout.dtype, mismatch_std=noise, mismatch_seed=self.cfg.controller.seed * 100_003

@@ -21,6 +21,12 @@ poll - is not yet checked against its manifest: :meth:`WorkerPool.take_unverifie
 workers to the caller, which checks their served fingerprints as after a publication. A worker with samples in flight and no finished trajectory for
 longer than ``hang_timeout_s`` is hung (:func:`hung_workers`).
 
+Requests lost with a worker: the pool remembers which request ids each worker holds (samples
+taken, their trajectories not polled yet; a trajectory's id is its request's id, or ``<request
+id>/<i>`` for sample ``i`` of an ``n > 1`` request). When a worker is buried, killed or removed, the
+ids it held are handed out by :meth:`WorkerPool.take_lost_requests`, so a caller waiting for one
+(the gateway) resubmits it at once instead of waiting for a result nothing will deliver.
+
 The pool may be fed from several threads (the driver and the gateway): one lock guards the worker
 table, the in-flight counts and the late calls; remote calls are made outside it, except while scaling.
 """
@@ -30,6 +36,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -45,6 +52,16 @@ is on; a healthy worker answers within one engine step. An answer that comes lat
 
 WORKER_DIED, WORKER_HUNG = "worker_died", "worker_hung"
 """Reasons a worker's in-flight samples are lost: its process died; it hung and was killed."""
+
+LOST_REQUESTS_KEPT = 65536
+"""Ids of requests lost with a worker kept for :meth:`WorkerPool.take_lost_requests` (oldest dropped
+first, so a job whose driver never asks keeps a bounded list)."""
+
+
+def request_of(trajectory_id: str, held: Mapping[str, int]) -> str:
+    """The request id a trajectory belongs to: the id itself when it is held (``n = 1``), else the
+    part before its last ``/`` (sample ``i`` of an ``n > 1`` request is ``<request id>/<i>``)."""
+    return trajectory_id if trajectory_id in held else trajectory_id.rsplit("/", 1)[0]
 
 
 def _number(wid: str) -> int:
@@ -114,6 +131,8 @@ class WorkerPool:
         self._late: dict[str, list[tuple[str, Any, int]]] = {}  # wid -> [(method, ref, samples)], call order
         self._behind: set[str] = set()  # late workers that missed a publication
         self._unverified: dict[str, WeightManifest] = {}  # applied outside update_weights' answers
+        self._held: dict[str, dict[str, int]] = {}  # wid -> {request id: samples not polled yet}
+        self._lost_requests: deque[str] = deque(maxlen=LOST_REQUESTS_KEPT)
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -156,6 +175,7 @@ class WorkerPool:
                 wid = max(self.workers, key=_number)
                 actor = self.workers.pop(wid)
                 removed[wid] = self.in_flight.pop(wid)
+                self._lose_held(wid)
                 self.last_progress.pop(wid, None)
                 self._late.pop(wid, None)
                 self._behind.discard(wid)
@@ -218,10 +238,41 @@ class WorkerPool:
             if wid in self.workers:
                 del self.workers[wid]
                 self._died[wid] = (self.in_flight.pop(wid, 0), reason)
+                self._lose_held(wid)
                 self.last_progress.pop(wid, None)
                 self._late.pop(wid, None)
                 self._behind.discard(wid)
                 self._unverified.pop(wid, None)
+
+    def _lose_held(self, wid: str) -> None:
+        """The request ids ``wid`` held become lost (lock held)."""
+        self._lost_requests.extend(self._held.pop(wid, {}))
+
+    def _hold(self, wid: str, request_id: str, n: int) -> None:
+        """``wid`` took ``n`` samples of ``request_id`` (lock held)."""
+        if n > 0 and wid in self.workers:
+            held = self._held.setdefault(wid, {})
+            held[request_id] = held.get(request_id, 0) + n
+
+    def _release(self, wid: str, trajectories: list[Trajectory]) -> None:
+        """``wid`` delivered ``trajectories``: their requests are no longer held there (lock held)."""
+        held = self._held.get(wid)
+        if not held:
+            return
+        for t in trajectories:
+            rid = request_of(t.trajectory_id, held)
+            if rid in held:
+                held[rid] -= 1
+                if held[rid] <= 0:
+                    del held[rid]
+
+    def take_lost_requests(self) -> list[str]:
+        """Ids of requests a worker held when it died, hung or was removed (their trajectories will
+        never arrive), since the last call; each id once."""
+        with self._lock:
+            out = list(self._lost_requests)
+            self._lost_requests.clear()
+        return out
 
     def take_unverified(self) -> dict[str, WeightManifest]:
         """``{worker id: manifest}`` of the live workers that applied a publication since the last
@@ -367,6 +418,7 @@ class WorkerPool:
                 with self._lock:
                     if wid in self.workers:
                         self._late.setdefault(wid, []).append(("submit", ref, r.sampling.n))
+                    self._hold(wid, r.request_id, r.sampling.n)
                 n = r.sampling.n
             except BaseException as e:
                 with self._lock:
@@ -380,6 +432,7 @@ class WorkerPool:
                 with self._lock:
                     if wid in self.in_flight:
                         self.in_flight[wid] += n - r.sampling.n
+                    self._hold(wid, r.request_id, n)
             total += n
             pending.pop(0)
         return total
@@ -403,6 +456,7 @@ class WorkerPool:
                     self.in_flight[wid] -= len(g)
                     if g:
                         self.last_progress[wid] = now
+                self._release(wid, g)
                 out += g
         return out
 
