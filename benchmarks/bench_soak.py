@@ -74,6 +74,9 @@ ROLES = {"rollout_worker": "RolloutWorker", "oldlogit": "OldLogit", "learner": "
 """Kill kind -> a part of the Ray actor class name of the process that holds it."""
 WALL_FACTOR = 3.0
 """A phase ends after at most this many times its minutes of wall time, however long its job ran."""
+CONFIG_ERROR_EXIT = 2
+"""``vintage run``'s exit status when it refuses its config: starting it again cannot help."""
+
 MAX_JOB_STARTS = 20
 """Most restarts of one phase's job (a job that cannot start is not started for ever)."""
 
@@ -82,7 +85,7 @@ def job_overrides(phase: str, run_dir: Path, seed: int) -> list[str]:
     """The ``--set`` items of a phase's job (see the module docstring)."""
     out = [
         'model.path="tiny"', "env.eval_prompts=0", 'rollout.engine="transformers"', "rollout.num_workers=2",
-        "rollout.max_batch=16", "rollout.sampling.max_tokens=12", "rollout.sampling.n=4",
+        "rollout.max_num_seqs=16", "rollout.sampling.max_tokens=12", "rollout.sampling.n=4",
         "controller.batch_groups=2", "controller.max_staleness=2", "controller.total_steps=1000000",
         "controller.checkpoint_every=1", f"controller.seed={seed}", "learner.micro_batch_size=8",
         "server.port=0", "logging.trackers=[]", "logging.plots=false", 'loss.method="snapshot"',
@@ -182,6 +185,14 @@ def say(line: str) -> None:
     print(time.strftime("%H:%M:%S ") + line, flush=True)
 
 
+def last_line(path: Path) -> str:
+    """The last non-empty line of a log ("" when there is none)."""
+    with contextlib.suppress(FileNotFoundError):
+        lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
+        return lines[-1] if lines else ""
+    return ""
+
+
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
@@ -247,6 +258,8 @@ class Phase:
             )
             self.job.stop(timeout_s=5)
             self.job = None
+            if self.exits[-1]["code"] == CONFIG_ERROR_EXIT and not summary:
+                raise SystemExit(f"{self.name}: the job refused its config: {last_line(self.run_dir / 'job.log')}")
             say(f"{self.name} t={t:.0f}s: job exited {self.exits[-1]}; starting it again (--resume auto)")
             if len(self.exits) <= MAX_JOB_STARTS:
                 self.start_job()

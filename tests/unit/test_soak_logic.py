@@ -168,3 +168,17 @@ def test_dropped_delta_keeps_the_reasons_that_grew():
         "lost_at_restart": 3,
         "worker_died": 4,
     }
+
+
+@pytest.mark.parametrize("phase", ["env", "agent"])
+def test_each_phases_job_settings_are_accepted_by_the_config(phase, tmp_path):
+    from benchmarks.bench_soak import job_overrides
+    from trainer.driver.config import load_config
+
+    cfg = load_config(None, job_overrides(phase, tmp_path / phase, seed=3))
+    assert (cfg.rollout.max_num_seqs, cfg.controller.seed, cfg.controller.checkpoint_every) == (16, 3, 1)
+    assert cfg.logging.run_dir == str(tmp_path / phase)
+    if phase == "agent":  # outside agents (the soak's agent process) only, through the gateway
+        assert (cfg.agent.path, cfg.agent.concurrency, cfg.gateway.call_timeout_s) == (None, 8, 60.0)
+    else:
+        assert cfg.agent is None
