@@ -171,6 +171,9 @@ class ControllerConfig(_Section):
     counted from the loop's start, so start-up and the held-out evaluations come on top."""
     checkpoint_every: int = Field(0, ge=0)
     """Checkpoint every N steps into ``<run_dir>/checkpoints`` (0: only at the end)."""
+    keep_checkpoints: int = Field(0, ge=0)
+    """Checkpoints kept in ``<run_dir>/checkpoints``: after each save only the newest N stay, and
+    the resume point (0: every one stays; ``vintage export --version N`` needs version N's)."""
     export_every: int = Field(0, ge=0)
     """Export a Hugging Face folder of every N-th version into ``<run_dir>/exports/v{N}`` during the
     run (as ``vintage export``; the version is checkpointed first when ``checkpoint_every`` did not);

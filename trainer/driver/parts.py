@@ -493,9 +493,10 @@ class Job:
         finished trajectory not yet consumed - buffered, held in a batch taken ahead (saved as
         buffered, at the front: the resumed job takes it again) or held back by the source - in
         :data:`trainer.driver.resume.TRAJECTORIES_FILE`, written before the learner moves the
-        checkpoint pointer. The ledger gets a ``checkpoint`` line naming the saved ids.
+        checkpoint pointer. The ledger gets a ``checkpoint`` line naming the saved ids. Older
+        checkpoints beyond ``controller.keep_checkpoints`` are removed after the save.
         """
-        from trainer.learner.checkpoint import version_tag
+        from trainer.learner.checkpoint import prune_checkpoints, version_tag
 
         directory, tag = self.run_dir / "checkpoints", version_tag(self.version)
         pending = self.source.pending()
@@ -512,6 +513,7 @@ class Job:
         folder = self.learner.save_checkpoint(str(directory), extra)
         self.checkpointed_version = self.version
         self.ledger("checkpoint", extra["buffer"]["buffered_ids"], tag=tag, held_back=extra["source"]["held_back_ids"])
+        prune_checkpoints(directory, self.cfg.controller.keep_checkpoints)
         return folder
 
     def export(self) -> Path:

@@ -35,6 +35,7 @@ import contextlib
 import io
 import os
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -138,6 +139,31 @@ def checkpointed_versions(directory: str | Path) -> list[int]:
         return []
     found = (re.fullmatch(r"v(\d+)", p.name) for p in d.iterdir() if (p / STATE_FILE).is_file())
     return sorted(int(m.group(1)) for m in found if m)
+
+
+def checkpoints_to_remove(versions: list[int], latest: int | None, keep: int) -> list[int]:
+    """Versions whose checkpoints go when only the newest ``keep`` are kept (``keep = 0``: none
+    go); the one ``latest`` names (the resume point) is always kept, on top of the ``keep``.
+
+    Example: versions ``[2, 4, 6, 8]``, latest 8, keep 2 -> ``[2, 4]``; latest 4, keep 1 ->
+    ``[2, 6]``.
+    """
+    if keep <= 0:
+        return []
+    newest = sorted(versions)[-keep:]
+    return [v for v in sorted(versions) if v not in newest and v != latest]
+
+
+def prune_checkpoints(directory: str | Path, keep: int) -> list[int]:
+    """Remove the complete checkpoints of ``directory`` that :func:`checkpoints_to_remove` names
+    (the newest ``keep`` and the resume point stay); returns the versions removed. Raises what the
+    filesystem raises."""
+    tag = latest_tag(directory)
+    latest = int(tag[1:]) if tag and re.fullmatch(r"v\d+", tag) else None
+    gone = checkpoints_to_remove(checkpointed_versions(directory), latest, keep)
+    for v in gone:
+        shutil.rmtree(Path(directory) / version_tag(v))
+    return gone
 
 
 def read_weights(directory: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:
