@@ -328,14 +328,16 @@ class Job:
         """
         self.wait_published()
         t0 = time.perf_counter()
-        # no publication thread runs now; versions older than the staleness bound are never trained on
-        self.served_expected = prune_expected(self.served_expected, self.version - self.cfg.controller.max_staleness)
         noise = self.cfg.rollout.inject_mismatch_std
         manifest, ref = self.learner.async_publish(
             self.cfg.rollout.dtype, mismatch_std=noise, mismatch_seed=self.cfg.controller.seed * 100_003
         )
         scorer_weights = self.route.scorer_publication(
             (manifest, ref), self.cfg.rollout.dtype, self.learner.async_publish, perturbed=noise > 0
+        )
+        # no publication thread runs now: drop the versions no trajectory may be trained on any more
+        self.served_expected = prune_expected(
+            self.served_expected, manifest.version - self.cfg.controller.max_staleness
         )
         self.served_expected.update(expected_entries(manifest, {}))  # full weights: known before any worker applies
         self.ledger("published", [], published=manifest.version, fingerprint=manifest.fingerprint)
