@@ -149,13 +149,14 @@ def test_yield_cpu_puts_every_thread_of_the_process_at_idle_priority():
     code = (
         "import os, threading\n"
         "from modelkit.cores import yield_cpu\n"
-        "t = threading.Thread(target=lambda: __import__('time').sleep(0.5)); t.start()\n"
+        "done = threading.Event()\n"
+        "t = threading.Thread(target=done.wait); t.start()  # alive until every task is read\n"
         "n = yield_cpu()\n"
         "late = []\n"
         "u = threading.Thread(target=lambda: late.append(os.sched_getscheduler(0))); u.start(); u.join()\n"
         "tasks = [os.sched_getscheduler(int(x)) for x in os.listdir('/proc/self/task')]\n"
         "print(n, all(p == os.SCHED_IDLE for p in tasks), late[0] == os.SCHED_IDLE)\n"
-        "t.join()\n"
+        "done.set(); t.join()\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,
@@ -163,7 +164,7 @@ def test_yield_cpu_puts_every_thread_of_the_process_at_idle_priority():
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     n, every, late = out.stdout.split()
-    assert int(n) >= 2 and every == "True" and late == "True"  # main + the sleeping thread, and a later one
+    assert int(n) >= 2 and every == "True" and late == "True"  # main + the waiting thread, and a later one
     assert threading.current_thread() is threading.main_thread()
     assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the test process itself is untouched
 
