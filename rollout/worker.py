@@ -55,6 +55,18 @@ from rollout.envs import check_reset, check_step, load_env
 PrefixScorer = Callable[[list[OldLogitItem], float, list[np.ndarray | None]], list[np.ndarray]]
 
 
+def sample_id(request_id: str, i: int, n: int) -> str:
+    """The trajectory id of sample ``i`` of a request of ``n`` samples: the request's own id when
+    ``n = 1``, else ``<request id>/<i>``."""
+    return request_id if n == 1 else f"{request_id}/{i}"
+
+
+def request_of(trajectory_id: str, held: Mapping[str, int]) -> str:
+    """The inverse of :func:`sample_id` against the request ids in ``held``: the id itself when it
+    is held (an ``n = 1`` request), else the part before its last ``/``."""
+    return trajectory_id if trajectory_id in held else trajectory_id.rsplit("/", 1)[0]
+
+
 class RolloutWorkerCore:
     """Generation loop over one engine (see the module invariants).
 
@@ -138,8 +150,7 @@ class RolloutWorkerCore:
         for k, r in enumerate(reqs):
             r = RolloutRequest.from_wire(r, f"requests[{k}]")
             for i in range(r.sampling.n):
-                tid = r.request_id if r.sampling.n == 1 else f"{r.request_id}/{i}"
-                built.append(self._new_episode(r, tid))
+                built.append(self._new_episode(r, sample_id(r.request_id, i, r.sampling.n)))
         with self._locked():
             ids = [ep.trajectory_id for ep in built]
             dup = sorted({t for t in ids if t in self._known or ids.count(t) > 1})

@@ -7,7 +7,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from rollout.engine import EngineConfig
-from trainer.driver.pool import WORKER_DIED, WorkerPool, request_of
+from rollout.worker import request_of, sample_id
+from trainer.driver.pool import WORKER_DIED, WorkerPool
 
 
 def traj(tid: str) -> SimpleNamespace:
@@ -20,6 +21,8 @@ def test_request_of_a_trajectory_id():
     assert request_of("call-7", held) == "call-7"  # n = 1: the request's own id
     assert request_of("env-3/2", held) == "env-3"  # sample 2 of an n = 4 request
     assert request_of("sess/a/1", {"sess/a": 2}) == "sess/a"  # only the last "/" splits
+    assert [sample_id("env-3", i, 4) for i in (0, 2)] == ["env-3/0", "env-3/2"]
+    assert sample_id("call-7", 0, 1) == "call-7"
 
 
 def test_a_lost_worker_hands_out_the_requests_it_still_held_once():

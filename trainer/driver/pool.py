@@ -22,8 +22,8 @@ workers to the caller, which checks their served fingerprints as after a publica
 longer than ``hang_timeout_s`` is hung (:func:`hung_workers`).
 
 Requests lost with a worker: the pool remembers which request ids each worker holds (samples
-taken, their trajectories not polled yet; a trajectory's id is its request's id, or ``<request
-id>/<i>`` for sample ``i`` of an ``n > 1`` request). When a worker is buried, killed or removed, the
+taken, their trajectories not polled yet; a trajectory's id names its request:
+:func:`rollout.worker.sample_id`). When a worker is buried, killed or removed, the
 ids it held are handed out by :meth:`WorkerPool.take_lost_requests`, so a caller waiting for one
 (the gateway) resubmits it at once instead of waiting for a result nothing will deliver.
 
@@ -44,7 +44,7 @@ import ray
 
 from protocol import RolloutRequest, Trajectory, WeightManifest, WorkerStatus
 from rollout.engine import EngineConfig
-from rollout.worker import RolloutWorker
+from rollout.worker import RolloutWorker, request_of
 
 CALL_WAIT_S = 5.0
 """Longest wait, seconds, for a worker's answer to a poll, status or submission when hang detection
@@ -56,12 +56,6 @@ WORKER_DIED, WORKER_HUNG = "worker_died", "worker_hung"
 LOST_REQUESTS_KEPT = 65536
 """Ids of requests lost with a worker kept for :meth:`WorkerPool.take_lost_requests` (oldest dropped
 first, so a job whose driver never asks keeps a bounded list)."""
-
-
-def request_of(trajectory_id: str, held: Mapping[str, int]) -> str:
-    """The request id a trajectory belongs to: the id itself when it is held (``n = 1``), else the
-    part before its last ``/`` (sample ``i`` of an ``n > 1`` request is ``<request id>/<i>``)."""
-    return trajectory_id if trajectory_id in held else trajectory_id.rsplit("/", 1)[0]
 
 
 def _number(wid: str) -> int:
