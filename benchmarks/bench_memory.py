@@ -4,9 +4,10 @@
     vintage bench memory [--model tiny]
 
 Paths (:mod:`modelkit.scoring`): ``full`` (``chunk_bytes=0``: HF's ``[batch, seq, vocab]`` fp32
-logits, their log-softmax kept for backward) and ``chunked`` (``chunk_bytes``, by default
+logits, their log-softmax kept for backward), ``chunked`` (``chunk_bytes``, by default
 ``DEFAULT_CHUNK_BYTES``: the output projection and log-softmax per chunk of positions, recomputed
-in backward). Modes:
+in backward) and, in train mode only, ``checkpointed`` (chunked plus ``learner.gradient_checkpointing``:
+each decoder layer recomputed in backward, only its input kept). Modes:
 
 * ``train``: the learner's micro-batch - log-probs and entropy with gradients, then backward of
   a weighted sum of the log-probs (model in train mode);
@@ -18,7 +19,9 @@ the learner skips prompt logits), runs one short warm-up pass, resets the proces
 set (Linux: ``/proc/self/clear_refs`` ``5``), runs the pass once and reads the peak (``VmHWM``).
 Reported per row: ``peak_over_base_bytes`` (the peak less the resident set just before the pass:
 what the pass itself adds), the peak itself, the median wall seconds of ``--repeats`` passes, and
-for reference the bytes of one fp32 ``[batch, seq, vocab]`` tensor. Where the peak cannot be reset, the process's lifetime
+for reference the bytes of one fp32 ``[batch, seq, vocab]`` tensor. Per train row also the
+learner's estimated peak over its state, ``(state + added) / state`` with state = the fp32 weights,
+gradients, Adam's two moments and the EWMA copy (5 x 4 bytes per parameter; the goal is <= 1.5). Where the peak cannot be reset, the process's lifetime
 peak (``resource.getrusage``) stands in and ``peak_source`` says so.
 
 The resident set counts what glibc's allocator keeps after a free: blocks under its mmap threshold
@@ -45,8 +48,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-PATHS = ("full", "chunked")
+PATHS = ("full", "chunked", "checkpointed")
 MODES = ("train", "score")
+STATE_BYTES_PER_PARAM = 5 * 4
+"""fp32 weights, gradients, Adam's first and second moments and the PPO-EWMA copy."""
 
 
 def _status_bytes(field: str) -> int | None:
@@ -76,10 +81,12 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from modelkit.modelhub import load_causal_lm
-    from modelkit.scoring import sequence_logprobs, sequence_logprobs_and_entropy
+    from modelkit.scoring import enable_gradient_checkpointing, sequence_logprobs, sequence_logprobs_and_entropy
 
     torch.manual_seed(0)
     model = load_causal_lm(spec["model_path"], "float32")
+    if spec["path"] == "checkpointed":
+        enable_gradient_checkpointing(model)
     vocab = int(model.config.vocab_size)
     B, T = spec["batch"], spec["seq"]
     first = max(1, T // 4)
@@ -123,8 +130,17 @@ def _worker(spec: dict[str, Any]) -> dict[str, Any]:
         "seconds": statistics.median(times),
         "logits_bytes": B * T * vocab * 4,
         "vocab": vocab,
+        "params": sum(p.numel() for p in model.parameters()),
         "peak_source": "VmHWM after clear_refs" if resettable else "ru_maxrss (process lifetime)",
     }
+
+
+def learner_peak_over_state(params: int, added_bytes: int) -> float:
+    """The learner's estimated peak over its state: ``(S + added) / S`` with ``S = params x``
+    :data:`STATE_BYTES_PER_PARAM`. Example: 134,515,008 parameters (SmolLM2-135M) hold
+    S = 2,690,300,160 bytes; a pass adding 1,345,150,080 bytes gives 1.5."""
+    state = params * STATE_BYTES_PER_PARAM
+    return (state + added_bytes) / state
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
@@ -147,16 +163,19 @@ def print_table(res: dict[str, Any]) -> None:
         f"{res['model']}: batch {res['batch']} x seq {res['seq']}, one fp32 [B, T, V] tensor = "
         f"{res['rows'][0]['logits_bytes'] / mib:.0f} MiB; chunk {res['chunk_bytes'] / mib:.0f} MiB"
     )
-    print(f"{'mode':6s} {'path':8s} {'added MiB':>10s} {'peak MiB':>9s} {'seconds':>8s}")
+    print(f"{'mode':6s} {'path':12s} {'added MiB':>10s} {'peak MiB':>9s} {'seconds':>8s} {'learner/state':>13s}")
     for r in res["rows"]:
+        est = f"{r['learner_peak_over_state']:13.2f}" if "learner_peak_over_state" in r else f"{'-':>13s}"
         print(
-            f"{r['mode']:6s} {r['path']:8s} {r['peak_over_base_bytes'] / mib:10.0f} "
-            f"{r['peak_bytes'] / mib:9.0f} {r['seconds']:8.2f}"
+            f"{r['mode']:6s} {r['path']:12s} {r['peak_over_base_bytes'] / mib:10.0f} "
+            f"{r['peak_bytes'] / mib:9.0f} {r['seconds']:8.2f} {est}"
         )
     for mode, ratio in res["added_ratio_chunked_over_full"].items():
         print(
             f"{mode}: chunked / full added memory {ratio:.3f}, seconds {res['seconds_ratio_chunked_over_full'][mode]:.2f}"
         )
+    ck = res["train_checkpointed_over_chunked"]
+    print(f"train: checkpointed / chunked added memory {ck['added']:.3f}, seconds {ck['seconds']:.2f}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -183,7 +202,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     path = str(real) if a.model == "real" else str(make_tiny_model(seed=0, tokenizer_from=real))
     chunk = a.chunk_bytes if a.chunk_bytes is not None else DEFAULT_CHUNK_BYTES
     base = {"model_path": path, "batch": a.batch, "seq": a.seq, "chunk_bytes": chunk, "repeats": max(1, a.repeats)}
-    rows = [measure({**base, "path": p, "mode": m}) for m in MODES for p in PATHS]
+    runs = [(m, p) for m in MODES for p in PATHS if m == "train" or p != "checkpointed"]  # no backward in score
+    rows = [measure({**base, "path": p, "mode": m}) for m, p in runs]
+    for r in rows:
+        if r["mode"] == "train":
+            r["learner_peak_over_state"] = learner_peak_over_state(r["params"], r["peak_over_base_bytes"])
     by = {(r["mode"], r["path"]): r for r in rows}
     res = {
         "model": "SmolLM2-135M" if a.model == "real" else "tiny",
@@ -195,6 +218,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             m: by[m, "chunked"]["peak_over_base_bytes"] / max(1, by[m, "full"]["peak_over_base_bytes"]) for m in MODES
         },
         "seconds_ratio_chunked_over_full": {m: by[m, "chunked"]["seconds"] / by[m, "full"]["seconds"] for m in MODES},
+        "train_checkpointed_over_chunked": {
+            "added": by["train", "checkpointed"]["peak_over_base_bytes"]
+            / max(1, by["train", "chunked"]["peak_over_base_bytes"]),
+            "seconds": by["train", "checkpointed"]["seconds"] / by["train", "chunked"]["seconds"],
+        },
     }
     res["machine"] = machine_facts(t0)
     print_table(res)

@@ -80,7 +80,7 @@ def trl_config_kwargs(cfg, output_dir: str, *, cpu: bool = True, max_steps: int 
         "loss_type": _AGGREGATION_TO_TRL[loss.aggregation],
         "scale_rewards": "group",
         "mask_truncated_completions": lr.overlong_filter,
-        "gradient_checkpointing": False,  # vintage's learner does not checkpoint activations
+        "gradient_checkpointing": lr.gradient_checkpointing,
         "use_vllm": False,
         "shuffle_dataset": False,  # vintage admits training seeds in order 0, 1, 2, ...
         "seed": c.seed,

@@ -184,3 +184,22 @@ def _causal_lm(model: Any) -> Any:
     engine (whose own ``config`` is DeepSpeed's), else ``model`` (peft forwards both attributes)."""
     inner = getattr(model, "module", None)
     return inner if isinstance(inner, torch.nn.Module) else model
+
+
+def enable_gradient_checkpointing(model: Any) -> None:
+    """Recompute each decoder layer in backward instead of storing its intermediates (HF
+    ``gradient_checkpointing_enable`` with ``use_reentrant=False``, the form that needs no input
+    with ``requires_grad`` and so also fits a frozen base under LoRA). Active in train mode only.
+
+    What backward keeps per micro-batch of ``B x T`` tokens falls from every layer's intermediates
+    (attention inputs and outputs, the MLP's ``[B, T, intermediate]`` tensors) to each layer's input
+    ``[B, T, hidden]``, at the cost of one more forward of the decoder stack.
+
+    Raises:
+        ValueError: the model has no ``gradient_checkpointing_enable`` (not an HF pretrained model).
+    """
+    lm = _causal_lm(model)
+    enable = getattr(lm, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise ValueError(f"gradient_checkpointing: {type(lm).__name__} has no gradient_checkpointing_enable")
+    enable(gradient_checkpointing_kwargs={"use_reentrant": False})

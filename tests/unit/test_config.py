@@ -89,12 +89,22 @@ def test_learner_options_are_declared_once_for_the_config_and_the_settings():
 
     assert issubclass(LearnerConfig, LearnerOptions) and issubclass(LearnerSettings, LearnerOptions)
     assert sorted(LearnerOptions.model_fields) == [
-        "dtype", "grad_clip", "logprob_chunk_bytes", "lr", "micro_batch_size", "overlong_filter", "ppo_epochs",
+        "dtype", "grad_clip", "gradient_checkpointing", "logprob_chunk_bytes", "lr", "micro_batch_size", "overlong_filter", "ppo_epochs",
         "ppo_mini_batches", "weight_decay", "zero_stage",
     ]  # fmt: skip
-    cfg = load_config(None, ["learner.lr=3e-4", "learner.ppo_mini_batches=3", "learner.logprob_chunk_bytes=0"])
+    cfg = load_config(
+        None,
+        [
+            "learner.lr=3e-4",
+            "learner.ppo_mini_batches=3",
+            "learner.logprob_chunk_bytes=0",
+            "learner.gradient_checkpointing=true",
+        ],
+    )
     s = learner_settings(cfg, Path("/m"))
-    assert (s.lr, s.ppo_mini_batches, s.logprob_chunk_bytes, s.model_path) == (3e-4, 3, 0, "/m")
+    assert (s.lr, s.ppo_mini_batches, s.logprob_chunk_bytes, s.gradient_checkpointing, s.model_path) == (
+        3e-4, 3, 0, True, "/m",
+    )  # fmt: skip
     from modelkit.scoring import DEFAULT_CHUNK_BYTES
     from trainer.learner.settings import LOGPROB_CHUNK_BYTES
 

@@ -10,7 +10,13 @@ import torch
 
 from modelkit.lora import wrap_lora
 from modelkit.modelhub import load_causal_lm
-from modelkit.scoring import DEFAULT_CHUNK_BYTES, sequence_logprobs, sequence_logprobs_and_entropy
+from modelkit.scoring import (
+    DEFAULT_CHUNK_BYTES,
+    _causal_lm,
+    enable_gradient_checkpointing,
+    sequence_logprobs,
+    sequence_logprobs_and_entropy,
+)
 from protocol import AdapterSpec
 from trainer.algorithm.batch import Batch
 from trainer.learner import first_loss_position
@@ -240,6 +246,39 @@ def test_chunked_gradients_match_full_logits_through_a_lora_adapter(tiny_model_p
     assert got.keys() == ref.keys() and all("lora_" in k for k in ref) and ref
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=k)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_gradient_checkpointing_gives_the_stored_activation_gradients(tiny_model_path, lora):
+    """Every trainable parameter's gradient (full weights, or only the adapter on a frozen base)
+    with each decoder layer recomputed in backward equals the stored-activation gradient."""
+
+    def build():  # the same adapter factors A in both builds
+        torch.manual_seed(0)
+        m = load_causal_lm(str(tiny_model_path), "float32")
+        if lora:
+            m = wrap_lora(m, AdapterSpec(rank=4, alpha=8.0, target_modules=["q_proj", "down_proj"]), dropout=0.0)
+            with torch.no_grad():
+                for n, p in m.named_parameters():
+                    if "lora_B" in n:
+                        p.fill_(0.05)
+        return m.train()
+
+    ids, attn, w = _batch(seed=3)
+    ref = _grads(build(), ids, attn, w, 3, chunk_bytes=_positions(3))
+    model = build()
+    enable_gradient_checkpointing(model)
+    assert _causal_lm(model).is_gradient_checkpointing
+    got = _grads(model, ids, attn, w, 3, chunk_bytes=_positions(3))
+    assert got.keys() == ref.keys() and ref
+    assert all("lora_" in k for k in ref) if lora else len(ref) == len(list(model.parameters()))
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-7, msg=k)
+
+
+def test_gradient_checkpointing_needs_an_hf_model():
+    with pytest.raises(ValueError, match="gradient_checkpointing: Linear has no gradient_checkpointing_enable"):
+        enable_gradient_checkpointing(torch.nn.Linear(2, 2))
 
 
 def test_the_job_config_defaults_to_the_scoring_chunk_budget():

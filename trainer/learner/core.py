@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from modelkit.cores import torch_threads
-from modelkit.scoring import sequence_logprobs, sequence_logprobs_and_entropy
+from modelkit.scoring import enable_gradient_checkpointing, sequence_logprobs, sequence_logprobs_and_entropy
 from modelkit.weights import PackedWeights, Transport, pack_weights, perturbed_weights
 from protocol import OldLogitAnswer, Trajectory, WeightManifest
 from trainer.algorithm.batch import Batch, collate
@@ -123,6 +123,8 @@ class LearnerCore:
             scorer = copy.deepcopy(model).eval().requires_grad_(False)
             for p in scorer.parameters():
                 p.data = p.data.to(self._torch_dtype)
+        if settings.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         model.train()
         self._optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=settings.lr, betas=settings.betas,

@@ -54,6 +54,11 @@ class LearnerOptions(BaseModel):
     """Largest fp32 ``[micro-batch, chunk, vocab]`` logits tensor of every learner log-prob, bytes:
     the output projection and the log-softmax run over chunks of positions and backward recomputes
     them (:mod:`modelkit.scoring`); 0 keeps whole-sequence logits for backward."""
+    gradient_checkpointing: bool = False
+    """Keep only each decoder layer's input for backward and recompute the layer there (HF
+    ``gradient_checkpointing_enable``, non-reentrant): the activations of a micro-batch fall from
+    every layer's intermediates to one ``[micro-batch, seq, hidden]`` tensor per layer, for about
+    one more forward's time. Gradients equal the stored-activation path's (same kernels, same order)."""
     overlong_filter: bool = False
     """Mask whole sequences truncated by the length budget (engine finish reason ``length``/``abort``
     or a multi-turn context cut) out of the loss, DAPO's overlong filtering."""
