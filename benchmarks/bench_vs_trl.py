@@ -182,11 +182,13 @@ def main(
     out: Path | None = None,
     keep: bool = False,
     log=print,
+    overrides: list[str] | None = None,
 ) -> dict[str, Any]:
     """Run vintage, then TRL, for ``budget_s`` seconds each, score both, print and save the table.
 
     Defaults: 600 s and 200 held-out prompts; ``quick``: the tiny model, :data:`QUICK_BUDGET_S` and
-    16 prompts. Returns the result dict written to ``out``.
+    16 prompts. ``overrides`` (``section.field=value``) apply to the config both sides are set up
+    from (after ``quick``'s model). Returns the result dict written to ``out``.
 
     Raises:
         ModuleNotFoundError: TRL is not installed (``make bench-trl`` installs the ``trl`` extra).
@@ -209,7 +211,7 @@ def main(
     if budget_s <= 0:
         raise ValueError(f"budget_s: must be > 0, got {budget_s}")
     out = Path(out or ("runs/bench/vs_trl_quick.json" if quick else "runs/bench/vs_trl.json"))
-    overrides = ['model.path="tiny"'] if quick else []
+    overrides = (['model.path="tiny"'] if quick else []) + list(overrides or [])
     cfg = load_config(config, overrides)
     trl_config_kwargs(cfg, "")  # refuse a config TRL cannot mirror before anything starts
     model_path = resolve_model(cfg)
@@ -244,6 +246,7 @@ def main(
     log(f"held-out evaluation of 3 models: {time.perf_counter() - t:.0f} s")
 
     result = _result(cfg, config, budget_s, eval_prompts, quick, seeds, max_new, cores, base, vintage, trl)
+    result["overrides"] = overrides
     table = table_markdown(result)
     result["table"] = table
     out.parent.mkdir(parents=True, exist_ok=True)

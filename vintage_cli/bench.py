@@ -84,6 +84,9 @@ def bench_trl(
     ),
     out: Annotated[Path | None, typer.Option(help="Result JSON (default runs/bench/vs_trl.json).")] = None,
     keep: Annotated[bool, typer.Option(help="Keep vintage's checkpoint and TRL's final model.")] = False,
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="section.field=value over the config (repeatable), both sides.")
+    ] = None,
 ) -> None:
     """vintage vs TRL's GRPOTrainer: same model, task, prompts and settings, same wall-clock budget.
 
@@ -93,7 +96,7 @@ def bench_trl(
     from benchmarks.bench_vs_trl import main as trl_main
 
     try:
-        trl_main(budget_s, quick, eval_prompts, config, out, keep, log=console.print)
+        trl_main(budget_s, quick, eval_prompts, config, out, keep, log=console.print, overrides=set_)
     except (ModuleNotFoundError, ValueError) as e:
         console.print(f"[red]bench trl:[/red] {e}", soft_wrap=True)
         raise typer.Exit(2) from None
