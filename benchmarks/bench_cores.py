@@ -45,8 +45,9 @@ LEARNER_GOAL = 1.1
 LOOP_GOAL = 1.02
 """Loop seconds per step over learner seconds per step that the thread plan aims at."""
 LOAD_LIMIT = 2.5
-SETTLE_S = 180.0
 """Largest 1-minute load average at which this 2-core box's timings are read."""
+SETTLE_S = 180.0
+"""Longest wait, in seconds, for the load average to fall to :data:`LOAD_LIMIT` before a run."""
 
 POLICIES: dict[str, list[str]] = {
     "one_each": ["learner.threads=1", "machine.yield_to_learner=false"],
