@@ -1,7 +1,7 @@
 """Tables, pooled rows and plots of the methods grid (:mod:`benchmarks.methods`) from its cell records.
 
 A cell record is the JSON of ``cells/<cell>.json``; rows pool a (model, tag, method, W, disc) over
-seeds. Outputs: ``table.md``, ``results.json`` and the PNG plots in the grid's folder.
+seeds. Outputs: ``table.md``, ``seeds.md`` (every run by seed), ``results.json`` and the PNG plots in the grid's folder.
 """
 
 from __future__ import annotations
@@ -98,6 +98,66 @@ def table_markdown(rows: list[dict[str, Any]]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def _ci(values: list[float]) -> str:
+    """``mean (+-half-width)`` of the finite values, the interval as :func:`ci95`; ``-`` when none."""
+    xs = [x for x in values if math.isfinite(x)]
+    if not xs:
+        return "-"
+    half = ci95(xs)
+    return f"{np.mean(xs):.3f}" + (f" (+-{half:.3f})" if math.isfinite(half) else "")
+
+
+def seeds_markdown(records: list[dict[str, Any]]) -> str:
+    """The per-seed table: one line per (model, tag, W, mismatch, method), best final reward first
+    within each configuration, every run's value by seed beside the pooled figures.
+
+    Columns: final reward (mean of the last :data:`LAST_K` batch rewards) as mean with its 95%
+    interval (:func:`ci95`), median and range, and per seed; held-out after as mean with interval and
+    per seed as before -> after; versions to :data:`REWARD_LEVEL` (runs that reached it); collapsed
+    runs; the largest per-step clipped share (max over runs); the clipped gradient share (mean over
+    runs); entropy at the end per seed (nats); old-logit MiB (snapshot + EWMA, mean); extra
+    seconds per step as the median over runs (a run that shared the box is one outlier, not a shift).
+    """
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in records:
+        key = (r.get("model", "tiny"), r.get("tag", ""), r["W"], r["disc"], r["method"])
+        groups.setdefault(key, []).append(r)
+    final = {k: np.mean([_nan(r["final_reward"]) for r in rs]) for k, rs in groups.items()}
+    head = (
+        "| method | W | mismatch | seeds | final reward, mean (95% CI) | median (range) | per seed | "
+        "held-out after, mean (95% CI) | held-out before -> after per seed | versions to "
+        f"{REWARD_LEVEL} | collapsed | largest step clip (any run) | gradient clipped | entropy at the end (nats) | "
+        "old-logit MiB (snap + EWMA) | extra s/step (median) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    lines = []
+    for k in sorted(groups, key=lambda k: (k[0] != "tiny", k[1], k[3], k[2], -final[k], k[4])):
+        model, tag, W, disc, method = k
+        rs = sorted(groups[k], key=lambda r: r["seed"])
+        fr = [_nan(r["final_reward"]) for r in rs]
+        after = [_nan(r.get("reward_after_heldout")) for r in rs]
+        reach = [r["steps_to_level"] for r in rs if r["steps_to_level"] is not None]
+        seeds = ", ".join(f"s{r['seed']} {_f(x)}" for r, x in zip(rs, fr, strict=True))
+        held = ", ".join(
+            f"s{r['seed']} {_f(_nan(r.get('reward_before_heldout')))} -> {_f(x)}"
+            for r, x in zip(rs, after, strict=True)
+        )
+        entropy = ", ".join(f"s{r['seed']} {_f(_nan(r.get('entropy_last')), '.2f')}" for r in rs)
+        mib = " + ".join(
+            _f(finite_mean([_nan(r.get(b)) for r in rs]) / 2**20, ".1f") for b in ("oldlogit_bytes", "ewma_bytes")
+        )
+        lines.append(
+            f"| {method}{' [' + tag + ']' if tag else ''} | {W} | {disc}{'' if model == 'tiny' else ' (' + model + ')'} | "
+            f"{len(rs)} | {_ci(fr)} | {_f(float(np.median(fr)))} ({_f(min(fr))}-{_f(max(fr))}) | {seeds} | "
+            f"{_ci(after)} | {held} | {_f(float(np.mean(reach)), '.0f') if reach else '-'} ({len(reach)}/{len(rs)}) | "
+            f"{sum(bool(r.get('collapsed', False)) for r in rs)}/{len(rs)} | "
+            f"{_f(max((_nan(r.get('clip_frac_step_max')) for r in rs), default=math.nan))} | "
+            f"{_f(finite_mean([_nan(r.get('clip_grad_removed_frac')) for r in rs]) * 100, '.1f')}% | {entropy} | {mib} | "
+            f"{_f(float(np.median([_nan(r.get('extra_s_per_step')) for r in rs])), '.2f')} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
 def plot(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     """Reward curves per method (one panel per W x mismatch), final reward vs W, mask kept fraction."""
     import matplotlib
@@ -179,10 +239,11 @@ def folder_records(out_dir: Path) -> list[dict[str, Any]]:
 
 
 def write_outputs(records: list[dict[str, Any]], out_dir: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """``table.md``, ``results.json`` and the plots for ``records``; a ``README.md`` stub if none."""
+    """``table.md``, ``seeds.md`` (:func:`seeds_markdown`), ``results.json`` and the plots for ``records``; a ``README.md`` stub if none."""
     rows = aggregate(records)
     table = table_markdown(rows)
     (out_dir / "table.md").write_text(table)
+    (out_dir / "seeds.md").write_text(seeds_markdown(records))
     result = {"meta": meta, "rows": rows, "cells": [{k: v for k, v in r.items() if k != "curves"} for r in records]}
     (out_dir / "results.json").write_text(json.dumps(result, indent=1, default=_json_default))
     result["plots"] = [str(p) for p in plot(records, out_dir)]
