@@ -98,6 +98,11 @@ def table_markdown(rows: list[dict[str, Any]]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
+def _pct(x: float) -> str:
+    """``x`` as a percentage with one decimal; ``-`` when not finite."""
+    return "-" if not math.isfinite(x) else f"{100 * x:.1f}%"
+
+
 def _ci(values: list[float]) -> str:
     """``mean (+-half-width)`` of the finite values, the interval as :func:`ci95`; ``-`` when none."""
     xs = [x for x in values if math.isfinite(x)]
@@ -115,7 +120,8 @@ def seeds_markdown(records: list[dict[str, Any]]) -> str:
     interval (:func:`ci95`), median and range, and per seed; held-out after as mean with interval and
     per seed as before -> after; versions to :data:`REWARD_LEVEL` (runs that reached it); collapsed
     runs; the largest per-step clipped share (max over runs); the clipped gradient share (mean over
-    runs); entropy at the end per seed (nats); old-logit MiB (snapshot + EWMA, mean); extra
+    runs); entropy at the end per seed (nats); the share of trained sequences whose tokens came from
+    more than one version (partial rollouts; mean over runs, ``-`` for runs recorded without it); old-logit MiB (snapshot + EWMA, mean); extra
     seconds per step as the median over runs (a run that shared the box is one outlier, not a shift).
     """
     groups: dict[tuple, list[dict[str, Any]]] = {}
@@ -127,8 +133,8 @@ def seeds_markdown(records: list[dict[str, Any]]) -> str:
         "| method | W | mismatch | seeds | final reward, mean (95% CI) | median (range) | per seed | "
         "held-out after, mean (95% CI) | held-out before -> after per seed | versions to "
         f"{REWARD_LEVEL} | collapsed | largest step clip (any run) | gradient clipped | entropy at the end (nats) | "
-        "old-logit MiB (snap + EWMA) | extra s/step (median) |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "sequences spanning versions | old-logit MiB (snap + EWMA) | extra s/step (median) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for k in sorted(groups, key=lambda k: (k[0] != "tiny", k[1], k[3], k[2], -final[k], k[4])):
@@ -152,7 +158,8 @@ def seeds_markdown(records: list[dict[str, Any]]) -> str:
             f"{_ci(after)} | {held} | {_f(float(np.mean(reach)), '.0f') if reach else '-'} ({len(reach)}/{len(rs)}) | "
             f"{sum(bool(r.get('collapsed', False)) for r in rs)}/{len(rs)} | "
             f"{_f(max((_nan(r.get('clip_frac_step_max')) for r in rs), default=math.nan))} | "
-            f"{_f(finite_mean([_nan(r.get('clip_grad_removed_frac')) for r in rs]) * 100, '.1f')}% | {entropy} | {mib} | "
+            f"{_pct(finite_mean([_nan(r.get('clip_grad_removed_frac')) for r in rs]))} | {entropy} | "
+            f"{_pct(finite_mean([_nan(r.get('spanning_frac')) for r in rs]))} | {mib} | "
             f"{_f(float(np.median([_nan(r.get('extra_s_per_step')) for r in rs])), '.2f')} |"
         )
     return head + "\n".join(lines) + "\n"

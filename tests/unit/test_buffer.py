@@ -4,7 +4,13 @@ import numpy as np
 import pytest
 
 from protocol import Trajectory
-from trainer.driver.buffer import TrajectoryBuffer, admission_capacity, sequence_staleness, token_staleness_histogram
+from trainer.driver.buffer import (
+    TrajectoryBuffer,
+    admission_capacity,
+    sequence_staleness,
+    spanning_sequences,
+    token_staleness_histogram,
+)
 
 
 def traj(tid, versions, group="g", prompt=2):
@@ -108,6 +114,12 @@ def test_case5_token_histogram_is_per_token():
     t = traj("a", [3, 3, 3, 4, 4, 5])
     assert token_staleness_histogram([t], 6) == {1: 1, 2: 2, 3: 3}
     assert sequence_staleness(t, 6) == 3
+
+
+def test_a_partial_rollout_spans_versions_by_its_sampled_tokens_only():
+    # the prompt's -1 versions do not count; versions 3 and 4 in one reply do, one version does not
+    batch = [traj("a", [3, 3, 4]), traj("b", [5, 5]), traj("c", [2, 4, 5])]
+    assert spanning_sequences(batch) == 2
 
 
 def test_buffer_state_roundtrip_counts_lost():

@@ -135,14 +135,15 @@ def test_seeds_table_gives_every_run_by_seed_beside_the_interval_best_first():
         recs, ((0.3, 0.1, 1.5, 0.5), (0.1, 0.2, 2.0, 9.0), (0.2, 0.3, 0.5, 0.4), (0.05, 0.0, 0.1, 0.0)), strict=True
     ):
         r |= {"clip_frac_step_max": hi, "clip_grad_removed_frac": g, "entropy_last": e, "extra_s_per_step": x}
+    recs[0]["spanning_frac"] = 0.05  # one run recorded the share of partial rollouts, two did not
     first, second = seeds_markdown(recs).splitlines()[2:]
     # recompute's 0.9 ranks above snapshot's mean 0.6; one run has no interval.
     assert first.startswith("| recompute | 2 | bf16 | 1 | 0.900 | 0.900 (0.900-0.900) | s0 0.900 | 1.000 |")
     # snapshot: mean 0.6 +- 4.3027 * 0.2 / sqrt(3) = 0.497; held-out = final + 0.1; seeds in order 0, 1, 2;
     # steps to 0.6 for seeds 1 and 2 (11, 12); largest clip over runs 0.3; clipped share mean 0.2;
-    # old-logit MiB mean of 1, 2, 3; extra s/step median of 9.0, 0.4, 0.5 (a loaded run's 9.0 does not move it).
+    # spanning sequences over the run that has them; old-logit MiB mean of 1, 2, 3; extra s/step median of 9.0, 0.4, 0.5 (a loaded run's 9.0 does not move it).
     assert second == (
         "| snapshot | 2 | bf16 | 3 | 0.600 (+-0.497) | 0.600 (0.400-0.800) | s0 0.400, s1 0.600, s2 0.800 | "
         "0.700 (+-0.497) | s0 0.300 -> 0.500, s1 0.300 -> 0.700, s2 0.300 -> 0.900 | 12 (2/3) | 0/3 | 0.300 | "
-        "20.0% | s0 2.00, s1 0.50, s2 1.50 | 2.0 + 0.0 | 0.50 |"
+        "20.0% | s0 2.00, s1 0.50, s2 1.50 | 5.0% | 2.0 + 0.0 | 0.50 |"
     )

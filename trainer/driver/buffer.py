@@ -29,6 +29,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from protocol import NO_VERSION, Trajectory
 
 
@@ -318,6 +320,13 @@ class TrajectoryBuffer:
         self.in_flight = pending
         self._held.clear()
         self._items = OrderedDict((t.trajectory_id, t) for t in trajectories)
+
+
+def spanning_sequences(batch: list[Trajectory]) -> int:
+    """How many trajectories of ``batch`` hold sampled tokens of more than one policy version: partial
+    rollouts that a weight update interrupted and the next version continued (per token versions,
+    ``versions[loss_mask == 1]``)."""
+    return sum(len(np.unique(t.versions[t.loss_mask.astype(bool)])) > 1 for t in batch)
 
 
 def token_staleness_histogram(batch: list[Trajectory], consuming_version: int) -> dict[int, int]:

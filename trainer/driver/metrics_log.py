@@ -70,6 +70,9 @@ class StepMetrics(BaseModel):
     staleness_max: int = Field(ge=0)
     staleness_hist: dict[int, int]
     """``{staleness: sampled-token count}`` of the batch."""
+    spanning_seqs: int = Field(0, ge=0)
+    """Trajectories of the batch whose sampled tokens come from more than one version (partial
+    rollouts continued across a weight update)."""
     old_logits_s: float = Field(ge=0)
     """The driver's wait for the batch's answer from the old-logit service (snapshot route); scoring
     done while the learner trained on the batch before is not counted."""

@@ -18,7 +18,7 @@ import numpy as np
 import ray
 
 from protocol import EwmaStatus, OldLogitServiceStatus, Trajectory
-from trainer.driver.buffer import token_staleness_histogram
+from trainer.driver.buffer import spanning_sequences, token_staleness_histogram
 from trainer.driver.fingerprints import FINGERPRINT_MISMATCH
 from trainer.driver.metrics_log import StepMetrics
 
@@ -69,6 +69,7 @@ def step_report(job: Job, batch: list[Trajectory], m: dict[str, Any]) -> StepRep
             "staleness_mean": sum(k * v for k, v in hist.items()) / max(n, 1),
             "staleness_max": max(hist, default=0),
             "staleness_hist": hist,
+            "spanning_seqs": spanning_sequences(batch),
             "publish_s": job.last_publish.get("seconds", 0.0),
             "publish_bytes": float(job.last_publish.get("bytes", 0.0)),
             "run_segment": job.run_segment,
