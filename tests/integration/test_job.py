@@ -98,6 +98,7 @@ def test_versions_advance_one_per_step_and_staleness_bounded(first_run):
     for r in rows:
         assert max(int(k) for k in r["staleness_hist"]) <= 1  # max_staleness = 1, per token, queue time included
         assert r["exact_token_fraction"] == 1.0  # snapshot route holds [V-1, V], also for batches taken ahead
+        assert 0 <= r["spanning_seqs"] <= r["sequences"]  # partial rollouts are counted among the batch's
     # a batch taken ahead (during the step before) is scored while the learner trains: its answer is
     # still exact for every token, and the summary counts every such batch
     assert summary["exact_token_fraction"] == 1.0 and summary["tokens_exact"] == summary["tokens_total"]
