@@ -1,7 +1,8 @@
 """Tables, pooled rows and plots of the methods grid (:mod:`benchmarks.methods`) from its cell records.
 
 A cell record is the JSON of ``cells/<cell>.json``; rows pool a (model, tag, method, W, disc) over
-seeds. Outputs: ``table.md``, ``seeds.md`` (every run by seed), ``results.json`` and the PNG plots in the grid's folder.
+seeds. Outputs: ``table.md``, ``seeds.md`` (every run by seed), ``results.json`` and the PNG plots in
+the grid's folder.
 """
 
 from __future__ import annotations
@@ -31,11 +32,24 @@ def _nan(x: Any) -> float:
     return math.nan if x is None else float(x)
 
 
-def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (model, tag, method, W, disc): means over seeds, final-reward spread (sample sd)."""
+def _by_configuration(records: list[dict[str, Any]]) -> dict[tuple, list[dict[str, Any]]]:
+    """Records grouped by (model, tag, method, W, disc): the seeds of one table row."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in records:
         groups.setdefault((r.get("model", "tiny"), r.get("tag", ""), r["method"], r["W"], r["disc"]), []).append(r)
+    return groups
+
+
+def _label(method: str, tag: str, W: int, disc: str, model: str) -> str:
+    """The first three cells of a table line: method with its tag, W, mismatch with the model."""
+    return (
+        f"| {method}{' [' + tag + ']' if tag else ''} | {W} | {disc}{'' if model == 'tiny' else ' (' + model + ')'} |"
+    )
+
+
+def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (model, tag, method, W, disc): means over seeds, final-reward spread (sample sd)."""
+    groups = _by_configuration(records)
     order = {m: i for i, m in enumerate([*METHODS, *PROBES])}
     rows = []
     for (model, tag, m, W, d), rs in sorted(
@@ -86,7 +100,7 @@ def table_markdown(rows: list[dict[str, Any]]) -> str:
         )
         mib = f"{_f(r['oldlogit_bytes'] / 2**20, '.1f')} + {_f(r['ewma_bytes'] / 2**20, '.1f')}"
         lines.append(
-            f"| {r['method']}{' [' + r['tag'] + ']' if r.get('tag') else ''} | {r['W']} | {r['disc']}{'' if r.get('model', 'tiny') == 'tiny' else ' (' + r['model'] + ')'} | {r['seeds']} | {_f(r['reward_first'])} -> "
+            f"{_label(r['method'], r.get('tag', ''), r['W'], r['disc'], r.get('model', 'tiny'))} {r['seeds']} | {_f(r['reward_first'])} -> "
             f"{_f(r['final_reward'])}{sd} | {_f(r['reward_before_heldout'])} -> {_f(r['reward_after_heldout'])} | {reach} | "
             f"{_f(r['mask_kept_fraction'])} ({_f(r['mask_kept_fraction_min'])}) | "
             f"{_f(r['clip_frac_low'])} / {_f(r['clip_frac_high'])} | {_f(r['exact_token_fraction'], '.2f')} | "
@@ -121,13 +135,10 @@ def seeds_markdown(records: list[dict[str, Any]]) -> str:
     per seed as before -> after; versions to :data:`REWARD_LEVEL` (runs that reached it); collapsed
     runs; the largest per-step clipped share (max over runs); the clipped gradient share (mean over
     runs); entropy at the end per seed (nats); the share of trained sequences whose tokens came from
-    more than one version (partial rollouts; mean over runs, ``-`` for runs recorded without it); old-logit MiB (snapshot + EWMA, mean); extra
-    seconds per step as the median over runs (a run that shared the box is one outlier, not a shift).
+    more than one version (partial rollouts; mean over runs, ``-`` for runs recorded without it);
+    old-logit MiB (snapshot + EWMA, mean); extra seconds per step as the median over runs (a run that shared the box is one outlier, not a shift).
     """
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for r in records:
-        key = (r.get("model", "tiny"), r.get("tag", ""), r["W"], r["disc"], r["method"])
-        groups.setdefault(key, []).append(r)
+    groups = _by_configuration(records)
     final = {k: np.mean([_nan(r["final_reward"]) for r in rs]) for k, rs in groups.items()}
     head = (
         "| method | W | mismatch | seeds | final reward, mean (95% CI) | median (range) | per seed | "
@@ -137,8 +148,8 @@ def seeds_markdown(records: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
-    for k in sorted(groups, key=lambda k: (k[0] != "tiny", k[1], k[3], k[2], -final[k], k[4])):
-        model, tag, W, disc, method = k
+    for k in sorted(groups, key=lambda k: (k[0] != "tiny", k[1], k[4], k[3], -final[k], k[2])):
+        model, tag, method, W, disc = k
         rs = sorted(groups[k], key=lambda r: r["seed"])
         fr = [_nan(r["final_reward"]) for r in rs]
         after = [_nan(r.get("reward_after_heldout")) for r in rs]
@@ -153,8 +164,7 @@ def seeds_markdown(records: list[dict[str, Any]]) -> str:
             _f(finite_mean([_nan(r.get(b)) for r in rs]) / 2**20, ".1f") for b in ("oldlogit_bytes", "ewma_bytes")
         )
         lines.append(
-            f"| {method}{' [' + tag + ']' if tag else ''} | {W} | {disc}{'' if model == 'tiny' else ' (' + model + ')'} | "
-            f"{len(rs)} | {_ci(fr)} | {_f(float(np.median(fr)))} ({_f(min(fr))}-{_f(max(fr))}) | {seeds} | "
+            f"{_label(method, tag, W, disc, model)} {len(rs)} | {_ci(fr)} | {_f(float(np.median(fr)))} ({_f(min(fr))}-{_f(max(fr))}) | {seeds} | "
             f"{_ci(after)} | {held} | {_f(float(np.mean(reach)), '.0f') if reach else '-'} ({len(reach)}/{len(rs)}) | "
             f"{sum(bool(r.get('collapsed', False)) for r in rs)}/{len(rs)} | "
             f"{_f(max((_nan(r.get('clip_frac_step_max')) for r in rs), default=math.nan))} | "
@@ -246,7 +256,8 @@ def folder_records(out_dir: Path) -> list[dict[str, Any]]:
 
 
 def write_outputs(records: list[dict[str, Any]], out_dir: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """``table.md``, ``seeds.md`` (:func:`seeds_markdown`), ``results.json`` and the plots for ``records``; a ``README.md`` stub if none."""
+    """``table.md``, ``seeds.md`` (:func:`seeds_markdown`), ``results.json`` and the plots for
+    ``records``; a ``README.md`` stub if none."""
     rows = aggregate(records)
     table = table_markdown(rows)
     (out_dir / "table.md").write_text(table)
