@@ -58,8 +58,18 @@ class _Poller:
             self.stop.wait(1.0)
 
 
-def cell_record(cell: Cell, rows: list[dict[str, Any]], summary: dict[str, Any], poller: _Poller) -> dict[str, Any]:
-    """Per-run numbers from ``metrics.jsonl`` rows and the job summary."""
+def cell_record(
+    cell: Cell,
+    rows: list[dict[str, Any]],
+    summary: dict[str, Any],
+    poller: _Poller,
+    evals: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Per-run numbers from ``metrics.jsonl`` step rows, its held-out evaluation records ``evals``
+    (``kind = "eval"``: before, every ``controller.eval_every`` versions during training, after) and
+    the job summary. ``heldout_evals`` keeps each evaluation's version, tag, mean reward, success
+    rate and episode count; ``heldout_n`` is the held-out episode count of one evaluation."""
+    evals = evals or []
     g = lambda k: [float(r.get(k, math.nan)) for r in rows]  # noqa: E731
     reward = g("reward_mean")
     smooth = [float(np.mean(reward[max(0, i - 2) : i + 1])) for i in range(len(reward))]
@@ -83,6 +93,9 @@ def cell_record(cell: Cell, rows: list[dict[str, Any]], summary: dict[str, Any],
         "reward_first": reward[0] if reward else math.nan,
         "reward_before_heldout": before.get("reward", math.nan),
         "reward_after_heldout": after.get("reward", math.nan),
+        "success_after_heldout": after.get("success_rate", math.nan),
+        "heldout_n": int(after.get("episodes") or (evals[-1].get("n", 0) if evals else 0)),
+        "heldout_evals": [{k: e.get(k) for k in ("version", "tag", "held_out", "success_rate", "n")} for e in evals],
         "steps_to_level": reach,
         "mask_kept_fraction": finite_mean(g("mask_kept_fraction")),
         "mask_kept_fraction_min": min((x for x in g("mask_kept_fraction") if math.isfinite(x)), default=math.nan),
@@ -157,8 +170,10 @@ def run_cell(cell: Cell, out_dir: Path, console: Console) -> dict[str, Any]:
     finally:
         poller.stop.set()
         th.join(timeout=10)
-    rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
-    rec = cell_record(cell, rows, summary, poller)
+    metrics = run_dir / "metrics.jsonl"
+    rows = read_metrics(metrics) if metrics.is_file() else []
+    evals = read_metrics(metrics, kind="eval") if metrics.is_file() else []
+    rec = cell_record(cell, rows, summary, poller, evals)
     rec["cell_wall_s"] = time.perf_counter() - t0
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     path.parent.mkdir(parents=True, exist_ok=True)

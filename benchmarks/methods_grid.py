@@ -54,6 +54,21 @@ Grids:
   16-sample batch, W = 2, 3 seeds, 20 steps; ~2.5 hours here).
 * ``paper_agent``: the same comparison on a multi-turn task through the gateway, the retail agent
   on SmolLM2 (:data:`AGENT`: 2 mini-batches, W = 2, 3 seeds, :data:`PAPER_AGENT_STEPS` steps).
+* ``verdict``: ``paper_real``'s regime made decisive by pairing and more seeds: SmolLM2 on the
+  demo's task (:data:`CONFIRM`: lr 5e-5, bf16 rollouts against the fp32 learner) with 2 optimizer
+  steps per 16-sample batch, :data:`PAPER_REAL_STEPS` versions, the 4 methods of
+  :data:`VERDICT_METHODS` at W = 2 and 4, seeds 0-4 (40 runs, rows tagged ``mb2-eval128``; W = 2
+  first, the methods of one seed next to each other, so a grid stopped part way leaves whole
+  paired seeds). Held-out evaluations pinned every 5 versions on 128 prompts
+  (:data:`VERDICT_EVAL`), so each run has a held-out curve and one evaluation's binomial error is
+  well below the run-to-run spread. Read it in ``paired.md`` (differences to recompute seed by
+  seed, paired t intervals). ``paper_real``'s 3 seeds do not count as W = 2 cells of this grid: its
+  runs evaluated 64 prompts before and after only, and an evaluation changes the run it is part of
+  (publication waits for it, and vLLM's unseeded held-out requests draw from the stream the
+  training samples draw from), so they are other runs of a neighbouring configuration, without a
+  held-out curve. At ~6-7 min per run here (``paper_real``: 94 min for 15 runs, plus the
+  evaluations), about 4.5 hours; resumable cell by cell (finished cells in ``cells/`` are loaded,
+  not run again).
 
 Per row: the final reward's mean with its 95% interval over seeds (Student's t), how many runs
 collapsed (ended below their first step's reward), the largest clipped fraction of one optimizer
@@ -61,9 +76,11 @@ step and the share of the policy-gradient weight on clipped tokens.
 
 Every grid's table covers all finished cells in its ``out_dir``, so grids run into one folder pool.
 
-Outputs in ``out_dir``: ``cells/<cell>.json`` (per run: summary numbers and per-step curves),
-``results.json`` (all cells plus the seed-aggregated rows), ``table.md``, and ``reward_curves.png``,
-``staleness_sweep.png``, ``mask_kept.png``. Run folders (metrics.jsonl, config) go to
+Outputs in ``out_dir``: ``cells/<cell>.json`` (per run: summary numbers, per-step curves and the
+held-out evaluations with their versions), ``results.json`` (all cells, the seed-aggregated rows and
+the paired comparison), ``table.md``, ``seeds.md``, ``paired.md`` (each method minus recompute seed
+by seed, with paired t intervals, and evaluation noise beside run-to-run spread), and
+``reward_curves.png``, ``staleness_sweep.png``, ``mask_kept.png``. Run folders (metrics.jsonl, config) go to
 ``out_dir/runs/`` (git-ignored); their checkpoints are deleted after each cell.
 
     vintage bench methods                       # full grid
@@ -71,6 +88,8 @@ Outputs in ``out_dir``: ``cells/<cell>.json`` (per run: summary numbers and per-
     python -m benchmarks.methods --grid reduced --out results/methods
     python -m benchmarks.methods --grid seeds --out results/methods
     python -m benchmarks.methods --grid confirm --out results/methods/confirm
+    python -m benchmarks.methods --grid verdict --out results/methods/verdict
+    python -m benchmarks.methods_report results/methods/paper_real   # tables from cells/, no run
 """
 
 from __future__ import annotations
@@ -78,6 +97,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -242,6 +262,20 @@ over :data:`BASE`."""
 PAPER_AGENT_STEPS = 20
 """Versions per ``paper_agent`` run (~30 s per step here, plus two 32-task evaluations)."""
 
+VERDICT_METHODS = ("recompute", "snapshot", "ppo_ewma", "loglinear_prox")
+"""Methods of the ``verdict`` grid: decoupled PPO (recompute, the baseline of ``paired.md``), exact
+snapshot, PPO-EWMA and the log-linear proxy."""
+
+VERDICT_EVAL: tuple[str, ...] = ("env.eval_prompts=128", "controller.eval_every=5")
+"""Held-out evaluation of the ``verdict`` grid: 128 prompts (env seeds 1800-1927, inside the
+2000-instance dataset and past the 1800 training seeds), pinned to versions 0, 5, 10, 15 and 20.
+One evaluation's binomial standard error is at most sqrt(0.25 / 128) = 0.044 (0.029 at p = 0.12,
+recompute's mean in ``paper_real``), against a run-to-run sd of held-out success of 0.10-0.31
+over ``paper_real``'s 3 seeds; the mean of 4 evaluations (the curve score) has about half that error."""
+
+VERDICT_SEEDS = (0, 1, 2, 3, 4)
+"""Seeds of the ``verdict`` grid."""
+
 CONFIRM_STEPS = 12
 """Steps per confirmation run: the demo's batch reward rises from ~0.4 to ~0.7 within ~12 steps."""
 
@@ -306,6 +340,14 @@ def grid(kind: str) -> list[Cell]:
             for s in (0, 1, 2)
             for m in PAPER_METHODS
         ]
+    if kind == "verdict":
+        extra = (*CONFIRM, "learner.ppo_mini_batches=2", "learner.micro_batch_size=8", *VERDICT_EVAL)
+        return [
+            Cell(m, W, "bf16", s, PAPER_REAL_STEPS, extra, model="smollm2", tag="mb2-eval128")
+            for W in (2, 4)
+            for s in VERDICT_SEEDS
+            for m in VERDICT_METHODS
+        ]
     if kind == "eps":
         wide = ("loss.eps_low=0.5", "loss.eps_high=1.0")
         return [Cell(m, 4, "bf16", 0, REDUCED_STEPS, wide, tag="eps0.5-1.0") for m in ("snapshot", "ppo_ewma")]
@@ -313,7 +355,8 @@ def grid(kind: str) -> list[Cell]:
 
 
 GRIDS = (
-    "quick", "reduced", "seeds", "lr", "eps", "full", "confirm", "paper", "paper_lr", "paper_real", "paper_agent"
+    "quick", "reduced", "seeds", "lr", "eps", "full", "confirm", "paper", "paper_lr", "paper_real", "paper_agent",
+    "verdict",
 )  # fmt: skip
 REDUCED_STEPS = 32
 
@@ -340,3 +383,50 @@ def ci95(values: list[float]) -> float:
     if len(xs) < 2:
         return math.nan
     return float(t.ppf(0.975, len(xs) - 1) * np.std(xs, ddof=1) / math.sqrt(len(xs)))
+
+
+def paired_ci95(x: dict[int, float], y: dict[int, float]) -> dict[str, Any]:
+    """Paired comparison of two methods over seeds: the per-seed differences ``d_s = x[s] - y[s]``
+    over the seeds where both are finite (ascending), their mean and the half-width of its 95%
+    confidence interval by the paired Student's t (the one-sample t interval applied to the
+    differences; the paired t-test of any statistics text):
+
+        mean = sum_s d_s / n,   sd = sqrt(sum_s (d_s - mean)^2 / (n - 1)),
+        half-width = t(0.975, n - 1) * sd / sqrt(n)
+
+    Runs of two methods with the same seed share prompts, sampling seeds and initial weights, so
+    what a seed does to both cancels in ``d_s``. Returns ``{"seeds", "diffs", "mean", "ci95"}``;
+    ``mean`` is NaN without a common seed, ``ci95`` NaN with fewer than 2.
+
+    Example: x = {0: 0.5, 1: 0.7, 2: 0.6}, y = {0: 0.2, 1: 0.3, 2: 0.5}: d = 0.3, 0.4, 0.1, mean
+    0.2667, sd 0.1528, half-width 4.3027 * 0.1528 / sqrt(3) = 0.3795.
+    """
+    seeds = sorted(s for s in x if s in y and math.isfinite(x[s]) and math.isfinite(y[s]))
+    diffs = [float(x[s] - y[s]) for s in seeds]
+    return {"seeds": seeds, "diffs": diffs, "mean": float(np.mean(diffs)) if diffs else math.nan, "ci95": ci95(diffs)}
+
+
+def heldout_curve_score(evals: list[dict[str, Any]]) -> float:
+    """A run's held-out curve score: the mean held-out reward (``held_out``, in [0, 1]) of its
+    pinned evaluations at versions > 0, the ones during training (``controller.eval_every``) and the
+    one after; the evaluation before training (version 0, the initial weights every method of a seed
+    shares) is left out. Evaluations are evenly spaced, so this is the area under the held-out curve
+    per version. Evaluations that scored nothing (NaN) are left out; NaN when fewer than 2 remain
+    (a run evaluated only before and after has a final point, not a curve).
+
+    Example: versions 0, 5, 10, 15, 20 scoring 0.2, 0.4, 0.5, 0.3, 0.6 -> (0.4 + 0.5 + 0.3 + 0.6) / 4 = 0.45.
+    """
+    xs = [float(e["held_out"]) for e in evals if int(e["version"]) > 0 and e.get("held_out") is not None]
+    xs = [x for x in xs if math.isfinite(x)]
+    return float(np.mean(xs)) if len(xs) >= 2 else math.nan
+
+
+def binomial_se(p: float, n: int) -> float:
+    """Standard error of one held-out evaluation of ``n`` prompts with mean reward ``p``:
+    ``sqrt(p (1 - p) / n)``, the binomial standard error of a success rate. For rewards in [0, 1]
+    that are not 0/1 it is an upper bound (a reward X in [0, 1] has X^2 <= X, so Var X <= p (1 - p)).
+    NaN when ``p`` is not finite or ``n`` < 1. Example: p = 0.4, n = 128 -> sqrt(0.24 / 128) = 0.0433.
+    """
+    if not math.isfinite(p) or n < 1:
+        return math.nan
+    return math.sqrt(max(p * (1.0 - p), 0.0) / n)
