@@ -81,9 +81,12 @@ def sequence_logprobs_and_entropy(
     first: int = 1,
     entropy: bool = True,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`sequence_logprobs` and, with ``entropy``, the entropy of each position's next-token
-    distribution ``H_t = -sum_v p_v log p_v`` (nats, at the sampling temperature, no gradient).
+    distribution ``H_t = -sum_v p_v log p_v`` (nats, at the sampling temperature). The entropy
+    carries no gradient unless ``entropy_grad`` (an entropy bonus in the loss); on the chunked path
+    backward then recomputes each chunk's probabilities as it does its log-probs.
 
     Returns ``([batch, seq] log-probs, [batch, seq] entropies or None)``; the entropy at position t
     is that of the distribution token t was drawn from, 0.0 before ``first`` and on padding.
@@ -99,9 +102,9 @@ def sequence_logprobs_and_entropy(
     T = token_ids.shape[1]
     first = min(max(1, int(first)), T)
     if chunk_bytes == 0:
-        lp, ent = _full(model, token_ids, attention_mask, temperature, first, entropy)
+        lp, ent = _full(model, token_ids, attention_mask, temperature, first, entropy, entropy_grad)
     else:
-        lp, ent = _chunked(model, token_ids, attention_mask, temperature, first, entropy, chunk_bytes)
+        lp, ent = _chunked(model, token_ids, attention_mask, temperature, first, entropy, chunk_bytes, entropy_grad)
     real = attention_mask[:, first:].to(torch.float32)
     pad = lp.new_zeros((lp.shape[0], first))
     if ent is not None:
@@ -110,7 +113,13 @@ def sequence_logprobs_and_entropy(
 
 
 def _full(
-    model: Any, token_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float, first: int, entropy: bool
+    model: Any,
+    token_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    first: int,
+    entropy: bool,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``([batch, seq - first] log-probs, entropies or None)`` of tokens ``first ..`` from the whole
     ``[batch, seq - first + 1, vocab]`` logits of HF's forward."""
@@ -120,7 +129,7 @@ def _full(
     else:  # logits of positions first-1 .. T-1 only: [B, T - first + 1, V]
         logits = model(input_ids=token_ids, attention_mask=attention_mask, logits_to_keep=T - first + 1).logits
     log_p = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # [B, T - first, V]
-    return _token_logprobs(log_p, token_ids[:, first:], entropy)
+    return _token_logprobs(log_p, token_ids[:, first:], entropy, entropy_grad)
 
 
 def _chunked(
@@ -131,6 +140,7 @@ def _chunked(
     first: int,
     entropy: bool,
     chunk_bytes: int,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`_full`'s result from the final hidden states, ``chunk_bytes`` of logits at a time."""
     lm = _causal_lm(model)
@@ -155,7 +165,7 @@ def _chunked(
         # where the weight sits in memory, so two copies of the same weights disagreed by ~1e-6.
         # One expression, so the projection's output is freed once divided by the temperature.
         log_p = torch.log_softmax(head(h.contiguous()).float() / temperature, dim=-1)  # [B, c, V]
-        return _token_logprobs(log_p, t, entropy)
+        return _token_logprobs(log_p, t, entropy, entropy_grad)
 
     lps, ents = [], []
     for s in range(0, max(T - first, 1), step):  # one (empty) chunk when no position is wanted
@@ -167,13 +177,16 @@ def _chunked(
 
 
 def _token_logprobs(
-    log_p: torch.Tensor, targets: torch.Tensor, entropy: bool
+    log_p: torch.Tensor, targets: torch.Tensor, entropy: bool, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``([batch, n] log-probs of targets, [batch, n] entropies or None)`` from the ``[batch, n,
-    vocab]`` fp32 ``log_softmax(logits / T)`` predicting ``[batch, n]`` targets."""
+    vocab]`` fp32 ``log_softmax(logits / T)`` predicting ``[batch, n]`` targets; the entropies
+    carry a gradient only with ``entropy_grad``."""
     lp = log_p.gather(-1, targets[..., None]).squeeze(-1)  # [B, n]
     ent = None
-    if entropy:
+    if entropy and entropy_grad:
+        ent = -(log_p.exp() * log_p).sum(-1)  # [B, n]
+    elif entropy:
         with torch.no_grad():  # p * log p in place: one [B, n, V] temporary instead of two
             ent = -log_p.exp().mul_(log_p).sum(-1)  # [B, n]
     return lp, ent

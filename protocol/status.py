@@ -146,7 +146,13 @@ class JobStatus(Message):
     held: int = Field(0, ge=0)
     """Trajectories out of the buffer for a step that has not started (the batch taken ahead)."""
     dropped: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
-    """Dropped trajectories by reason (``stale``, ``buffer_full``, ``aborted``, ...)."""
+    """Dropped trajectories by reason (``stale``, ``buffer_full``, ``aborted``, ``filtered``, ...)."""
+    filtered_groups: int = Field(0, ge=0)
+    """Groups dropped by dynamic sampling (``controller.dynamic_sampling``) because their rewards were
+    all equal; their trajectories count in ``dropped["filtered"]``."""
+    zero_variance_admitted: int = Field(0, ge=0)
+    """Groups of equal rewards kept for training because ``controller.max_filtered_groups_per_step``
+    was reached at their version."""
     skipped_steps: int = Field(0, ge=0)
     fingerprint_mismatch: int = Field(0, ge=0)
     """Consumers found serving other weights than the version published to them (each restarted)."""
@@ -163,6 +169,11 @@ class JobStatus(Message):
     """Its share of episodes with reward > 0.5."""
     held_out_version: int | None = Field(None, ge=0)
     """The policy version that evaluation was pinned to."""
+    best_version: int | None = Field(None, ge=0)
+    """The version of the best pinned held-out evaluation so far, whose checkpoint is kept
+    (``controller.keep_best``; ties: the earlier version); None before the first."""
+    best_held_out: float | None = None
+    """Its mean held-out reward."""
 
 
 class ScaleRequest(Message):

@@ -1,4 +1,11 @@
-"""Overrides (``--set`` items) of a short job on the tiny random model, shared by the job tests."""
+"""Overrides (``--set`` items) of a short job on the tiny random model, shared by the job tests, and
+a test environment whose groups are uniform by seed (:class:`UniformOnEvenSeeds`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rollout.envs.toy import AlphabetEnv
 
 TINY_JOB = [
     'model.path="tiny"',
@@ -17,3 +24,13 @@ TINY_JOB = [
     "logging.plots=false",
     "ray.num_cpus=6",
 ]
+
+
+class UniformOnEvenSeeds(AlphabetEnv):
+    """:class:`rollout.envs.toy.AlphabetEnv` whose even seeds score every reply 1.0, so each group of an
+    even seed has equal rewards (what dynamic sampling drops); odd seeds score the share of alphabet
+    letters, which differs between the random model's replies."""
+
+    def step(self, action: str) -> tuple[list[dict[str, Any]], float, bool, dict[str, Any]]:
+        obs, reward, done, info = super().step(action)
+        return obs, 1.0 if self.seed % 2 == 0 else reward, done, info

@@ -196,3 +196,52 @@ def test_scorer_routes_attach_exact_old_logprobs(method, tmp_path, tiny_model_pa
             assert r["exact_token_fraction"] == 1.0
         else:
             assert 0.0 < r["exact_token_fraction"] <= 1.0
+
+
+def test_dynamic_sampling_drops_uniform_groups_and_the_ledger_closes(tmp_path, tiny_model_path, ray_cluster):
+    """Even env seeds score every reply 1.0 (:class:`tests.tiny_job.UniformOnEvenSeeds`): with
+    ``controller.dynamic_sampling`` their groups are dropped as ``filtered`` once whole and new
+    prompts take their places; with a bound never reached no trained group has equal rewards; the
+    ledger closes by trajectory id (one fate each: consumed, dropped with its reason or buffered)."""
+    from collections import Counter
+
+    from trainer.driver.ledger import fates, lineage, read_ledger
+
+    cfg = load_config(
+        None,
+        TINY_JOB
+        + [
+            "controller.total_steps=3",
+            f'logging.run_dir="{tmp_path}"',
+            'loss.method="ppo_ewma"',
+            'env.path="tests.tiny_job:UniformOnEvenSeeds"',
+            "env.train_seeds=50",
+            "controller.dynamic_sampling=true",
+            "controller.max_filtered_groups_per_step=100",
+            "server.enabled=false",
+        ],
+    )
+    summary = run_job(cfg)
+    assert summary["state"] == "finished" and summary["steps"] == 3 and summary["accounting_ok"]
+    n = summary["filtered_groups"]
+    assert n >= 1 and summary["dropped"]["filtered"] == 4 * n and summary["zero_variance_admitted"] == 0
+    assert summary["generated"] == (
+        summary["consumed"] + sum(summary["dropped"].values()) + summary["buffered"] + summary["in_flight"]
+    )
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(rows) == 3
+    counts = [r["filtered_groups"] for r in rows]  # so far, at each step
+    assert counts == sorted(counts) and counts[-1] <= n
+    for r in rows:
+        assert r["zero_variance_groups"] == 0 and r["sequences"] == 8  # a full batch, every group informative
+        assert r.get("dropped_filtered", 0) == 4 * r["filtered_groups"]
+    got = fates(lineage(read_ledger(tmp_path)))
+    assert {i: f for i, f in got.items() if len(f) != 1} == {}  # exactly one fate per id
+    filtered = [i for i, f in got.items() if f == ["dropped:filtered"]]
+    assert len(filtered) == summary["dropped"]["filtered"]
+    groups = Counter(i.rsplit("/", 1)[0] for i in filtered)  # <request id>/<sample>: one group each
+    assert set(groups.values()) == {4} and len(groups) == n
+    assert any(int(g.split("-")[1]) % 2 == 0 for g in groups)  # v<version>-<seed>-<count>: even seeds
+    assert sum(f == ["consumed"] for f in got.values()) == summary["consumed"] == 3 * 8
+    assert sum(f == ["buffered"] for f in got.values()) == summary["buffered"]
+    assert not any(i.startswith("eval-") for i in got)  # held-out samples never enter the buffer

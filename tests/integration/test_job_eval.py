@@ -22,8 +22,10 @@ from typer.testing import CliRunner
 
 from tests.tiny_job import TINY_JOB
 from trainer.driver.config import load_config
+from trainer.driver.export import checkpoint_tag
 from trainer.driver.job import run_job
 from trainer.driver.metrics_log import read_metrics
+from trainer.learner.checkpoint import STATE_FILE, checkpointed_versions, latest_tag, read_best
 from vintage_cli.main import app
 
 pytestmark = pytest.mark.integration
@@ -38,6 +40,15 @@ EVAL_JOB = [
     "controller.eval_every=2",
     "controller.checkpoint_every=2",
 ]
+
+
+BEST_JOB = [
+    *[o for o in EVAL_JOB if not o.startswith(("controller.eval_every", "controller.checkpoint_every"))],
+    "controller.eval_every=1",
+    "controller.keep_checkpoints=1",
+]
+"""Evaluated at every version (0 before training, 1-3 during, 4 after), no ``checkpoint_every``:
+each version evaluated during training is checkpointed for its evaluation (``controller.keep_best``)."""
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +115,22 @@ def test_vintage_eval_env_reproduces_the_jobs_evaluation_of_a_checkpoint(eval_ru
     assert (
         f"held-out success {report['success_rate']:.3f} ({ok} of 4), mean reward {report['reward']:.3f}" in res.output
     )
+
+
+def test_the_best_evaluations_checkpoint_is_on_disk_after_the_run(tmp_path, tiny_model_path, ray_cluster):
+    """keep_checkpoints = 1 keeps the final checkpoint (the resume point) and the best version's:
+    the one with the highest held-out mean (ties: the earlier), named by summary.json and exportable
+    as ``--version best``; every other evaluated version's checkpoint is gone."""
+    summary = run_job(load_config(None, [*BEST_JOB, f'logging.run_dir="{tmp_path}"']))
+    assert summary["state"] == "finished" and summary["steps"] == 4
+    evals = read_metrics(tmp_path / "metrics.jsonl", kind="eval")
+    assert [e["version"] for e in evals] == [0, 1, 2, 3, 4]
+    best = max(evals, key=lambda e: (e["held_out"], -e["version"]))  # ties: the earlier version
+    ckpt = tmp_path / "checkpoints"
+    assert (summary["best_version"], summary["best_held_out"]) == (best["version"], best["held_out"])
+    assert summary["best_checkpoint"] == str((ckpt / f"v{best['version']}").resolve())
+    assert (ckpt / f"v{best['version']}" / STATE_FILE).is_file()
+    assert checkpointed_versions(ckpt) == sorted({best["version"], 4}) and latest_tag(ckpt) == "v4"
+    assert json.loads((tmp_path / "summary.json").read_text())["best_version"] == best["version"]
+    assert read_best(ckpt)["version"] == best["version"]
+    assert checkpoint_tag(tmp_path, "best") == f"v{best['version']}"

@@ -20,6 +20,7 @@ from protocol import Trajectory
 from trainer.algorithm.batch import Batch, collate
 from trainer.algorithm.loss_config import loss_config
 from trainer.learner import LearnerCore, LearnerGroup, LearnerSettings, free_port
+from trainer.learner.core import shuffled_rows
 
 pytestmark = pytest.mark.integration
 
@@ -393,7 +394,9 @@ def test_two_mini_batches_recompute_ratio_departs_from_one_on_the_second_and_cli
     ratios come from a second learner trained on the first mini-batch alone (the same first
     optimizer step) scoring the second mini-batch, compared with the version-0 log-probs."""
     trajs = make_trajs(n=8, seed=6)
-    s = settings(tiny_model_path, loss=loss_config("decoupled_ppo"), ppo_mini_batches=2, lr=1e-2)
+    s = settings(
+        tiny_model_path, loss=loss_config("decoupled_ppo"), ppo_mini_batches=2, lr=1e-2, shuffle_mini_batches=False
+    )
     core = LearnerCore(s)
     batch = collate(trajs, consuming_version=0)
     first, second = batch.mini_batches(2)
@@ -458,3 +461,61 @@ def test_the_learner_gives_its_own_versions_pi_old_bit_for_bit(tiny_model_path, 
     assert all(torch.equal(w_svc[k], w_own[k]) for k in w_svc)
     with pytest.raises(ValueError, match="current_from_learner: needs one optimizer step"):
         settings(tiny_model_path, loss=loss_config("snapshot"), ppo_mini_batches=2, current_from_learner=True)
+
+
+def test_kl_to_the_frozen_reference_is_zero_at_version_0_and_measured_against_it_after(tiny_model_path, make_trajs):
+    """With ``kl_coef`` the reference is version 0: the first step's ``kl_ref`` is 0 (policy and
+    reference are the same weights, scored in the same numerics), and the second step's is the token
+    mean of k3 = e^-x - 1 + x with x = log pi_v1 - log pi_v0 on the batch, computed here from a
+    fresh learner (version 0) and the trained one."""
+    s = settings(tiny_model_path, loss=loss_config("grpo", kl_coef=0.1, entropy_coef=0.01), lr=1e-2)
+    core = LearnerCore(s)
+    assert core.reference is not None and core.reference.bytes > 0
+    m1 = core.train_step(make_trajs(seed=0))
+    assert m1["kl_ref"] == pytest.approx(0.0, abs=1e-7) and m1["ref_forward_s"] > 0
+    assert m1["entropy_loss"] == pytest.approx(m1["entropy"], rel=1e-6)
+    nxt = make_trajs(seed=1, version=1)
+    batch = collate(nxt, consuming_version=1)
+    x = core.logprobs(batch) - LearnerCore(s.model_copy(update={"master_port": free_port()})).logprobs(batch)
+    x = x[batch.loss_mask].double()
+    expected = float((torch.expm1(-x) + x).mean())
+    m2 = core.train_step(nxt)
+    assert m2["kl_ref"] == pytest.approx(expected, rel=1e-4, abs=1e-9)
+    assert m2["kl_loss"] == pytest.approx(expected, rel=1e-4, abs=1e-9)
+
+
+def test_the_learning_rate_follows_its_schedule_and_resumes_at_the_same_step(tiny_model_path, make_trajs, tmp_path):
+    """Warm-up 2, cosine to step 4, floor 0.1, two optimizer steps per batch, lr 1e-3: the first
+    batch's steps run at 1e-3 / 3 and 2e-3 / 3, the second's at 1e-3 and 0.55e-3 (half-way:
+    0.1 + 0.9 * (1 + cos(pi / 2)) / 2); a learner resumed from the checkpoint after the first
+    batch runs the second at the same rates."""
+    s = settings(
+        tiny_model_path, ppo_mini_batches=2, lr_schedule="cosine", lr_warmup_steps=2, lr_decay_steps=4, lr_min_ratio=0.1
+    )
+    core = LearnerCore(s)
+    core.train_step(make_trajs(seed=0))
+    assert [o["lr"] for o in core.last_optimizer_steps] == pytest.approx([1e-3 / 3, 2e-3 / 3], rel=1e-12)
+    core.save_checkpoint(str(tmp_path))
+    resumed = LearnerCore(s.model_copy(update={"master_port": free_port()}))
+    resumed.load_checkpoint(str(tmp_path))
+    assert resumed.optimizer_steps == core.optimizer_steps == 2
+    for learner in (core, resumed):
+        m = learner.train_step(make_trajs(seed=1, version=1))
+        assert [o["lr"] for o in learner.last_optimizer_steps] == pytest.approx([1e-3, 0.55e-3], rel=1e-12)
+        assert m["lr"] == pytest.approx(0.55e-3, rel=1e-12)
+
+
+def test_mini_batches_take_the_rows_in_the_seeded_order_of_each_epoch(tiny_model_path, make_trajs):
+    """Rows of 2 .. 16 completion tokens, two mini-batches, two epochs, seed 3: each optimizer step's
+    token count is the sum over the rows :func:`shuffled_rows` gives its half of that epoch."""
+    lengths = [6, 8, 10, 12, 14, 16, 18, 20]
+    trajs = make_trajs(n=8, seed=2, lengths=lengths)
+    core = LearnerCore(settings(tiny_model_path, ppo_mini_batches=2, ppo_epochs=2, seed=3))
+    core.train_step(trajs)
+    tokens = [L - 4 for L in lengths]
+    expected = []
+    for epoch in range(2):
+        order = shuffled_rows(8, 3, 0, epoch)
+        expected += [sum(tokens[i] for i in order[:4]), sum(tokens[i] for i in order[4:])]
+    assert [o["tokens"] for o in core.last_optimizer_steps] == expected
+    assert expected != [sum(tokens[:4]), sum(tokens[4:])] * 2  # the seed's order is not the buffer's

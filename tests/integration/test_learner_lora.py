@@ -155,3 +155,20 @@ def test_nonfinite_update_rolls_back_the_adapter_only(tiny_model_path, make_traj
     after = core.adapter_state()
     assert all(torch.equal(after[k], before[k]) for k in before)
     assert all(torch.equal(p, frozen[n]) for n, p in _frozen(core).items())
+
+
+def test_the_kl_reference_is_the_base_with_the_adapter_off_and_costs_no_copy(tiny_model_path, make_trajs):
+    """With LoRA the frozen reference is the base model (the adapter disabled): nothing is copied,
+    the first step's ``kl_ref`` is 0 (B = 0: version 0 is the base), and after a step that moved the
+    adapter the trained model's own log-probs with the adapter switched off equal the base's."""
+    core = LearnerCore(settings(tiny_model_path, loss=loss_config("grpo", kl_coef=0.1), lr=1e-2))
+    assert core.reference is not None and core.reference.bytes == 0
+    m = core.train_step(make_trajs(seed=0))
+    assert m["kl_ref"] == pytest.approx(0.0, abs=1e-7)
+    batch = collate(make_trajs(seed=1), consuming_version=1)
+    ref = core.reference.logprobs(
+        core.engine.module, batch.token_ids, batch.attention_mask, 1.0, 1, core.settings.logprob_chunk_bytes
+    )
+    base = sequence_logprobs(load_causal_lm(tiny_model_path), batch.token_ids, batch.attention_mask, 1.0)
+    assert float((ref - base)[batch.loss_mask].abs().max()) < 1e-5
+    assert float((core.logprobs(batch) - base)[batch.loss_mask].abs().max()) > 1e-4  # the adapter moved

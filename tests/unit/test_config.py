@@ -6,6 +6,7 @@ from pathlib import Path
 import pydantic
 import pytest
 
+from trainer.driver.assembly import learner_settings
 from trainer.driver.config import load_config, parse_override
 
 
@@ -52,15 +53,22 @@ def test_parse_override_types():
         parse_override("nonsense")
 
 
-def test_kl_coef_above_zero_is_refused_at_load_naming_the_field():
-    with pytest.raises(pydantic.ValidationError) as e:
-        load_config(None, ["loss.kl_coef=0.05"])
-    errs = e.value.errors()
-    assert len(errs) == 1 and errs[0]["msg"] == (
-        "Value error, loss.kl_coef: 0.05 is not supported (must be 0): the learner scores no frozen "
-        "reference model, so the KL penalty has no ref_logprobs"
-    )
-    assert load_config(None, ["loss.kl_coef=0"]).loss.kl_coef == 0.0
+def test_kl_and_entropy_settings_reach_the_learner_and_a_bad_estimator_is_named():
+    cfg = load_config(None, ["loss.kl_coef=0.05", "loss.kl_estimator=k2", "loss.entropy_coef=0.001"])
+    settings = learner_settings(cfg, Path("/m"))
+    assert (settings.loss.kl_coef, settings.loss.kl_estimator, settings.loss.entropy_coef) == (0.05, "k2", 0.001)
+    with pytest.raises(pydantic.ValidationError, match="kl_estimator"):
+        load_config(None, ["loss.kl_estimator=k4"])
+
+
+def test_a_decaying_schedule_decays_over_the_whole_run_unless_told_otherwise():
+    """20 versions of 2 mini-batches x 3 epochs: the decay reaches its floor at optimizer step 120."""
+    base = ["controller.total_steps=20", "learner.ppo_mini_batches=2", "learner.ppo_epochs=3"]
+    cfg = load_config(None, [*base, "learner.lr_schedule=cosine", "learner.lr_warmup_steps=4"])
+    assert learner_settings(cfg, Path("/m")).lr_decay_steps == 120
+    cfg = load_config(None, [*base, "learner.lr_schedule=linear", "learner.lr_decay_steps=50"])
+    assert learner_settings(cfg, Path("/m")).lr_decay_steps == 50
+    assert learner_settings(load_config(None, base), Path("/m")).lr_decay_steps is None
 
 
 def test_overlong_filter_reaches_the_learner_settings():
@@ -89,8 +97,9 @@ def test_learner_options_are_declared_once_for_the_config_and_the_settings():
 
     assert issubclass(LearnerConfig, LearnerOptions) and issubclass(LearnerSettings, LearnerOptions)
     assert sorted(LearnerOptions.model_fields) == [
-        "dtype", "grad_clip", "gradient_checkpointing", "logprob_chunk_bytes", "lr", "micro_batch_size", "overlong_filter", "ppo_epochs",
-        "ppo_mini_batches", "weight_decay", "zero_stage",
+        "dtype", "grad_clip", "gradient_checkpointing", "logprob_chunk_bytes", "lr", "lr_decay_steps",
+        "lr_min_ratio", "lr_schedule", "lr_warmup_steps", "micro_batch_size", "overlong_filter", "ppo_epochs",
+        "ppo_mini_batches", "shuffle_mini_batches", "weight_decay", "zero_stage",
     ]  # fmt: skip
     cfg = load_config(
         None,

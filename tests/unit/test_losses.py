@@ -331,17 +331,6 @@ def test_mask_rejected_tokens_stay_in_denominator():
     assert metrics["mask_kept_fraction"] == 0.75
 
 
-# ---- no KL penalty ------------------------------------------------------------------------------
-
-
-def test_a_kl_coefficient_above_zero_is_refused_by_the_loss_naming_the_field():
-    """The learner scores no frozen reference model, so the loss has no KL term to add; a config
-    built past the job's validation (``loss_config`` directly) is refused by the loss itself."""
-    logp = t([[-1.0, -2.0]], grad=True)
-    with pytest.raises(ValueError, match=r"^loss.kl_coef: 0.1 is not supported \(must be 0\)"):
-        compute_policy_loss(logp, logp.detach(), t([0.0]), t([[1, 0]]), loss_config("grpo", kl_coef=0.1))
-
-
 # ---- GSPO ---------------------------------------------------------------------------------------
 
 

@@ -62,8 +62,19 @@ class LossConfig(BaseModel):
     advantage: Literal["grpo", "rloo", "reinforce"] = "grpo"
     """Advantage estimator applied to the rewards before the loss (see trainer.algorithm.advantages)."""
     kl_coef: float = Field(0.0, ge=0.0)
-    """Weight of a KL penalty against a frozen reference model: must be 0 (the learner scores no
-    reference model; the job's config, the learner's settings and the loss refuse anything else)."""
+    """Weight of the KL penalty against the frozen reference policy (version 0: the model folder, or
+    the base model with the LoRA adapter switched off), added to the loss as
+    ``kl_coef * aggregate(k(logp - ref_logprobs))`` over the loss tokens with the loss's own
+    denominator (verl's ``use_kl_loss``); 0 turns it off and the reference is never scored."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token estimator of KL(pi_theta || pi_ref) from x = log pi_theta - log pi_ref
+    (Schulman 2020, "Approximating KL divergence"): k1 = x, k2 = x^2 / 2, k3 = e^-x - 1 + x (the
+    "low-variance" form, verl's ``low_var_kl``). See :func:`trainer.algorithm.losses.kl_penalty` for
+    the gradient each one gives."""
+    entropy_coef: float = Field(0.0, ge=0.0)
+    """Weight of the entropy bonus: the loss subtracts ``entropy_coef * aggregate(H_t)`` with H_t
+    the entropy (nats) of the policy's next-token distribution at each loss token, computed chunked
+    from the training forward (verl's ``entropy_coeff``); 0 turns it off."""
 
     @model_validator(mode="after")
     def _check(self) -> LossConfig:
@@ -74,14 +85,6 @@ class LossConfig(BaseModel):
         if self.policy_loss == "gspo" and self.dual_clip is not None:
             raise ValueError("dual_clip is not defined for policy_loss='gspo'")
         return self
-
-
-def kl_refusal(kl_coef: float) -> str:
-    """The one-line refusal of ``loss.kl_coef > 0``: the learner scores no frozen reference model."""
-    return (
-        f"loss.kl_coef: {kl_coef} is not supported (must be 0): the learner scores no frozen reference "
-        "model, so the KL penalty has no ref_logprobs"
-    )
 
 
 _EXACT = {"proxy": "ewma", "behav_weight_cap": 5.0, "discrepancy_mask": True}

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from trainer.algorithm.loss_config import LossConfig, kl_refusal
+from trainer.algorithm.loss_config import LossConfig
 from trainer.algorithm.proximal import at_least_fp32, proximal_reference, resolve_exact_mask
 
 MAX_LOG_RATIO = 20.0
@@ -43,6 +43,10 @@ MAX_LOG_RATIO = 20.0
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 LEVELS = ("token", "seq_product", "seq_geomean")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+K3_MAX = 10.0
+"""Largest per-token k3 value (nats), as verl bounds its ``low_var_kl``: one token whose reference
+log-prob is far below the policy's cannot dominate the penalty (k3 grows as e^-x)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -374,6 +378,87 @@ def gspo_loss(
 
 
 # ----------------------------------------------------------------------------------------------
+# regularisers: KL to a frozen reference, entropy bonus
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token estimate ``[B, T]`` (nats) of KL(pi_theta || pi_ref), 0 off ``loss_mask``.
+
+    With x = logprobs - ref_logprobs (ref detached; masked or non-finite slots give x = 0, see
+    :func:`safe_log_ratio`), the estimators of Schulman (2020), "Approximating KL divergence":
+
+    - ``k1 = x``: unbiased for KL(pi_theta || pi_ref) on tokens sampled from pi_theta; its gradient
+      is grad log pi_theta, whose expectation under pi_theta is 0, so as a loss it pulls nothing
+      toward the reference in expectation (it only adds noise);
+    - ``k2 = x^2 / 2``: gradient x grad log pi_theta, whose expectation under pi_theta is the
+      gradient of KL(pi_theta || pi_ref) (the reverse KL);
+    - ``k3 = e^-x - 1 + x`` (the "low-variance" form, >= 0, unbiased for KL(pi_theta || pi_ref)):
+      gradient (1 - e^-x) grad log pi_theta, whose expectation under pi_theta is the gradient of
+      KL(pi_ref || pi_theta) (the forward KL; Tang & Munos 2025, "On a few pitfalls in KL divergence
+      gradient estimation for RL"); its value is capped at :data:`K3_MAX`.
+
+    Example: x = 0.5 gives k1 = 0.5, k2 = 0.125, k3 = e^-0.5 - 1 + 0.5 = 0.106531.
+
+    Raises:
+        ValueError: an unknown ``estimator``.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"loss.kl_estimator: unknown estimator {estimator!r}; expected one of {KL_ESTIMATORS}")
+    x = safe_log_ratio(logprobs, ref_logprobs.detach(), loss_mask)
+    if estimator == "k1":
+        return x
+    if estimator == "k2":
+        return 0.5 * x.square()
+    return (torch.expm1(-x) + x).clamp(max=K3_MAX)
+
+
+def regularisers(
+    logprobs: Tensor,
+    loss_mask: Tensor,
+    cfg: LossConfig,
+    *,
+    ref_logprobs: Tensor | None = None,
+    entropy: Tensor | None = None,
+    global_token_count: float | Tensor | None = None,
+    global_seq_count: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The stabilisers beside the correction: ``kl_coef * agg(k(logp - ref)) - entropy_coef * agg(H)``.
+
+    ``logprobs`` ``[B, T]`` (pi_theta, with gradient), ``ref_logprobs`` ``[B, T]`` (the frozen
+    reference policy's log-probs, needed when ``cfg.kl_coef > 0``; reported as ``kl_ref`` whenever
+    given), ``entropy`` ``[B, T]`` nats (with gradient when ``cfg.entropy_coef > 0``). Both terms use
+    the policy loss's aggregation and denominators (:func:`aggregate`), so they do not depend on the
+    micro-batch split either. Metrics: ``kl_ref`` (token mean of k3, the KL estimate to the
+    reference, reported whatever the estimator), ``kl_loss`` and ``entropy_loss`` (the two terms'
+    aggregated values before their coefficients).
+
+    Raises:
+        ValueError: ``cfg.kl_coef > 0`` without ``ref_logprobs``, or ``cfg.entropy_coef > 0``
+            without ``entropy``.
+    """
+    mask = _as_bool(loss_mask)
+    total = torch.zeros((), dtype=torch.float32, device=logprobs.device)
+    metrics: dict[str, Tensor] = {}
+    agg = {"global_token_count": global_token_count, "global_seq_count": global_seq_count}
+    if cfg.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(f"loss.kl_coef = {cfg.kl_coef} needs ref_logprobs (the frozen reference's log-probs)")
+    if cfg.entropy_coef > 0 and entropy is None:
+        raise ValueError(f"loss.entropy_coef = {cfg.entropy_coef} needs the per-token entropy of the forward")
+    if ref_logprobs is not None:
+        with torch.no_grad():
+            metrics["kl_ref"] = aggregate(kl_penalty(logprobs.detach(), ref_logprobs, mask, "k3"), mask)
+        if cfg.kl_coef > 0:
+            kl = aggregate(kl_penalty(logprobs, ref_logprobs, mask, cfg.kl_estimator), mask, cfg.aggregation, **agg)
+            total = total + cfg.kl_coef * kl
+            metrics["kl_loss"] = kl.detach()
+    if entropy is not None and cfg.entropy_coef > 0:
+        ent = aggregate(at_least_fp32(entropy), mask, cfg.aggregation, **agg)
+        total = total - cfg.entropy_coef * ent
+        metrics["entropy_loss"] = ent.detach()
+    return total, metrics
+
+
+# ----------------------------------------------------------------------------------------------
 # entry point
 
 
@@ -389,10 +474,12 @@ def compute_policy_loss(
     ewma_logprobs: Tensor | None = None,
     staleness: Tensor | None = None,
     recompute_logprobs: Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    entropy: Tensor | None = None,
     global_token_count: float | Tensor | None = None,
     global_seq_count: float | Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The loss the learner calls: reference, discrepancy correction, policy loss.
+    """The loss the learner calls: reference, discrepancy correction, policy loss, regularisers.
 
     With a reference other than mu this is decoupled PPO (Hilton et al. 2022, "Batch
     size-invariance for policy optimization", eq. 2; AReaL, Fu et al. 2025): per token
@@ -408,14 +495,12 @@ def compute_policy_loss(
     ``[B, T]`` (the consuming version's log-probs, taken before the batch's first optimizer step)
     from the second optimizer step on one batch, for "recompute" and the linear proxies (see
     :func:`trainer.algorithm.proximal.proximal_reference`). Metrics add ``exact_token_fraction`` (0 without a
-    route).
+    route). ``ref_logprobs`` (the frozen reference policy) and ``entropy`` (per-token, with
+    gradient) feed :func:`regularisers`, whose terms are added to the policy loss.
 
     Raises:
-        ValueError: ``cfg.kl_coef > 0`` (no KL penalty: the learner scores no frozen reference model),
-            or an input the route or the proxy needs is missing.
+        ValueError: an input the route, the proxy or a regulariser needs is missing.
     """
-    if cfg.kl_coef > 0:
-        raise ValueError(kl_refusal(cfg.kl_coef))
     mask = _as_bool(loss_mask)
     if cfg.oldlogit_route == "none":
         old_logprobs = exact_mask = None
@@ -438,5 +523,9 @@ def compute_policy_loss(
         loss, metrics = gspo_loss(logprobs, prox, advantages, mask, **common)
     else:
         loss, metrics = ppo_clip_loss(logprobs, prox, advantages, mask, dual_clip=cfg.dual_clip, **common)
-    metrics.update(_floats(dmetrics))
-    return loss, metrics
+    extra, rmetrics = regularisers(
+        logprobs, mask, cfg, ref_logprobs=ref_logprobs, entropy=entropy,
+        global_token_count=global_token_count, global_seq_count=global_seq_count,
+    )  # fmt: skip
+    metrics.update(_floats({**dmetrics, **rmetrics}))
+    return loss + extra, metrics

@@ -151,18 +151,25 @@ def resolve_model(cfg: JobConfig) -> Path:
 def learner_settings(cfg: JobConfig, model_path: Path) -> LearnerSettings:
     """The :class:`trainer.learner.LearnerSettings` of ``cfg`` for the model folder ``model_path``.
 
-    The EWMA window is at least ``controller.max_staleness`` (the oldest consumable version).
+    The EWMA window is at least ``controller.max_staleness`` (the oldest consumable version); a
+    decaying learning-rate schedule without ``learner.lr_decay_steps`` decays over the whole run
+    (``controller.total_steps`` versions of ``ppo_epochs * ppo_mini_batches`` optimizer steps).
 
     Raises:
-        pydantic.ValidationError: the settings refuse the combination (e.g. ``loss.kl_coef > 0``).
+        pydantic.ValidationError: the settings refuse the combination (e.g. ``current_from_learner`` with
+            several optimizer steps per batch).
     """
     from trainer.learner import LearnerOptions, LearnerSettings
 
     c, s = cfg.controller, cfg.rollout.sampling
     ewma = cfg.ewma.model_copy(update={"window": max(cfg.ewma.window, c.max_staleness)})
+    options = cfg.learner.model_dump(include=set(LearnerOptions.model_fields))
+    if options["lr_decay_steps"] is None and options["lr_schedule"] != "constant":
+        # the decay reaches its floor at the run's last optimizer step
+        options["lr_decay_steps"] = max(1, c.total_steps * cfg.learner.ppo_epochs * cfg.learner.ppo_mini_batches)
     return LearnerSettings(
         model_path=str(model_path),
-        **cfg.learner.model_dump(include=set(LearnerOptions.model_fields)),
+        **options,
         loss=cfg.loss,
         ewma=ewma,
         temperature=s.temperature,

@@ -20,7 +20,11 @@ Invariants (checked by :meth:`TrajectoryBuffer.accounting_ok` and the tests):
 * a buffered or held trajectory found unfit after it arrived (its worker served other weights than
   its version's, :meth:`TrajectoryBuffer.drop_if`) is dropped with the reason, never consumed;
 * every finished trajectory's fate is reported by id to the buffer's ``ledger`` (``buffered`` on
-  arrival, ``consumed``, ``dropped`` with its reason), :class:`trainer.driver.ledger.Ledger`.
+  arrival, ``consumed``, ``dropped`` with its reason), :class:`trainer.driver.ledger.Ledger`;
+* with dynamic sampling (:meth:`TrajectoryBuffer.filter_groups`) a whole group whose rewards are all
+  equal is dropped as ``dropped["filtered"]`` (one count per trajectory, ``filtered_groups`` per
+  group) as soon as it is whole, at most ``bound`` groups per learner version; past the bound such
+  groups stay buffered and are counted in ``zero_variance_admitted``.
 """
 
 from __future__ import annotations
@@ -78,6 +82,12 @@ class TrajectoryBuffer:
     """Called ``ledger(event, ids, reason, **fields)`` with the ids of each finished trajectory's fate:
     ``buffered`` (arrived; ``stamps``: ``[policy_version, served_fingerprint]`` of each id), ``consumed``,
     ``dropped`` (``reason``: the drop reason)."""
+    filtered_groups: int = 0
+    """Groups dropped by :meth:`filter_groups` (their trajectories count in ``dropped["filtered"]``)."""
+    zero_variance_admitted: int = 0
+    """Whole groups of equal rewards that :meth:`filter_groups` kept because its per-version bound was reached."""
+    filter_step: tuple[int, int] = (NO_VERSION, 0)
+    """``(learner version, groups filtered at it)``: the count :meth:`filter_groups` bounds."""
     _items: OrderedDict = field(default_factory=OrderedDict)
     _held: dict = field(default_factory=dict)
 
@@ -168,6 +178,68 @@ class TrajectoryBuffer:
         self._drop(reason, len(out))
         if out:
             self.ledger("dropped", out, reason)
+        return out
+
+    def filter_groups(self, group_ids: Sequence[str], learner_version: int, group_size: int, bound: int) -> list[str]:
+        """Dynamic sampling (DAPO's ``filter_groups``, Yu et al. 2025, Sec. 3.2): drop every group of
+        ``group_ids`` that is whole and whose rewards are all equal; returns the dropped ids (group by
+        group, in the order of ``group_ids``).
+
+        A group is whole once ``group_size`` of its trajectories are buffered (the caller passes the
+        groups that received trajectories, after the whole intake of one poll, so a gateway group,
+        released at once, is judged with every segment). Under group-normalised advantages (GRPO,
+        RLOO) such a group's advantages are exactly 0 and it carries no gradient. Rewards are
+        compared in fp32, as the learner compares them (:func:`trainer.algorithm.advantages.zero_variance_groups`).
+        Never filtered: a group short of ``group_size``, a group whose trajectories carry a
+        :attr:`protocol.Trajectory.baseline` (its advantage is ``reward - baseline``), held-out
+        evaluation trajectories (``purpose = "eval"``).
+
+        Bound: at most ``bound`` groups are dropped while the learner is at ``learner_version`` (one
+        training step); from the ``bound + 1``-th such group on, until the version moves, they stay
+        buffered as usual and count in :attr:`zero_variance_admitted`, so a task the policy has
+        saturated (every group all 1.0) still feeds the learner. The extra generation per step is
+        thus at most ``bound`` groups (``bound * group_size`` samples in the env loop).
+
+        Each dropped trajectory counts as ``dropped["filtered"]`` (freeing its place for admission,
+        :attr:`scheduled`) and is reported to the ledger as ``dropped`` with reason ``filtered``;
+        each dropped group counts once in :attr:`filtered_groups`.
+
+        Example: ``group_size`` 4, ``bound`` 1, at version 0: a group ``[1, 1, 1, 1]`` is dropped, a
+        group ``[0, 1, 0, 0]`` stays, a second ``[0, 0, 0, 0]`` stays (counted as admitted past the
+        bound); at version 1 a third ``[1, 1, 1, 1]`` is dropped again.
+
+        Raises:
+            ValueError: ``group_size < 1`` or ``bound < 0`` (the message names the value).
+        """
+        if group_size < 1:
+            raise ValueError(f"group_size: must be >= 1, got {group_size}")
+        if bound < 0:
+            raise ValueError(f"controller.max_filtered_groups_per_step: must be >= 0, got {bound}")
+        if self.filter_step[0] != learner_version:
+            self.filter_step = (learner_version, 0)
+        wanted = dict.fromkeys(group_ids)
+        members: dict[str, list[str]] = {}
+        for k, t in self._items.items():
+            if t.group_id in wanted:
+                members.setdefault(t.group_id, []).append(k)
+        out: list[str] = []
+        for g in wanted:
+            keys = members.get(g, [])
+            group = [self._items[k] for k in keys]
+            if len(keys) < group_size or any(t.baseline is not None or t.purpose == "eval" for t in group):
+                continue
+            if len({np.float32(t.reward) for t in group}) > 1:
+                continue
+            if self.filter_step[1] >= bound:
+                self.zero_variance_admitted += 1
+                continue
+            for k in keys:
+                del self._items[k]
+            self._drop("filtered", len(keys))
+            self.filtered_groups += 1
+            self.filter_step = (learner_version, self.filter_step[1] + 1)
+            self.ledger("dropped", keys, "filtered")
+            out += keys
         return out
 
     def held_ids(self) -> set[str]:
@@ -279,12 +351,16 @@ class TrajectoryBuffer:
         return [*self._held.values(), *self._items.values()]
 
     def state_dict(self) -> dict:
-        """Counters for checkpoints and ``buffered_ids``, the ids of :meth:`saved` in its order (the
-        trajectories themselves go to a file beside it, :mod:`trainer.driver.resume`)."""
+        """Counters for checkpoints (dynamic sampling's too: ``filtered_groups``,
+        ``zero_variance_admitted``, ``filter_step``) and ``buffered_ids``, the ids of :meth:`saved` in
+        its order (the trajectories themselves go to a file beside it, :mod:`trainer.driver.resume`)."""
         return {
             "submitted": self.submitted,
             "consumed": self.consumed,
             "dropped": dict(self.dropped),
+            "filtered_groups": self.filtered_groups,
+            "zero_variance_admitted": self.zero_variance_admitted,
+            "filter_step": list(self.filter_step),
             "buffered_ids": [t.trajectory_id for t in self.saved()],
         }
 
@@ -293,7 +369,8 @@ class TrajectoryBuffer:
         their order; none held); ``pending`` trajectories finished before the checkpoint but not yet
         offered (a source's held-back ones) stay counted in flight. The rest of what was in flight
         at the checkpoint never arrives: it counts as ``dropped["lost_at_restart"]``, so
-        ``submitted == consumed + dropped + buffered + in_flight`` holds again.
+        ``submitted == consumed + dropped + buffered + in_flight`` holds again. Dynamic sampling's
+        counters continue (0 when the checkpoint has none).
 
         Raises:
             ValueError: the ids of ``trajectories`` are not ``state["buffered_ids"]`` in order (missing
@@ -317,6 +394,10 @@ class TrajectoryBuffer:
         if lost > 0:
             self.dropped["lost_at_restart"] += lost
         self.dropped_total = sum(self.dropped.values())
+        self.filtered_groups = int(state.get("filtered_groups", 0))
+        self.zero_variance_admitted = int(state.get("zero_variance_admitted", 0))
+        version, count = state.get("filter_step", (NO_VERSION, 0))
+        self.filter_step = (int(version), int(count))
         self.in_flight = pending
         self._held.clear()
         self._items = OrderedDict((t.trajectory_id, t) for t in trajectories)

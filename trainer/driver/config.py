@@ -18,7 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, f
 
 from modelkit.cores import AUTO, ThreadPlan, available_cores, plan_threads
 from protocol import SamplingParams
-from trainer.algorithm.loss_config import EwmaConfig, LossConfig, kl_refusal, loss_config
+from trainer.algorithm.loss_config import EwmaConfig, LossConfig, loss_config
 from trainer.learner.lora_config import LoraSettings, lora_zero_refusal
 from trainer.learner.settings import LearnerOptions
 
@@ -166,14 +166,32 @@ class ControllerConfig(_Section):
     """Per-token limit: tokens older than this are masked out of the loss (kept as context)."""
     buffer_capacity: int = Field(256, ge=1)
     """Trajectories the buffer holds; beyond it, offers are refused (backpressure) and counted."""
+    dynamic_sampling: bool = False
+    """Dynamic sampling (DAPO's ``filter_groups``, Yu et al. 2025, Sec. 3.2): a group whose
+    ``sampling.n`` rewards are all equal gets advantages of exactly 0 under ``loss.advantage = "grpo"``
+    or ``"rloo"`` and carries no gradient, so it is dropped as soon as it is whole (counted in
+    ``dropped["filtered"]`` per trajectory and ``filtered_groups`` per group, in ``metrics.jsonl``,
+    ``/v1/status``, the summary and the checkpoint; the ledger says ``dropped``, reason ``filtered``)
+    and its places are admitted to new prompts, so each step trains on groups that carry a gradient.
+    Applies to the env loop and to full gateway groups alike (both group by ``group_id``); a gateway
+    group closed short with a baseline and held-out evaluation samples are never filtered. Cost:
+    extra generation, at most ``max_filtered_groups_per_step`` groups (x ``sampling.n`` samples)
+    per step; on a task where a fraction p of groups is uniform, about ``1 / (1 - p)`` times the
+    samples per trained batch until the bound is reached."""
+    max_filtered_groups_per_step: int | None = Field(None, ge=0)
+    """With ``dynamic_sampling``: groups dropped at most while the learner is at one version (one
+    step); from the next one on, until the version moves, groups of equal rewards are admitted as
+    usual and counted (``zero_variance_admitted``), so a task the policy has saturated (every
+    group all 1.0) never starves the learner. ``None``: ``2 * batch_groups``; 0: none dropped."""
     time_budget_s: float | None = Field(None, gt=0.0)
     """Seconds the training loop may run before it stops, even if ``total_steps`` is not reached;
     counted from the loop's start, so start-up and the held-out evaluations come on top."""
     checkpoint_every: int = Field(0, ge=0)
     """Checkpoint every N steps into ``<run_dir>/checkpoints`` (0: only at the end)."""
     keep_checkpoints: int = Field(0, ge=0)
-    """Checkpoints kept in ``<run_dir>/checkpoints``: after each save only the newest N stay, and
-    the resume point (0: every one stays; ``vintage export --version N`` needs version N's)."""
+    """Checkpoints kept in ``<run_dir>/checkpoints``: after each save only the newest N stay, the
+    resume point and the best version (``keep_best``) (0: every one stays; ``vintage export
+    --version N`` needs version N's)."""
     export_every: int = Field(0, ge=0)
     """Export a Hugging Face folder of every N-th version into ``<run_dir>/exports/v{N}`` during the
     run (as ``vintage export``; the version is checkpointed first when ``checkpoint_every`` did not);
@@ -185,6 +203,16 @@ class ControllerConfig(_Section):
     sampled token is of that version, while the learner trains the next step; the loop's wait for
     it comes on top of ``time_budget_s``. One record per evaluation goes to ``metrics.jsonl``
     (``kind = "eval"``), the trackers (``eval/held_out``) and ``/v1/status`` (``held_out``)."""
+    keep_best: bool = True
+    """With ``eval_every > 0``: keep the checkpoint of the version whose pinned held-out evaluation
+    scored the highest mean reward (the evaluations before and after training count; ties: the
+    earlier version). Each evaluated version is checkpointed when its evaluation starts unless
+    ``checkpoint_every`` or ``export_every`` saved it already (seconds: one checkpoint save per such
+    evaluation); that checkpoint goes again once its score is not the best (disk: one checkpoint
+    beyond what ``checkpoint_every`` and ``keep_checkpoints`` keep). ``keep_checkpoints`` never
+    prunes the best. ``summary.json`` names it (``best_version``, ``best_held_out``,
+    ``best_checkpoint``), ``<run_dir>/checkpoints/vintage_best.json`` records it as it changes (a
+    resumed run compares against it) and ``vintage export RUN_DIR --version best`` writes it."""
     start_timeout_s: float = Field(900.0, gt=0.0)
     """Seconds the learner and the old-logit service may take to start (model load, DeepSpeed init);
     past that the job stops with an error naming the part instead of waiting silently."""
@@ -379,8 +407,6 @@ class JobConfig(_Section):
 
     @model_validator(mode="after")
     def _cross(self) -> JobConfig:
-        if self.loss.kl_coef > 0:
-            raise ValueError(kl_refusal(self.loss.kl_coef))
         if (
             self.controller.max_token_staleness is not None
             and self.controller.max_token_staleness > self.controller.max_staleness
@@ -399,6 +425,14 @@ class JobConfig(_Section):
             )
         if self.rollout.max_num_seqs < n:
             raise ValueError(f"rollout.max_num_seqs: {self.rollout.max_num_seqs} < sampling.n {n}: a group never fits")
+        if c.dynamic_sampling and self.loss.advantage == "reinforce":
+            raise ValueError(
+                'controller.dynamic_sampling: true with loss.advantage = "reinforce": a group of equal rewards still carries the raw reward as gradient'
+            )
+        if c.dynamic_sampling and n < 2:
+            raise ValueError(
+                f"controller.dynamic_sampling: true with rollout.sampling.n = {n}: a group of one always has equal rewards"
+            )
         if c.eval_every and self.env.eval_prompts == 0 and (self.agent is None or self.agent.eval_tasks is None):
             raise ValueError(
                 f"controller.eval_every: {c.eval_every} with env.eval_prompts = 0: there are no held-out prompts to evaluate"

@@ -10,10 +10,15 @@ evaluations (:class:`trainer.driver.sources.EnvSource`) and ``vintage eval env``
 An evaluation is pinned to one published version: every sampled token of every episode must carry
 that version (:func:`held_out_scores` checks it). The job guarantees it by publishing nothing while
 an evaluation runs (:meth:`trainer.driver.parts.Job.finish_eval`).
+
+The best pinned evaluation of a run (:class:`BestEval`, :func:`beats`: the highest mean reward, ties
+to the earlier version) keeps its version's checkpoint (``controller.keep_best``,
+:meth:`trainer.driver.parts.Job.note_best`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -153,3 +158,56 @@ class PendingEval:
     def done(self) -> bool:
         """Every episode is back."""
         return len(self.got) >= len(self.requests)
+
+
+@dataclass(frozen=True)
+class BestEval:
+    """The best pinned held-out evaluation of a run so far and where its version's weights are
+    (``controller.keep_best``); saved as ``<run_dir>/checkpoints/vintage_best.json``
+    (:func:`trainer.learner.checkpoint.write_best`)."""
+
+    version: int
+    """The policy version the evaluation was pinned to."""
+    held_out: float
+    """Its mean held-out reward."""
+    run_segment: int
+    """The run segment that evaluated it (0 for a fresh run, +1 at every resume)."""
+    tag: str
+    """``before``, ``during`` or ``after``."""
+    checkpoint: str
+    """The version's checkpoint folder (``<run_dir>/checkpoints/v{version}``)."""
+    saved_for_it: bool = False
+    """The checkpoint was saved only because the version was evaluated (no ``checkpoint_every``,
+    ``export_every`` or final save holds it): it goes once another version is better."""
+
+    @classmethod
+    def from_record(cls, record: dict[str, object]) -> BestEval:
+        """The evaluation a ``vintage_best.json`` record names.
+
+        Raises:
+            ValueError: a field is missing or of the wrong kind (the message names it).
+        """
+        kinds = {"version": int, "held_out": (int, float), "run_segment": int, "tag": str, "checkpoint": str}
+        words = {"version": "whole number", "held_out": "number", "run_segment": "whole number"}
+        for name, kind in kinds.items():
+            value = record.get(name)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ValueError(f"vintage_best.json: {name} = {value!r} is not a {words.get(name, 'string')}")
+        return cls(
+            version=int(record["version"]),
+            held_out=float(record["held_out"]),
+            run_segment=int(record["run_segment"]),
+            tag=str(record["tag"]),
+            checkpoint=str(record["checkpoint"]),
+            saved_for_it=bool(record.get("saved_for_it", False)),
+        )
+
+
+def beats(held_out: float, best: BestEval | None) -> bool:
+    """Whether an evaluation whose mean reward is ``held_out`` becomes the best: a finite score above
+    the best so far (or the first finite one). Ties keep the earlier version.
+
+    Example: 0.20, 0.50, 0.84, 0.56, 0.48 in turn: the first three each become the best, the last
+    two do not; a second 0.84 does not replace the first.
+    """
+    return math.isfinite(held_out) and (best is None or held_out > best.held_out)

@@ -8,6 +8,7 @@ every run segment of the run folder::
     {"segment": 0, "version": 3, "event": "buffered", "stamps": [[3, "9f0c..."]], "ids": ["v3-5-24/0"]}
     {"segment": 0, "version": 3, "event": "consumed", "ids": [...]}
     {"segment": 0, "version": 4, "event": "dropped", "reason": "stale", "ids": [...]}
+    {"segment": 0, "version": 4, "event": "dropped", "reason": "filtered", "ids": [...one group...]}
     {"segment": 0, "version": 4, "event": "checkpoint", "tag": "v4", "ids": [...buffered...]}
     {"segment": 1, "version": 4, "event": "resumed", "tag": "v4", "ids": [...restored...], "lost_at_restart": 2}
 
@@ -15,6 +16,8 @@ every run segment of the run folder::
 ``started`` line: a run started afresh in a folder that held another run replaces it, and
 :func:`lineage` keeps nothing from before its last ``started`` line. A ``published`` line gives the learner's
 fingerprint of each published version (``manifest.fingerprint``, :mod:`modelkit.fingerprint`); a
+``dropped`` line with reason ``filtered`` names one whole group of equal rewards that dynamic
+sampling dropped after it arrived (:meth:`trainer.driver.buffer.TrajectoryBuffer.filter_groups`). A
 ``buffered`` line gives, per id, the version the trajectory was sampled at and the fingerprint its
 worker read back from the weights it served (``Trajectory.policy_version``, ``served_fingerprint``),
 so a reader can check that no trained trajectory came from weights other than its version's. A resume goes back to a checkpoint: what the

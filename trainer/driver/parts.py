@@ -11,8 +11,11 @@ every consumer before the next version is published (one publication is applied 
 batch stays held in the buffer until its step starts, and a batch taken ahead whose step never
 started goes back unconsumed; every trajectory that reaches :meth:`Job.collect` enters the buffer
 or is refused with a reason (:func:`intake_refusal`), and its fate is in the ledger by id
-(:mod:`trainer.driver.ledger`); a checkpoint keeps every finished trajectory not yet consumed
-(:meth:`Job.checkpoint`).
+(:mod:`trainer.driver.ledger`); with ``controller.dynamic_sampling`` a whole group of equal rewards is
+dropped as ``filtered`` right after the intake that completed it, within :func:`filter_bound` per
+version (:meth:`TrajectoryBuffer.filter_groups`); a checkpoint keeps every finished trajectory not yet consumed
+(:meth:`Job.checkpoint`); with ``controller.keep_best`` the version of the best pinned held-out
+evaluation stays checkpointed, and keep_checkpoints never prunes it (:meth:`Job.note_best`).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +46,7 @@ from trainer.driver.fingerprints import (
     prune_expected,
     trajectory_mismatch,
 )
+from trainer.driver.heldout import BestEval, beats
 from trainer.driver.ledger import Ledger
 from trainer.driver.resume import write_trajectories
 from trainer.driver.routes import NoRoute, ScorerWeights
@@ -69,6 +73,17 @@ def intake_refusal(t: Trajectory, vocab_size: int, expected: ExpectedFingerprint
     if expected and trajectory_mismatch(t, expected):
         return FINGERPRINT_MISMATCH
     return None
+
+
+def filter_bound(cfg: JobConfig) -> int:
+    """Groups of equal rewards dynamic sampling may drop per learner version (one training step):
+    ``controller.max_filtered_groups_per_step``, or ``2 * controller.batch_groups`` when unset.
+
+    Example: 4 groups per batch, unset: up to 8 groups dropped per version, so at most 12 groups
+    are generated for one batch of 4 (plus what the staleness bound lets run ahead).
+    """
+    c = cfg.controller
+    return c.max_filtered_groups_per_step if c.max_filtered_groups_per_step is not None else 2 * c.batch_groups
 
 
 @dataclass
@@ -129,6 +144,12 @@ class Job:
     _eval_tag, _eval_started, _eval_blocked = "", 0.0, 0.0
     """The running evaluation's tag, ``time.perf_counter()`` at its start and the seconds its start
     blocked (:meth:`start_eval`)."""
+    best: BestEval | None = None
+    """The best pinned held-out evaluation so far, whose version's checkpoint is kept
+    (``controller.keep_best``, :meth:`note_best`); None before the first, or without the setting."""
+    _saved_for_eval: int | None = None
+    """A version checkpointed only because its evaluation started (:meth:`start_eval`), until the
+    evaluation's result decides whether the checkpoint stays (:meth:`note_best`)."""
 
     def __init__(
         self,
@@ -155,7 +176,12 @@ class Job:
         self.version = version
         """The learner's version: the number of rollout batches it has trained on (one published update each)."""
         self.checkpointed_version: int | None = None
-        """The version of this run's last checkpoint (None before the first)."""
+        """The version of this run's last checkpoint (None before the first; a run resumed from its
+        own checkpoints folder starts with the resume point)."""
+        resumed_from = cfg.controller.resume_from
+        if resumed_from and Path(resumed_from).resolve() == self.checkpoints_dir.resolve():
+            self.checkpointed_version = version
+        self.best = self.starting_best()
         self.run_segment = run_segment
         """0 for a fresh run, +1 at every resume: (segment, version) names one set of weights even
         when a resumed run re-reaches a version number it had passed before the resume point."""
@@ -184,18 +210,24 @@ class Job:
     def collect(self, timer: str = "old_logits") -> None:
         """Move finished training trajectories into the buffer (the route attaches exact pi_old first).
 
-        The seconds the route spends attaching go to ``times[timer]``.
+        The seconds the route spends attaching go to ``times[timer]``. With
+        ``controller.dynamic_sampling``, the groups this intake made whole are then judged, and those
+        of equal rewards dropped as ``filtered`` (:meth:`TrajectoryBuffer.filter_groups`, bound
+        :func:`filter_bound` per learner version); their places go to new prompts at the next admission.
         """
         got = self.source.poll()
         t0 = time.perf_counter()
         got = self.route.attach(got, self.cfg.rollout.sampling.temperature)
         self.times[timer] += time.perf_counter() - t0
+        offered: list[str] = []
         for t in got:
             refused = intake_refusal(t, self.vocab_size, self.served_expected)
             if refused:
                 self.buffer.reject(refused, t.trajectory_id)
-            else:
-                self.buffer.offer(t)
+            elif self.buffer.offer(t):
+                offered.append(t.group_id)
+        if self.cfg.controller.dynamic_sampling and offered:
+            self.buffer.filter_groups(offered, self.version, self.cfg.rollout.sampling.n, filter_bound(self.cfg))
 
     def take(self, ahead: bool = False) -> TakenBatch | None:
         """A batch for the learner's version (``ahead``: for the next one) and the route's pending answer.
@@ -281,7 +313,8 @@ class Job:
         learner's version + 1), until one is taken or the step has finished (then None: the next
         batch is taken at the new version). None at once when ``controller.max_staleness`` is 0 (no
         batch is consumable at V+1 before V+1 is published) or when V+1 is the last version
-        (``controller.total_steps``)."""
+        (``controller.total_steps``). Places freed by groups dynamic sampling drops meanwhile are
+        admitted again at once (:meth:`top_up`), so their new prompts run while the learner trains."""
         c = self.cfg.controller
         if c.max_staleness == 0 or self.version + 1 >= c.total_steps:
             return None
@@ -289,7 +322,10 @@ class Job:
             nxt = self.take(ahead=True)
             if nxt is not None or step.done(timeout_s=0.2):
                 return nxt
+            filtered = self.buffer.filtered_groups
             self.collect(timer="old_logits_overlapped")
+            if self.buffer.filtered_groups > filtered:
+                self.top_up()
 
     def finish_train(self, step: TrainStep) -> dict[str, Any]:
         """Wait for ``step``; the learner's metrics (rank 0).
@@ -456,11 +492,18 @@ class Job:
         Pinning: nothing is published until :meth:`finish_eval` returned (the loop calls it before
         its next :meth:`publish`), so every episode is sampled by this version alone, which
         :meth:`finish_eval` checks token by token; the learner meanwhile trains on the next batch.
+
+        With ``controller.keep_best`` (:attr:`keeps_best`) the version is checkpointed once the
+        evaluation has started, unless a checkpoint of it exists already, so that its weights are
+        on disk when its result arrives (:meth:`note_best`). The evaluation after training
+        (``tag = "after"``) is of the final version, which the run's final checkpoint saves.
         """
         self.wait_published()  # every worker serves the version being evaluated
         self._eval_tag, self._eval_started = tag, time.perf_counter()
         started = self.source.start_eval(tag)
         self._eval_blocked = time.perf_counter() - self._eval_started
+        if started and tag != "after" and self.keeps_best and self.checkpointed_version != self.version:
+            self.checkpoint(for_eval=True)  # saved while the episodes run
         return started
 
     @property
@@ -487,20 +530,28 @@ class Job:
         self.times["eval"] += waited
         self.times["eval_overlapped"] += max(0.0, seconds - waited)
         # the agent source's scores carry no version: its evaluation blocked the loop, so it is the current one
-        return {"version": self.version, **scores, "tag": tag or self._eval_tag, "seconds": seconds, "waited_s": waited}
+        tag = tag or self._eval_tag
+        result = {"version": self.version, **scores, "tag": tag, "seconds": seconds, "waited_s": waited}
+        self.note_best(result)
+        return result
 
-    def checkpoint(self) -> str:
+    def checkpoint(self, for_eval: bool = False) -> str:
         """Save ``<run_dir>/checkpoints/v{version}`` and return its folder: the learner's state
-        (weights, optimizer, version, EWMA), the buffer's accounting, the source's cursor, and every
+        (weights, optimizer, version, EWMA), the buffer's accounting, the source's cursor, the best
+        pinned evaluation so far (``best``, :attr:`best` as a dict, or None), and every
         finished trajectory not yet consumed - buffered, held in a batch taken ahead (saved as
         buffered, at the front: the resumed job takes it again) or held back by the source - in
         :data:`trainer.driver.resume.TRAJECTORIES_FILE`, written before the learner moves the
         checkpoint pointer. The ledger gets a ``checkpoint`` line naming the saved ids. Older
-        checkpoints beyond ``controller.keep_checkpoints`` are removed after the save.
-        """
-        from trainer.learner.checkpoint import prune_checkpoints, version_tag
+        checkpoints are then removed by the retention rule (:meth:`prune`).
 
-        directory, tag = self.run_dir / "checkpoints", version_tag(self.version)
+        ``for_eval``: saved only because the version's held-out evaluation started
+        (``controller.keep_best``): nothing is pruned, and :meth:`note_best` removes it again unless
+        the evaluation is the best. A regular save of that version makes it a regular checkpoint.
+        """
+        from trainer.learner.checkpoint import version_tag
+
+        directory, tag = self.checkpoints_dir, version_tag(self.version)
         pending = self.source.pending()
         write_trajectories(directory / tag, self.buffer.saved(), pending)
         extra = {
@@ -511,11 +562,19 @@ class Job:
                 "held_back_units": self.source.pending_units(),
             },
             "run_segment": self.run_segment,
+            "best": asdict(self.best) if self.best is not None else None,
         }
         folder = self.learner.save_checkpoint(str(directory), extra)
         self.checkpointed_version = self.version
         self.ledger("checkpoint", extra["buffer"]["buffered_ids"], tag=tag, held_back=extra["source"]["held_back_ids"])
-        prune_checkpoints(directory, self.cfg.controller.keep_checkpoints)
+        if for_eval:
+            self._saved_for_eval = self.version
+            return folder
+        if self._saved_for_eval == self.version:
+            self._saved_for_eval = None
+        if self.best is not None and self.best.saved_for_it and self.best.checkpoint == str(self._folder(self.version)):
+            self._set_best(replace(self.best, saved_for_it=False))
+        self.prune()
         return folder
 
     def export(self) -> Path:
@@ -528,6 +587,114 @@ class Job:
         out = self.run_dir / "exports" / f"v{self.version}"
         export_run(self.run_dir, out, self.version, overwrite=True)
         return out
+
+    # -- the best pinned held-out evaluation's checkpoint (controller.keep_best) ---------------------
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        """``<run_dir>/checkpoints``."""
+        return self.run_dir / "checkpoints"
+
+    @property
+    def keeps_best(self) -> bool:
+        """Whether the best pinned evaluation's checkpoint is kept: ``controller.keep_best`` with
+        ``controller.eval_every > 0``."""
+        c = self.cfg.controller
+        return c.keep_best and c.eval_every > 0
+
+    def _folder(self, version: int) -> Path:
+        """Version ``version``'s checkpoint folder in this run, as an absolute path."""
+        from trainer.learner.checkpoint import version_tag
+
+        return self.checkpoints_dir.resolve() / version_tag(version)
+
+    def _own(self, best: BestEval | None) -> bool:
+        """``best``'s checkpoint is in this run's checkpoints folder (a run resumed from another
+        folder may keep comparing against a best there, but never removes it)."""
+        return best is not None and Path(best.checkpoint).resolve().parent == self.checkpoints_dir.resolve()
+
+    def _set_best(self, best: BestEval | None) -> None:
+        """Make ``best`` the best so far and record it in ``<run_dir>/checkpoints/vintage_best.json``."""
+        from trainer.learner.checkpoint import write_best
+
+        self.best = best
+        write_best(self.checkpoints_dir, asdict(best) if best is not None else None)
+
+    def starting_best(self) -> BestEval | None:
+        """The best so far when the job starts. A fresh run: None, and a record left in its run
+        folder by an earlier run is removed. A resumed run with :attr:`keeps_best`: the record of the
+        checkpoints folder it resumed from while that version's checkpoint is there (a run resumed
+        from another folder records it in its own and never removes it); None otherwise.
+
+        Raises:
+            ValueError: the record is malformed (the message names the file or the field).
+        """
+        from trainer.learner.checkpoint import STATE_FILE, read_best, write_best
+
+        resumed_from = self.cfg.controller.resume_from
+        if not resumed_from:
+            write_best(self.checkpoints_dir, None)
+            return None
+        record = read_best(resumed_from) if self.keeps_best else None
+        if record is None:
+            return None
+        best = BestEval.from_record(record)
+        if not (Path(best.checkpoint) / STATE_FILE).is_file():
+            return None
+        if not self._own(best):
+            best = replace(best, saved_for_it=False)
+            write_best(self.checkpoints_dir, asdict(best))
+        return best
+
+    def note_best(self, scores: dict[str, Any]) -> None:
+        """Keep the checkpoint of the best pinned held-out evaluation (:attr:`keeps_best`), given one
+        evaluation's result ``scores`` (:meth:`finish_eval`: ``version``, ``reward``, ``tag``).
+
+        Rule: an evaluation whose mean reward beats the best so far (:func:`trainer.driver.heldout.beats`:
+        higher and finite; ties keep the earlier version) becomes the best. A checkpoint saved only
+        for an evaluation (:meth:`start_eval`) goes again when that evaluation is not the best, and a
+        best's such checkpoint goes when another version beats it; regular checkpoints
+        (``checkpoint_every``, ``export_every``, the final one) follow ``keep_checkpoints``, which
+        never prunes the best (:meth:`prune`).
+        """
+        pending, self._saved_for_eval = self._saved_for_eval, None
+        old = self.best
+        if self.keeps_best and scores and beats(float(scores["reward"]), old):
+            v = int(scores["version"])
+            folder = str(self._folder(v))
+            # saved only for evaluations: this one's, or the same checkpoint's when it was scored before
+            only_for_eval = pending == v or (old is not None and old.checkpoint == folder and old.saved_for_it)
+            self._set_best(
+                BestEval(v, float(scores["reward"]), self.run_segment, str(scores["tag"]), folder, only_for_eval)
+            )
+        if pending is not None and (self.best is None or self.best.checkpoint != str(self._folder(pending))):
+            self._drop(pending)
+        if self.best is not old:
+            if old is not None and old.saved_for_it and old.checkpoint != self.best.checkpoint and self._own(old):
+                self._drop(old.version)
+            self.prune()  # a regular checkpoint that was the best follows keep_checkpoints again
+
+    def prune(self) -> list[int]:
+        """Remove the checkpoints the retention rule lets go
+        (:func:`trainer.learner.checkpoint.checkpoints_to_remove`): the newest
+        ``controller.keep_checkpoints`` regular ones, the resume point and the best version stay.
+        Returns the versions removed."""
+        from trainer.learner.checkpoint import prune_checkpoints
+
+        best = self.best if self._own(self.best) else None
+        kept = best.version if best is not None else None
+        extra = (best.version,) if best is not None and best.saved_for_it else ()
+        return prune_checkpoints(self.checkpoints_dir, self.cfg.controller.keep_checkpoints, kept, extra)
+
+    def _drop(self, version: int) -> None:
+        """Remove ``version``'s checkpoint, saved only for an evaluation that is not (or no longer)
+        the best; the resume point moves back to the newest one left
+        (:func:`trainer.learner.checkpoint.remove_checkpoint`)."""
+        from trainer.learner.checkpoint import remove_checkpoint
+
+        remove_checkpoint(self.checkpoints_dir, version)
+        if self.checkpointed_version == version:
+            self.checkpointed_version = None
 
     # -- the rollout workers between iterations ---------------------------------------------------
 

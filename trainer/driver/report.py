@@ -4,7 +4,8 @@ notes and the run's summary.
 The functions here read the job's parts (:class:`trainer.driver.parts.Job`); only
 :func:`step_report` changes anything: it adds to the job's exact-token totals, and reading the
 old-logit service's status counts a restart of the service. The loop decides where each report
-goes (``metrics.jsonl`` and TensorBoard, the status board, the console, ``summary.json``). The
+goes (``metrics.jsonl`` and TensorBoard, the status board, the console, ``summary.json``), except
+that :func:`run_summary` prints the best version's line (:func:`best_line`) at the end of the run. The
 status never shows NaN: a non-finite number is reported as None.
 """
 
@@ -43,7 +44,8 @@ class StepReport:
 def step_report(job: Job, batch: list[Trajectory], m: dict[str, Any]) -> StepReport:
     """The step's row of ``metrics.jsonl`` - the learner's metrics ``m`` plus the batch's rewards and
     staleness, the last publication, the old-logit service's restarts and outages so far
-    (:meth:`ServiceCalls.record`) and the buffer's drop counts - and the service's status, read first
+    (:meth:`ServiceCalls.record`), the buffer's drop counts and dynamic sampling's group counts so
+    far (``filtered_groups``, ``zero_variance_admitted``) - and the service's status, read first
     so that a new service process counts as a restart in the row. Adds to the job's exact-token
     totals.
 
@@ -74,6 +76,8 @@ def step_report(job: Job, batch: list[Trajectory], m: dict[str, Any]) -> StepRep
             "publish_bytes": float(job.last_publish.get("bytes", 0.0)),
             "run_segment": job.run_segment,
             "fingerprint_mismatch": job.fingerprint_mismatch,
+            "filtered_groups": job.buffer.filtered_groups,
+            "zero_variance_admitted": job.buffer.zero_variance_admitted,
             **service,
             **{f"dropped_{k}": v for k, v in job.buffer.dropped.items()},
         }
@@ -107,11 +111,14 @@ def status_fields(job: Job, oldlogit: OldLogitServiceStatus | None, m: StepMetri
         in_flight=job.buffer.in_flight,
         held=job.buffer.held,
         dropped=dict(job.buffer.dropped),
+        filtered_groups=job.buffer.filtered_groups,
+        zero_variance_admitted=job.buffer.zero_variance_admitted,
         oldlogit=oldlogit,
         last_publish_s=job.last_publish.get("seconds"),
         last_publish_unix=job.last_publish.get("unix"),
         fingerprint_mismatch=job.fingerprint_mismatch,
         gateway=job.source.status(),
+        **best_status(job),
     )
     if m is not None:
         f.update(
@@ -173,7 +180,36 @@ def started_note(job: Job, joined: list[str], gave_up: list[str]) -> str:
     return f"{'; '.join(parts)}; {workers_line(job)}"
 
 
+def best_status(job: Job) -> dict[str, Any]:
+    """``/v1/status`` ``best_version`` and ``best_held_out``: the best pinned held-out evaluation so
+    far (``controller.keep_best``, :attr:`Job.best`); nothing before the first (or without a job's ``best``)."""
+    best = getattr(job, "best", None)
+    return {} if best is None else {"best_version": best.version, "best_held_out": _finite_or_none(best.held_out)}
+
+
 # -- the run's summary (``summary.json``) ------------------------------------------------------
+
+
+def best_summary(job: Job) -> dict[str, Any]:
+    """``summary.json``'s ``best_version``, ``best_held_out`` (its mean held-out reward) and
+    ``best_checkpoint`` (the version's checkpoint folder): the best pinned held-out evaluation of
+    the run (``controller.keep_best``, ties to the earlier version); each None when there is none."""
+    best = getattr(job, "best", None)
+    if best is None:
+        return {"best_version": None, "best_held_out": None, "best_checkpoint": None}
+    return {"best_version": best.version, "best_held_out": best.held_out, "best_checkpoint": best.checkpoint}
+
+
+def best_line(job: Job) -> str | None:
+    """The end-of-run line naming the best version, e.g. ``best held-out: version 20 (mean reward
+    0.840), checkpoint runs/x/checkpoints/v20``; None when there is none."""
+    s = best_summary(job)
+    if s["best_version"] is None:
+        return None
+    return (
+        f"best held-out: version {s['best_version']} (mean reward {s['best_held_out']:.3f}), "
+        f"checkpoint {s['best_checkpoint']}"
+    )
 
 
 def loop_per_step(loop_s: float, train_s: float, steps: int) -> dict[str, float | None]:
@@ -207,9 +243,13 @@ def run_summary(
 ) -> dict[str, Any]:
     """The summary of a finished loop: why it ended (``reason``), the held-out scores ``before`` and
     ``after``, the last step's row ``last`` (None without a step), accounting, the time split, the
-    old-logit service's counters and the job's thread plan (``thread_plan``). ``loop_s``: the loop's
-    wall seconds; ``t_end``, ``t_start``: ``time.perf_counter()`` at the loop's end and the job's start."""
+    old-logit service's counters, the job's thread plan (``thread_plan``) and the best pinned
+    held-out evaluation (:func:`best_summary`, whose line :func:`best_line` is printed on the job's
+    console here, after the end-of-run line). ``loop_s``: the loop's wall seconds; ``t_end``,
+    ``t_start``: ``time.perf_counter()`` at the loop's end and the job's start."""
     gateway = job.source.status()
+    if line := best_line(job):
+        job.console.print(line)
     return {
         "state": "finished",
         "end_reason": reason,
@@ -224,6 +264,8 @@ def run_summary(
         "generated": job.buffer.submitted,
         "consumed": job.buffer.consumed,
         "dropped": dict(job.buffer.dropped),
+        "filtered_groups": job.buffer.filtered_groups,
+        "zero_variance_admitted": job.buffer.zero_variance_admitted,
         "buffered": len(job.buffer) + job.buffer.held,
         "in_flight": job.buffer.in_flight,
         "accounting_ok": job.buffer.accounting_ok(),
@@ -243,6 +285,7 @@ def run_summary(
         "method": job.cfg.loss.method,
         "thread_plan": vars(job.cfg.thread_plan()),  # torch threads per part and who yields (modelkit.cores)
         "gateway": gateway.model_dump() if gateway is not None else None,
+        **best_summary(job),
     }
 
 

@@ -58,8 +58,22 @@ class StatusBoard:
             "held_out_version": Gauge(
                 "vintage_held_out_version", "Policy version of the latest held-out evaluation", registry=r
             ),
+            "best_version": Gauge(
+                "vintage_best_version", "Policy version of the best pinned held-out evaluation (kept)", registry=r
+            ),
+            "best_held_out": Gauge(
+                "vintage_best_held_out_reward", "Mean reward of the best pinned held-out evaluation", registry=r
+            ),
             "generated": Gauge("vintage_trajectories_generated", "Trajectories submitted to workers", registry=r),
             "consumed": Gauge("vintage_trajectories_consumed", "Trajectories trained on", registry=r),
+            "filtered_groups": Gauge(
+                "vintage_filtered_groups", "Groups of equal rewards dropped by dynamic sampling", registry=r
+            ),
+            "zero_variance_admitted": Gauge(
+                "vintage_zero_variance_admitted",
+                "Groups of equal rewards trained on because the per-step filter bound was reached",
+                registry=r,
+            ),
         }
         self._dropped = Gauge("vintage_trajectories_dropped", "Trajectories dropped, by reason", ["reason"], registry=r)
         self._exact = Gauge(

@@ -20,7 +20,9 @@ operation                   :class:`EnvSource` (the built-in     :class:`AgentSo
 ==========================  ===================================  ==================================
 
 Invariants: admission follows the staleness rule
-(:func:`trainer.driver.buffer.admission_capacity`); every trajectory a source admits is noted
+(:func:`trainer.driver.buffer.admission_capacity`) over trajectories submitted and not dropped, so
+the places of a group dropped by dynamic sampling (``controller.dynamic_sampling``, drop reason
+``filtered``) go to new prompts (new env seeds, new agent tasks) at the next admission; every trajectory a source admits is noted
 submitted on the job's buffer and ends polled, dropped with a reason, or in flight (the buffer's
 accounting, :meth:`TrajectoryBuffer.accounting_ok`); ``poll`` never returns an evaluation
 trajectory. The driver loop is the only caller.
@@ -293,6 +295,10 @@ class AgentSource:
     The buffer counts sessions (a split session's segments too), not samples: a sample lost with its
     rollout worker is a call of some session, and that session still ends, emitted or dropped with
     a reason, so the lost samples are not counted here.
+
+    Dynamic sampling applies to the gateway's groups as to the env loop's (both group by
+    ``group_id``): a full group is released at once, every segment in one poll, and judged whole;
+    a group released short of ``rollout.sampling.n`` with a baseline is never filtered.
     """
 
     def __init__(self, runner: AgentRunner):

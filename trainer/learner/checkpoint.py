@@ -8,6 +8,8 @@ Layout of ``directory`` (one sub-folder per checkpoint, tag ``v{version}``)::
       latest                    DeepSpeed's pointer (written by DeepSpeed)
       vintage_latest            vintage's pointer, written last: a checkpoint is complete only once
                                 this names it, so a crash mid-save never becomes the resume point
+      vintage_best.json         the driver's record of the best pinned held-out evaluation and its
+                                checkpoint (``controller.keep_best``, :func:`write_best`)
 
 Every rank must call :func:`save_checkpoint` / :func:`load_checkpoint` (DeepSpeed saves and loads
 each rank's optimizer partition). ``extra`` is opaque to the learner: the controller stores its
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import shutil
@@ -47,6 +50,10 @@ if TYPE_CHECKING:
 
 STATE_FILE = "vintage_state.pt"
 LATEST_FILE = "vintage_latest"
+BEST_FILE = "vintage_best.json"
+"""The driver's record of the best pinned held-out evaluation (:func:`write_best`)."""
+DEEPSPEED_LATEST_FILE = "latest"
+"""DeepSpeed's own pointer (vintage loads by tag and never reads it)."""
 FORMAT = 1
 MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
 """DeepSpeed's module state file of ZeRO 0-2 (the whole module, written by rank 0)."""
@@ -65,7 +72,7 @@ def save_checkpoint(
     """Save ``core`` under ``directory/tag`` (default tag ``v{version}``) and return that folder.
 
     Saved: model weights and optimizer state (DeepSpeed, every rank's partition), the version
-    counter, skipped-step count, the EWMA weights/total/counters, the settings (for information)
+    counter, skipped-step count, applied optimizer steps (the learning-rate schedule's position), the EWMA weights/total/counters, the settings (for information)
     and ``extra``. Raises whatever DeepSpeed or the filesystem raises; the ``vintage_latest``
     pointer is only moved after everything is written.
     """
@@ -82,6 +89,7 @@ def save_checkpoint(
             "format": FORMAT,
             "version": core.version,
             "skipped_steps": core.skipped_steps,
+            "optimizer_steps": core.optimizer_steps,
             "ewma": core.ewma.state_dict() if core.ewma is not None else None,
             "settings": core.settings.model_dump(mode="json"),
             "extra": extra or {},
@@ -141,29 +149,96 @@ def checkpointed_versions(directory: str | Path) -> list[int]:
     return sorted(int(m.group(1)) for m in found if m)
 
 
-def checkpoints_to_remove(versions: list[int], latest: int | None, keep: int) -> list[int]:
-    """Versions whose checkpoints go when only the newest ``keep`` are kept (``keep = 0``: none
-    go); the one ``latest`` names (the resume point) is always kept, on top of the ``keep``.
+def checkpoints_to_remove(
+    versions: list[int], latest: int | None, keep: int, best: int | None = None, extra: tuple[int, ...] = ()
+) -> list[int]:
+    """Versions whose checkpoints go under the retention rule: the newest ``keep`` regular
+    checkpoints stay (``keep = 0``: every regular one stays), and so do the one ``latest`` names
+    (the resume point) and ``best`` (the best pinned held-out evaluation's version,
+    ``controller.keep_best``), on top of the ``keep``. ``extra``: versions saved only because they
+    were evaluated; they do not count among the newest ``keep`` and go unless they are ``latest``
+    or ``best``.
 
     Example: versions ``[2, 4, 6, 8]``, latest 8, keep 2 -> ``[2, 4]``; latest 4, keep 1 ->
-    ``[2, 6]``.
+    ``[2, 6]``; latest 8, keep 1, best 4 -> ``[2, 6]``; latest 8, keep 2, best 4, extra (4,) ->
+    ``[2]`` (4 is the best, 6 and 8 the two newest regular ones).
     """
-    if keep <= 0:
-        return []
-    newest = sorted(versions)[-keep:]
-    return [v for v in sorted(versions) if v not in newest and v != latest]
+    regular = sorted(v for v in versions if v not in extra)
+    newest = regular[-keep:] if keep > 0 else regular
+    return [v for v in sorted(versions) if v not in newest and v not in (latest, best)]
 
 
-def prune_checkpoints(directory: str | Path, keep: int) -> list[int]:
+def prune_checkpoints(
+    directory: str | Path, keep: int, best: int | None = None, extra: tuple[int, ...] = ()
+) -> list[int]:
     """Remove the complete checkpoints of ``directory`` that :func:`checkpoints_to_remove` names
-    (the newest ``keep`` and the resume point stay); returns the versions removed. Raises what the
-    filesystem raises."""
+    (the newest ``keep`` regular ones, the resume point and ``best`` stay; ``extra`` as there);
+    returns the versions removed. Raises what the filesystem raises."""
     tag = latest_tag(directory)
     latest = int(tag[1:]) if tag and re.fullmatch(r"v\d+", tag) else None
-    gone = checkpoints_to_remove(checkpointed_versions(directory), latest, keep)
+    gone = checkpoints_to_remove(checkpointed_versions(directory), latest, keep, best, extra)
     for v in gone:
         shutil.rmtree(Path(directory) / version_tag(v))
     return gone
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def remove_checkpoint(directory: str | Path, version: int) -> str | None:
+    """Remove ``version``'s checkpoint from ``directory`` and return the resume point's tag after it.
+
+    When it is the resume point (``vintage_latest`` names it), both pointers (``vintage_latest`` and
+    DeepSpeed's ``latest``) first move to the newest remaining complete checkpoint, or are removed
+    when none remains, so a crash between the two steps never leaves a pointer to a missing folder.
+    Raises what the filesystem raises.
+    """
+    d, tag = Path(directory), version_tag(version)
+    latest = latest_tag(d)
+    if latest == tag:
+        rest = [v for v in checkpointed_versions(d) if v != version]
+        latest = version_tag(rest[-1]) if rest else None
+        for name in (LATEST_FILE, DEEPSPEED_LATEST_FILE):
+            p = d / name
+            if latest is not None and (name == LATEST_FILE or p.is_file()):
+                _write_atomic(p, latest)
+            else:
+                p.unlink(missing_ok=True)
+    if (d / tag).is_dir():
+        shutil.rmtree(d / tag)
+    return latest
+
+
+def write_best(directory: str | Path, record: dict[str, Any] | None) -> None:
+    """Write ``record`` (the driver's best pinned held-out evaluation: plain JSON values) as
+    ``directory / BEST_FILE`` atomically; None removes the file. ``directory`` is created if needed."""
+    d = Path(directory)
+    if record is None:
+        (d / BEST_FILE).unlink(missing_ok=True)
+        return
+    d.mkdir(parents=True, exist_ok=True)
+    _write_atomic(d / BEST_FILE, json.dumps(record, indent=1))
+
+
+def read_best(directory: str | Path) -> dict[str, Any] | None:
+    """The record :func:`write_best` left in ``directory`` (None: no file).
+
+    Raises:
+        ValueError: the file is not a JSON object (the message names it).
+    """
+    p = Path(directory) / BEST_FILE
+    if not p.is_file():
+        return None
+    try:
+        record = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{p}: holds a JSON {type(record).__name__}, not an object")
+    return record
 
 
 def read_weights(directory: str | Path, tag: str | None = None) -> dict[str, torch.Tensor]:
@@ -246,8 +321,8 @@ def read_state(directory: str | Path, tag: str | None = None) -> dict[str, Any]:
 def load_checkpoint(core: LearnerCore, directory: str | Path, *, tag: str | None = None) -> dict[str, Any]:
     """Restore ``core`` from ``directory`` (the newest complete checkpoint unless ``tag``).
 
-    Restores weights and optimizer state (DeepSpeed), ``version``, ``skipped_steps`` and the EWMA
-    state, and returns the ``extra`` dict saved with it.
+    Restores weights and optimizer state (DeepSpeed), ``version``, ``skipped_steps``,
+    ``optimizer_steps`` (the learning-rate schedule's position) and the EWMA state, and returns the ``extra`` dict saved with it.
 
     Raises:
         FileNotFoundError: no complete checkpoint.
@@ -273,6 +348,10 @@ def load_checkpoint(core: LearnerCore, directory: str | Path, *, tag: str | None
         core.ewma.load_state_dict(state["ewma"])
     core.version = int(state["version"])
     core.skipped_steps = int(state["skipped_steps"])
+    # the learning-rate schedule's count; a checkpoint written before it was kept counts every
+    # version's optimizer steps as applied
+    s = core.settings
+    core.optimizer_steps = int(state.get("optimizer_steps", core.version * s.ppo_epochs * s.ppo_mini_batches))
     _barrier(core)
     return dict(state["extra"])
 

@@ -66,6 +66,8 @@ from trainer.algorithm.losses import compute_policy_loss, discrepancy_ratio, ice
 from trainer.algorithm.proximal import RECOMPUTE_PROXIES, proximal_reference
 from trainer.learner import checkpoint
 from trainer.learner.guard import StepGuard
+from trainer.learner.reference import ReferencePolicy
+from trainer.learner.schedule import lr_multiplier
 from trainer.learner.settings import LearnerSettings, init_distributed
 from trainer.learner.steps import combine_step_metrics, sum_max_min
 
@@ -79,6 +81,14 @@ def first_loss_position(mb: Batch) -> int:
     """
     cols = torch.nonzero(mb.loss_mask.any(0)).flatten()
     return max(1, int(cols[0])) if cols.numel() else 1
+
+
+def shuffled_rows(size: int, seed: int, version: int, epoch: int) -> list[int]:
+    """The row order ``[size]`` of one pass over a rollout batch: a permutation from a torch
+    generator seeded with ``seed * 1_000_003 + version * 1_009 + epoch`` (the same on every rank and
+    on a resumed run). Example: ``shuffled_rows(4, 0, 0, 0)`` is ``[0, 1, 3, 2]``."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + version * 1_009 + epoch)
+    return torch.randperm(size, generator=gen).tolist()
 
 
 class LearnerCore:
@@ -96,6 +106,8 @@ class LearnerCore:
         nonfinite_weight_steps: of those, steps whose update produced a non-finite weight or optimizer
             state (e.g. an infinite learning rate) and were rolled back.
         ewma: the :class:`trainer.algorithm.ewma.EwmaProximal`, or None when the proxy is not "ewma".
+        reference: the KL penalty's :class:`trainer.learner.reference.ReferencePolicy`, or None when
+            ``loss.kl_coef`` is 0.
     """
 
     def __init__(self, settings: LearnerSettings, rank: int = 0, world_size: int = 1) -> None:
@@ -115,6 +127,8 @@ class LearnerCore:
             from modelkit.lora import wrap_lora
 
             model = wrap_lora(model, lora.spec(), dropout=lora.dropout)
+        # the KL penalty's frozen reference: version 0, before any step (LoRA: the adapter switched off)
+        self.reference = ReferencePolicy(model, self._torch_dtype, lora.enabled) if settings.loss.kl_coef > 0 else None
         use_ewma = settings.loss.proxy == "ewma"
         scorer = None
         if use_ewma and not lora.enabled:
@@ -145,10 +159,14 @@ class LearnerCore:
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self._optimizer, config=ds_config)
         if scorer is not None:  # the EWMA forwards run where the engine's do
             scorer.to(self.engine.device)
+        if self.reference is not None:
+            self.reference.to(self.engine.device)
         self._guard.watch(self.engine.module.parameters())
         self.version = 0
         self.skipped_steps = 0
         self.nonfinite_weight_steps = 0
+        self.optimizer_steps = 0
+        """Applied optimizer steps since version 0: the learning-rate schedule's step count."""
         self.last_publish: dict[str, float] = {}
         self.last_optimizer_steps: list[dict[str, float]] = []
         """Per optimizer step metrics of the last :meth:`train_batch` (before :func:`combine_step_metrics`)."""
@@ -266,16 +284,19 @@ class LearnerCore:
             raise ValueError(f"batch collated for version {batch.consuming_version}, learner is at {self.version}")
         t0 = time.perf_counter()
         s = self.settings
-        minis = batch.mini_batches(min(s.ppo_mini_batches, max(1, batch.size)))
-        steps = s.ppo_epochs * len(minis)
+        count = min(s.ppo_mini_batches, max(1, batch.size))
+        steps = s.ppo_epochs * count
+        recompute = steps > 1 and s.loss.proxy in RECOMPUTE_PROXIES
+        tr = time.perf_counter()
+        if recompute and s.ppo_epochs > 1:  # every row is read by a later step: take them all at once
+            batch = self._with_recompute(batch)
         # which mini-batches read a recompute reference taken before the first step: all of them with
         # several steps and a proxy built from the current log-probs, but the first of a single pass,
         # whose own forward is at the consuming version
-        taken = [
-            steps > 1 and s.loss.proxy in RECOMPUTE_PROXIES and (j > 0 or s.ppo_epochs > 1) for j in range(len(minis))
-        ]
-        tr = time.perf_counter()
-        minis = [self._with_recompute(mb) if take else mb for mb, take in zip(minis, taken, strict=True)]
+        taken = [recompute and (j > 0 or s.ppo_epochs > 1) for j in range(count)]
+        first_pass = self._epoch_order(batch, 0).mini_batches(count)
+        if s.ppo_epochs == 1:
+            first_pass = [self._with_recompute(mb) if t else mb for mb, t in zip(first_pass, taken, strict=True)]
         recompute_s = time.perf_counter() - tr
         probe = (
             self.ewma is not None
@@ -284,6 +305,7 @@ class LearnerCore:
         )
         results = []
         for epoch in range(s.ppo_epochs):
+            minis = first_pass if epoch == 0 else self._epoch_order(batch, epoch).mini_batches(count)
             for j, mb in enumerate(minis):
                 results.append(self._optimizer_step(mb, probe and epoch == 0 and j == 0, taken[j], steps))
         self.last_optimizer_steps = results
@@ -303,6 +325,14 @@ class LearnerCore:
             out.update({f"ewma_{k}": float(v) for k, v in self.ewma.status().items()})
         out.update({k: float(v) for k, v in batch.stats.items() if k not in out})
         return out
+
+    def _epoch_order(self, batch: Batch, epoch: int) -> Batch:
+        """``batch`` in the row order of pass ``epoch``: a permutation drawn from (seed, consuming
+        version, epoch), the same on every rank, when ``shuffle_mini_batches`` and the pass has more
+        than one mini-batch; otherwise ``batch`` itself."""
+        if not self.settings.shuffle_mini_batches or min(self.settings.ppo_mini_batches, batch.size) < 2:
+            return batch
+        return batch.select(shuffled_rows(batch.size, self.settings.seed, batch.consuming_version, epoch))
 
     def _micro_count(self, batch: Batch) -> int:
         """Micro-batches every rank runs for ``batch`` (the largest rank's share; at least one)."""
@@ -334,7 +364,21 @@ class LearnerCore:
                 ref[rows, : lp.shape[1]] = lp[: len(rows)].to(ref.device)
         finally:
             model.train(was_training)
-        return replace(batch, recompute_logprobs=ref)
+        return replace(batch, recompute_logprobs=self._gather_rows(ref))
+
+    def _gather_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """``[batch, seq]`` with every rank's rows filled in (each rank holds its own, NaN elsewhere),
+        so a later pass may give any row to any rank; the input itself with one rank."""
+        if self.world_size == 1:
+            return values
+        import torch.distributed as dist
+
+        filled = torch.isfinite(values)
+        total = torch.where(filled, values, 0.0).double()
+        count = filled.double()
+        dist.all_reduce(total)
+        dist.all_reduce(count)
+        return torch.where(count > 0, total, float("nan")).to(values.dtype)
 
     def _optimizer_step(
         self, batch: Batch, probe: bool, use_recompute: bool, steps_per_version: int
@@ -359,7 +403,7 @@ class LearnerCore:
         self._guard.clear()
         acc: dict[str, list[float]] = {}
         sums = {"loss": 0.0, "err": 0.0, "err_n": 0.0, "ewma_keep": 0.0, "ewma_n": 0.0}
-        timing = {"ewma_forward_s": 0.0, "forward_backward_s": 0.0}
+        timing = {"ewma_forward_s": 0.0, "ref_forward_s": 0.0, "forward_backward_s": 0.0}
         ewma_runs = 0
         self.engine.train()
         for i, mb in enumerate(micro):
@@ -370,8 +414,10 @@ class LearnerCore:
         keys = sorted(sums)
         glob = dict(zip(keys, self._all_reduce([sums[k] for k in keys]), strict=True))
         local_bad = not math.isfinite(sums["loss"]) or bool(self._guard.grad_bad)
+        lr = self._set_lr()
         applied, rolled_back, timing["optimizer_s"] = self._guard.step(self.engine, local_bad)
         self.nonfinite_weight_steps += int(rolled_back)
+        self.optimizer_steps += int(applied)
         if grad_norm is None:
             g = self.engine.get_global_grad_norm()
             grad_norm = float(g) if g is not None else math.nan
@@ -385,9 +431,20 @@ class LearnerCore:
         out.update(
             loss=glob["loss"], applied=float(applied), grad_norm=grad_norm if applied else math.nan, tokens=n_tok,
             proxy_err_sum=glob["err"], proxy_err_tokens=glob["err_n"], ewma_kept_frac=kept, ewma_reset=float(ewma_reset),
-            micro_batches=float(len(micro)), ewma_forward_micro_batches=float(ewma_runs),
+            micro_batches=float(len(micro)), ewma_forward_micro_batches=float(ewma_runs), lr=lr,
         )  # fmt: skip
         return out
+
+    def _set_lr(self) -> float:
+        """Set every parameter group's learning rate for the next optimizer step from the schedule
+        (:func:`trainer.learner.schedule.lr_multiplier` at :attr:`optimizer_steps`); returns it."""
+        s = self.settings
+        lr = s.lr * lr_multiplier(
+            self.optimizer_steps, s.lr_schedule, s.lr_warmup_steps, s.lr_decay_steps, s.lr_min_ratio
+        )
+        for group in self._optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     def _micro_step(
         self,
@@ -409,25 +466,34 @@ class LearnerCore:
         ewma_lp = None
         if self.ewma is not None and (bool((mask & ~exact_mask).any()) or probe):
             ewma_lp = self._ewma_logprobs(mb, first)
+        tr = time.perf_counter()
+        ref_lp = None
+        if self.reference is not None:
+            ref_lp = self.reference.logprobs(
+                self.engine.module, mb.token_ids, mb.attention_mask, mb.temperature, first,
+                self.settings.logprob_chunk_bytes,
+            )  # fmt: skip
         tb = time.perf_counter()
         lp, entropy = sequence_logprobs_and_entropy(
             self.engine, mb.token_ids, mb.attention_mask, mb.temperature, first,
-            chunk_bytes=self.settings.logprob_chunk_bytes,
+            chunk_bytes=self.settings.logprob_chunk_bytes, entropy_grad=cfg.entropy_coef > 0,
         )  # fmt: skip
         old = torch.where(mb.current_mask, lp.detach(), mb.old_logprobs)
         loss, m = compute_policy_loss(
             lp, mb.behav_logprobs, mb.advantages, mask, cfg, old_logprobs=old,
             exact_mask=exact_mask, staleness=mb.staleness, recompute_logprobs=recompute,
+            ref_logprobs=ref_lp, entropy=entropy,
             # every sampled token has exact old logits when the EWMA forward was skipped: the
             # proxy is never read there, so the current log-probs stand in for it
             ewma_logprobs=ewma_lp if ewma_lp is not None or self.ewma is None else lp.detach(),
             global_token_count=counts[0], global_seq_count=counts[1],
         )  # fmt: skip
         self.engine.backward(loss * float(self.world_size))  # DeepSpeed averages gradients over ranks
-        timing["ewma_forward_s"] += tb - ta
+        timing["ewma_forward_s"] += tr - ta
+        timing["ref_forward_s"] += tb - tr
         timing["forward_backward_s"] += time.perf_counter() - tb
         sums["loss"] += float(loss.detach())
-        m["entropy"] = float(entropy[mask].sum() / mask.sum().clamp(min=1))
+        m["entropy"] = float(entropy.detach()[mask].sum() / mask.sum().clamp(min=1))
         sum_max_min(m, float(mask.sum()), acc)
         with torch.no_grad():
             exact = exact_mask & mask

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from trainer.algorithm.loss_config import EwmaConfig, LossConfig, kl_refusal, loss_config
+from trainer.algorithm.loss_config import EwmaConfig, LossConfig, loss_config
 from trainer.learner.lora_config import LoraSettings, lora_zero_refusal
 
 LOGPROB_CHUNK_BYTES = 64 * 2**20
@@ -33,7 +33,21 @@ class LearnerOptions(BaseModel):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype; bf16 keeps fp32 master weights in DeepSpeed's optimizer wrapper."""
     lr: float = Field(1e-5, gt=0.0)
-    """AdamW learning rate (constant)."""
+    """AdamW peak learning rate; ``lr_schedule`` and ``lr_warmup_steps`` shape it over optimizer steps."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after the warm-up, over optimizer steps (:func:`trainer.learner.schedule.lr_multiplier`):
+    constant, linear, or cosine (Loshchilov & Hutter 2017, SGDR) from ``lr`` down to
+    ``lr * lr_min_ratio`` at ``lr_decay_steps``, then held there."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear warm-up: step s (0-based) of the warm-up uses ``lr * (s + 1) /
+    (lr_warmup_steps + 1)`` (Goyal et al. 2017), so no step runs at a learning rate of 0."""
+    lr_min_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Floor of the decay as a fraction of ``lr`` (``lr_schedule`` linear or cosine)."""
+    lr_decay_steps: int | None = Field(None, ge=1)
+    """Optimizer step at which the decay reaches its floor, warm-up included; None: the job's last
+    one (``controller.total_steps * ppo_epochs * ppo_mini_batches``). Only applied optimizer steps
+    count (a step the non-finite guard refused does not advance the schedule); the count is saved
+    in checkpoints, so a resumed run continues at the same rate."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW decoupled weight decay."""
     grad_clip: float = Field(1.0, ge=0.0)
@@ -54,6 +68,11 @@ class LearnerOptions(BaseModel):
     """Largest fp32 ``[micro-batch, chunk, vocab]`` logits tensor of every learner log-prob, bytes:
     the output projection and the log-softmax run over chunks of positions and backward recomputes
     them (:mod:`modelkit.scoring`); 0 keeps whole-sequence logits for backward."""
+    shuffle_mini_batches: bool = True
+    """Split each pass over a rollout batch into mini-batches in a seeded random row order, drawn
+    anew for every epoch from (``seed``, consuming version, epoch), identical on every rank; False
+    keeps the batch's own order (the buffer's, oldest first) in every epoch. With one mini-batch the
+    order changes nothing and none is drawn."""
     gradient_checkpointing: bool = False
     """Keep only each decoder layer's input for backward and recompute the layer there (HF
     ``gradient_checkpointing_enable``, non-reentrant): the activations of a micro-batch fall from
@@ -104,14 +123,16 @@ class LearnerSettings(LearnerOptions):
     """Train a LoRA adapter on the frozen base instead of every weight (``trainer.learner.lora_config``)."""
 
     @model_validator(mode="after")
-    def _no_kl(self) -> LearnerSettings:
+    def _check(self) -> LearnerSettings:
         if self.current_from_learner and self.ppo_epochs * self.ppo_mini_batches != 1:
             raise ValueError(
                 f"current_from_learner: needs one optimizer step per batch, got ppo_epochs * ppo_mini_batches = "
                 f"{self.ppo_epochs * self.ppo_mini_batches}"
             )
-        if self.loss.kl_coef > 0:
-            raise ValueError(kl_refusal(self.loss.kl_coef))
+        if self.lr_schedule != "constant" and self.lr_decay_steps is None:
+            raise ValueError(
+                f"lr_decay_steps: None with lr_schedule = {self.lr_schedule!r}: the decay needs its length"
+            )
         if self.lora.enabled and (msg := lora_zero_refusal(self.zero_stage)):
             raise ValueError(msg)
         return self

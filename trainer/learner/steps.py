@@ -22,10 +22,10 @@ def sum_max_min(means: dict[str, float], weight: float, acc: dict[str, list[floa
 
 
 _SUMMED = (
-    "ewma_forward_s", "forward_backward_s", "optimizer_s", "ewma_update_s", "micro_batches",
+    "ewma_forward_s", "ref_forward_s", "forward_backward_s", "optimizer_s", "ewma_update_s", "micro_batches",
     "ewma_forward_micro_batches", "proxy_err_sum", "proxy_err_tokens",
 )  # fmt: skip
-_OWN_RULE = ("tokens", "applied", "grad_norm", "ewma_kept_frac")
+_OWN_RULE = ("tokens", "applied", "grad_norm", "ewma_kept_frac", "lr")
 
 
 def _mean_or_nan(values: list[float]) -> float:
@@ -40,7 +40,7 @@ def combine_step_metrics(steps: Sequence[Mapping[str, float]]) -> dict[str, floa
     ``ewma_kept_frac`` and the loss library's metrics. Rules: phase seconds, micro-batch counts and
     the proxy-error sums add up; ``*_max`` and ``ewma_reset`` take the largest, ``*_min`` the
     smallest; ``grad_norm`` is the mean over applied steps (``grad_norm_max`` the largest; NaN when
-    none applied) and ``ewma_kept_frac`` the mean over steps that measured it; every other metric is
+    none applied), ``ewma_kept_frac`` the mean over steps that measured it and ``lr`` the last step's; every other metric is
     the token-weighted mean (plain mean when no step has a token). Derived: ``optimizer_steps``
     (applied) and ``optimizer_steps_total``, ``proxy_abs_err`` = proxy-error sum / tokens (NaN
     without exact tokens), ``clip_frac_step_max`` = the largest ``clip_frac_low + clip_frac_high``
@@ -74,6 +74,8 @@ def combine_step_metrics(steps: Sequence[Mapping[str, float]]) -> dict[str, floa
     out["grad_norm"] = _mean_or_nan(norms)
     out["grad_norm_max"] = max(norms) if norms else math.nan
     out["ewma_kept_frac"] = _mean_or_nan([s.get("ewma_kept_frac", math.nan) for s in steps])
+    if any("lr" in s for s in steps):  # the rate of the batch's last optimizer step
+        out["lr"] = float([s["lr"] for s in steps if "lr" in s][-1])
     out["optimizer_steps"] = float(len(applied))
     out["optimizer_steps_total"] = float(len(steps))
     err_n = out.pop("proxy_err_tokens", 0.0)

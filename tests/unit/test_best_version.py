@@ -1,0 +1,298 @@
+"""The best version kept (``controller.keep_best``), by hand: a :class:`trainer.driver.parts.Job`
+with stand-in parts runs the loop's order of operations (evaluate before, then per version: the
+pending evaluation's result, the regular checkpoint, the next evaluation; evaluate after, the final
+checkpoint) while a stand-in learner writes checkpoint folders as the real one lays them out.
+
+Hand-worked run: ``eval_every = 10`` over 40 versions scores 0.20 (v0, before training), 0.50
+(v10), 0.84 (v20), 0.56 (v30) and 0.48 (v40, after training). The best is v20 (0.84); with
+``keep_checkpoints = 2`` and no ``checkpoint_every`` the run ends with v20 (the best) and v40 (the
+final checkpoint, the resume point), and every checkpoint saved only for an evaluation that was not
+the best is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from protocol import JobStatus
+from trainer.driver.buffer import TrajectoryBuffer
+from trainer.driver.config import load_config
+from trainer.driver.export import ExportError, best_version, checkpoint_tag
+from trainer.driver.heldout import BestEval, beats, eval_due
+from trainer.driver.parts import Job
+from trainer.driver.report import best_line, best_status, best_summary
+from trainer.learner.checkpoint import (
+    BEST_FILE,
+    DEEPSPEED_LATEST_FILE,
+    FORMAT,
+    LATEST_FILE,
+    STATE_FILE,
+    checkpointed_versions,
+    latest_tag,
+    read_best,
+)
+from vintage_cli.main import app
+
+SCORES = {0: 0.20, 10: 0.50, 20: 0.84, 30: 0.56, 40: 0.48}
+"""Mean held-out reward of each evaluated version (the hand-worked run)."""
+
+
+class Learner:
+    """Saves a checkpoint folder as the real learner does: ``v{N}/vintage_state.pt`` (with the
+    caller's extra), then DeepSpeed's ``latest`` and ``vintage_latest``; counts the saves."""
+
+    def __init__(self, job: Job):
+        self.job, self.saves = job, []
+
+    def save_checkpoint(self, directory: str, extra: dict) -> str:
+        v = self.job.version
+        folder = Path(directory) / f"v{v}"
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save({"format": FORMAT, "version": v, "settings": {}, "extra": extra}, folder / STATE_FILE)
+        (Path(directory) / DEEPSPEED_LATEST_FILE).write_text(f"v{v}")
+        (Path(directory) / LATEST_FILE).write_text(f"v{v}")
+        self.saves.append(v)
+        return str(folder)
+
+
+class Source:
+    """An evaluation at the job's version scores :data:`SCORES` (or ``scores``) at once."""
+
+    def __init__(self, job: Job, scores: dict[int, float]):
+        self.job, self.scores, self.running = job, scores, None
+
+    def start_eval(self, tag: str) -> bool:
+        self.running = self.job.version
+        return True
+
+    @property
+    def eval_running(self) -> bool:
+        return self.running is not None
+
+    def finish_eval(self) -> dict:
+        v, self.running = self.running, None
+        return {"reward": self.scores[v], "success_rate": 0.5, "episodes": 4, "version": v}
+
+    def pending(self) -> list:
+        return []
+
+    def cursor(self) -> dict:
+        return {}
+
+    def pending_units(self) -> int:
+        return 0
+
+
+def make_job(run_dir: Path, *overrides: str, scores=SCORES, version=0, run_segment=0) -> Job:
+    cfg = load_config(
+        None,
+        [
+            f'logging.run_dir="{run_dir}"',
+            "controller.total_steps=40",
+            "controller.eval_every=10",
+            "controller.keep_checkpoints=2",
+            *overrides,
+        ],
+    )
+    j = Job.__new__(Job)  # the parts checkpoints and evaluations use
+    j.cfg, j.run_dir, j.version, j.run_segment = cfg, run_dir, version, run_segment
+    j.checkpointed_version, j.times = None, Counter()
+    j.buffer = TrajectoryBuffer(capacity=8, max_staleness=1)
+    j.ledger = lambda *a, **k: None
+    j.learner, j.source = Learner(j), Source(j, scores)
+    if cfg.controller.resume_from and Path(cfg.controller.resume_from).resolve() == j.checkpoints_dir.resolve():
+        j.checkpointed_version = version
+    j.best = j.starting_best()
+    return j
+
+
+def run_loop(j: Job, until: int, on_version=None) -> None:
+    """The loop's order (trainer.driver.job._loop) from ``j.version`` to ``until``."""
+    c = j.cfg.controller
+    j.evaluate("before")
+    while j.version < until:
+        j.version += 1  # the learner's step applied
+        j.finish_eval()  # the evaluation pinned to the outgoing version ends before the next publication
+        if c.checkpoint_every and j.version % c.checkpoint_every == 0:
+            j.checkpoint()
+        if eval_due(j.version, c.eval_every, c.total_steps):
+            j.start_eval("during")
+        if on_version:
+            on_version(j)
+    j.finish_eval("after") if j.eval_running else j.evaluate("after")
+    j.checkpoint()  # the run's final checkpoint
+
+
+def test_beats_is_higher_and_finite_ties_keep_the_earlier():
+    best = None
+    became = []
+    for v, r in SCORES.items():
+        if beats(r, best):
+            best = BestEval(v, r, 0, "during", f"/c/v{v}")
+            became.append(v)
+    assert became == [0, 10, 20] and best.version == 20
+    assert not beats(0.84, best) and beats(0.8400001, best)
+    assert not beats(float("nan"), None) and beats(0.0, None)
+
+
+def test_the_best_version_is_kept_through_pruning(tmp_path):
+    """keep_checkpoints = 2, no checkpoint_every: each evaluated version is saved when its evaluation
+    starts; v0, v10 go once beaten, v30 at its own (lower) result; the final prune keeps v20 (best)
+    and v40 (newest, resume point). The resume point moves back to v20 while v30 is removed."""
+    ckpt = tmp_path / "checkpoints"
+    seen: dict[int, list[int]] = {}
+    j = make_job(tmp_path)
+    run_loop(j, 40, on_version=lambda j: seen.setdefault(j.version, checkpointed_versions(ckpt)))
+    assert j.learner.saves == [0, 10, 20, 30, 40]  # one save per evaluation during training, then the final one
+    assert seen[10] == [0, 10] and seen[11] == [10]  # v0 went when v10 (0.50) beat it
+    assert seen[21] == [20] and seen[30] == [20, 30] and seen[31] == [20]  # v30 (0.56 < 0.84) went at its result
+    assert checkpointed_versions(ckpt) == [20, 40] and latest_tag(ckpt) == "v40"
+    assert (j.best.version, j.best.held_out, j.best.tag) == (20, 0.84, "during")
+    assert j.best.checkpoint == str((ckpt / "v20").resolve())
+    assert read_best(ckpt)["version"] == 20 and read_best(ckpt)["held_out"] == 0.84
+    assert best_summary(j) == {
+        "best_version": 20,
+        "best_held_out": 0.84,
+        "best_checkpoint": str((ckpt / "v20").resolve()),
+    }
+    assert best_line(j) == f"best held-out: version 20 (mean reward 0.840), checkpoint {(ckpt / 'v20').resolve()}"
+    s = JobStatus(learner_version=40, **best_status(j))
+    assert (s.best_version, s.best_held_out) == (20, 0.84)
+    # each checkpoint carries the best so far in its driver state (v30's: v20, saved before v30 was scored)
+    assert torch.load(ckpt / "v40" / STATE_FILE, weights_only=True)["extra"]["best"]["version"] == 20
+
+
+def test_resume_point_moves_back_when_an_evaluation_checkpoint_goes(tmp_path):
+    """Between v30's save (the resume point) and its result, v30 is the newest checkpoint; once it
+    goes, both pointers name v20 again."""
+    ckpt = tmp_path / "checkpoints"
+    pointers = {}
+
+    def look(j):
+        pointers[j.version] = (latest_tag(ckpt), (ckpt / DEEPSPEED_LATEST_FILE).read_text())
+
+    run_loop(make_job(tmp_path), 40, on_version=look)
+    assert pointers[30] == ("v30", "v30") and pointers[31] == ("v20", "v20")
+
+
+def test_regular_checkpoints_are_not_saved_twice_and_follow_keep_checkpoints(tmp_path):
+    """checkpoint_every = 10: only v0 is saved for its evaluation (v10..v30 are saved anyway); the
+    newest 2 regular ones (v30, v40) stay, and v20 as the best."""
+    ckpt = tmp_path / "checkpoints"
+    j = make_job(tmp_path, "controller.checkpoint_every=10")
+    run_loop(j, 40)
+    assert j.learner.saves == [0, 10, 20, 30, 40, 40]  # the loop's v40, then the run's final one
+    assert checkpointed_versions(ckpt) == [20, 30, 40]
+    assert j.best.version == 20 and not j.best.saved_for_it
+
+
+def test_a_tie_keeps_the_earlier_version(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    j = make_job(tmp_path, scores={0: 0.2, 10: 0.84, 20: 0.84, 30: 0.84, 40: 0.84})
+    run_loop(j, 40)
+    assert j.best.version == 10 and checkpointed_versions(ckpt) == [10, 40]
+
+
+def test_the_best_can_be_the_evaluation_after_training(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    j = make_job(tmp_path, scores={**SCORES, 40: 0.9})
+    run_loop(j, 40)
+    assert (j.best.version, j.best.tag, j.best.saved_for_it) == (40, "after", False)
+    assert checkpointed_versions(ckpt) == [40] and j.learner.saves == [0, 10, 20, 30, 40]
+
+
+def test_without_keep_best_or_eval_every_nothing_extra_is_saved(tmp_path):
+    for i, off in enumerate(["controller.keep_best=false", "controller.eval_every=0"]):
+        j = make_job(tmp_path / str(i), off)
+        run_loop(j, 40)
+        assert j.learner.saves == [40] and j.best is None
+        assert best_summary(j) == {"best_version": None, "best_held_out": None, "best_checkpoint": None}
+        assert best_line(j) is None and best_status(j) == {}
+        assert read_best(tmp_path / str(i) / "checkpoints") is None
+
+
+def test_a_resumed_run_compares_against_the_best_so_far(tmp_path):
+    """Segment 0 stops after v30's result with v20 the best (0.84) and the resume point; the run
+    resumed from that folder at v20 keeps v20 against a tie at v40 (0.84) and replaces it with v50
+    (0.90), removing v20, which was saved only for its evaluation."""
+    ckpt = tmp_path / "checkpoints"
+    j = make_job(tmp_path, "controller.total_steps=60")
+    j.evaluate("before")
+    for v in (10, 20, 30):
+        j.version = v
+        j.finish_eval()
+        j.start_eval("during")
+    j.finish_eval()  # v30's result: not the best, its checkpoint goes; the resume point is v20 again
+    assert latest_tag(ckpt) == "v20" and checkpointed_versions(ckpt) == [20]
+    r = make_job(
+        tmp_path,
+        "controller.total_steps=60",
+        f'controller.resume_from="{ckpt}"',
+        scores={20: 0.84, 30: 0.5, 40: 0.84, 50: 0.9, 60: 0.1},
+        version=20,
+        run_segment=1,
+    )
+    assert (r.best.version, r.best.held_out, r.best.run_segment, r.best.saved_for_it) == (20, 0.84, 0, True)
+    assert r.checkpointed_version == 20  # the resume point is this run's own: not saved again
+    seen = {}
+    run_loop(r, 60, on_version=lambda r: seen.setdefault(r.version, (r.best.version, checkpointed_versions(ckpt))))
+    assert r.learner.saves == [30, 40, 50, 60]  # the before-evaluation of v20 found its checkpoint
+    assert seen[41] == (20, [20])  # v40 tied 0.84: the earlier v20 stays, v40 went
+    assert seen[51] == (50, [50])  # v50 (0.90) beat it: v20 went
+    assert (r.best.version, r.best.run_segment) == (50, 1) and checkpointed_versions(ckpt) == [50, 60]
+
+
+def test_a_fresh_run_drops_an_earlier_runs_record(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    ckpt.mkdir()
+    (ckpt / BEST_FILE).write_text(json.dumps({"version": 3}))
+    assert make_job(tmp_path).best is None and not (ckpt / BEST_FILE).exists()
+
+
+def test_export_best_resolves_to_the_best_versions_checkpoint(tmp_path):
+    run_loop(make_job(tmp_path), 40)
+    assert best_version(tmp_path) == 20 and checkpoint_tag(tmp_path, "best") == "v20"
+    (tmp_path / "checkpoints" / BEST_FILE).unlink()  # summary.json names it too
+    (tmp_path / "summary.json").write_text(json.dumps({"best_version": 20, "best_held_out": 0.84}))
+    assert checkpoint_tag(tmp_path, "best") == "v20"
+    assert checkpoint_tag(tmp_path, "latest") == "v40" and checkpoint_tag(tmp_path, 40) == "v40"
+
+
+def test_export_best_without_a_best_version_is_one_line_naming_the_flag_and_run(tmp_path):
+    run = tmp_path / "run"
+    run_loop(make_job(run, "controller.eval_every=0"), 40)
+    (run / "config.resolved.json").write_text(json.dumps({"model": {"path": "tiny", "tiny_seed": 0}}))
+    want = (
+        f"--version best: '{run}' has no best version (no pinned held-out evaluation was kept: "
+        "it needs controller.eval_every > 0 and controller.keep_best = true)"
+    )
+    with pytest.raises(ExportError) as e:
+        checkpoint_tag(run, "best")
+    assert str(e.value) == want
+    r = CliRunner().invoke(app, ["export", str(run), "--version", "best", "--out", str(tmp_path / "out")])
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [f"export error: {want}"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_best_names_the_version_when_its_checkpoint_is_gone(tmp_path):
+    run_loop(make_job(tmp_path), 40)
+    shutil.rmtree(tmp_path / "checkpoints" / "v20")
+    with pytest.raises(
+        ExportError, match=r"^--version best \(version 20\): not checkpointed in .* \(checkpointed: 40\)$"
+    ):
+        checkpoint_tag(tmp_path, "best")
+
+
+def test_a_malformed_record_stops_the_resume_naming_the_field(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    ckpt.mkdir()
+    (ckpt / BEST_FILE).write_text(json.dumps({"version": 20, "held_out": "high"}))
+    with pytest.raises(ValueError, match="^vintage_best.json: held_out = 'high' is not a number$"):
+        make_job(tmp_path, f'controller.resume_from="{ckpt}"', version=20, run_segment=1)

@@ -1,0 +1,150 @@
+"""The stabilisers beside the correction: KL to a frozen reference, entropy bonus, learning-rate
+schedule, shuffled mini-batches. Hand-worked values."""
+
+import math
+
+import pytest
+import torch
+
+from modelkit.scoring import sequence_logprobs_and_entropy
+from trainer.algorithm.loss_config import loss_config
+from trainer.algorithm.losses import K3_MAX, compute_policy_loss, kl_penalty, regularisers
+from trainer.learner.core import shuffled_rows
+from trainer.learner.schedule import lr_multiplier
+
+
+def t(values, grad=False):
+    return torch.tensor(values, dtype=torch.float32, requires_grad=grad)
+
+
+# ---- KL penalty ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("estimator", "value", "grad"), [
+    ("k1", 0.5, 1.0),  # d/dx x = 1
+    ("k2", 0.125, 0.5),  # d/dx x^2/2 = x
+    ("k3", math.exp(-0.5) - 1 + 0.5, 1 - math.exp(-0.5)),  # d/dx (e^-x - 1 + x) = 1 - e^-x
+])  # fmt: skip
+def test_kl_forms_at_a_log_ratio_of_one_half(estimator, value, grad):
+    """log pi_theta - log pi_ref = 0.5: k1 = 0.5, k2 = 0.125, k3 = 0.106531; the gradient with respect
+    to log pi_theta is 1, x = 0.5 and 1 - e^-0.5 = 0.393469 (k2's expectation under pi_theta is the
+    reverse KL's gradient, k3's the forward KL's, k1's is zero)."""
+    logp = t([[-1.0, -7.0]], grad=True)
+    ref = t([[-1.5, -1.0]])
+    per_token = kl_penalty(logp, ref, t([[1, 0]]), estimator)
+    assert per_token[0, 0].item() == pytest.approx(value, abs=1e-6)
+    assert per_token[0, 1].item() == 0.0  # masked: no value, no gradient
+    per_token.sum().backward()
+    assert logp.grad.tolist()[0] == pytest.approx([grad, 0.0], abs=1e-6)
+
+
+def test_k3_is_capped_where_the_reference_is_far_above_the_policy():
+    """x = -20: e^20 - 21 ~ 4.85e8 would dominate every other token; k3 is capped at 10 nats."""
+    assert kl_penalty(t([[-21.0]]), t([[-1.0]]), t([[1]]), "k3").item() == K3_MAX
+
+
+def test_the_kl_term_adds_coef_times_its_token_mean_and_kl_ref_is_reported():
+    """Two loss tokens with x = 0.5 and 0: k3 = 0.106531 and 0, token mean 0.053265; with
+    kl_coef 0.1 the loss is the policy loss + 0.0053265; with A = 0 the policy loss is 0, so the
+    loss is the KL term alone, and its gradient on the first token 0.1 * (1 - e^-0.5) / 2."""
+    logp = t([[-1.0, -2.0]], grad=True)
+    ref = t([[-1.5, -2.0]])
+    cfg = loss_config("grpo", kl_coef=0.1)
+    loss, m = compute_policy_loss(logp, logp.detach(), t([0.0]), t([[1, 1]]), cfg, ref_logprobs=ref)
+    k3 = math.exp(-0.5) - 1 + 0.5
+    assert loss.item() == pytest.approx(0.1 * k3 / 2, abs=1e-7)
+    assert m["kl_ref"] == pytest.approx(k3 / 2, abs=1e-6) and m["kl_loss"] == pytest.approx(k3 / 2, abs=1e-6)
+    loss.backward()
+    assert logp.grad.tolist()[0] == pytest.approx([0.1 * (1 - math.exp(-0.5)) / 2, 0.0], abs=1e-7)
+
+
+def test_a_kl_penalty_without_reference_log_probs_is_refused():
+    cfg = loss_config("grpo", kl_coef=0.1)
+    with pytest.raises(ValueError, match=r"^loss.kl_coef = 0.1 needs ref_logprobs"):
+        regularisers(t([[-1.0]]), t([[1]]), cfg)
+
+
+def test_no_regulariser_leaves_the_policy_loss_bit_for_bit():
+    logp = t([[-1.0, -2.0]], grad=True)
+    mu = t([[-1.2, -1.9]])
+    plain, _ = compute_policy_loss(logp, mu, t([1.0]), t([[1, 1]]), loss_config("ppo"))
+    with_ref, m = compute_policy_loss(logp, mu, t([1.0]), t([[1, 1]]), loss_config("ppo"), ref_logprobs=mu)
+    assert plain.item() == with_ref.item() and "kl_loss" not in m and "kl_ref" in m
+
+
+# ---- entropy bonus ------------------------------------------------------------------------------
+
+
+class _Uniform(torch.nn.Module):
+    """A 'model' whose logits are a learnable ``[V]`` vector at every position (for scoring tests)."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.logits = torch.nn.Parameter(torch.tensor(logits))
+
+    def forward(self, input_ids, attention_mask, logits_to_keep=0, **_):
+        b, t_ = input_ids.shape
+        n = logits_to_keep or t_
+        return type("Out", (), {"logits": self.logits.expand(b, n, -1)})()
+
+
+def test_entropy_of_a_uniform_distribution_over_four_tokens_and_its_gradient():
+    """Uniform over 4 tokens: H = log 4 = 1.386294 nats; at the uniform point H is at its maximum,
+    so its gradient with respect to the logits is 0; the no-gradient path gives the same value."""
+    model = _Uniform([0.0, 0.0, 0.0, 0.0])
+    ids, mask = torch.tensor([[0, 1, 2]]), torch.ones(1, 3, dtype=torch.long)
+    _, ent = sequence_logprobs_and_entropy(model, ids, mask, 1.0, chunk_bytes=0, entropy_grad=True)
+    assert ent[0, 1:].tolist() == pytest.approx([math.log(4)] * 2, abs=1e-6)
+    ent[0, 1:].sum().backward()
+    assert model.logits.grad.abs().max().item() == pytest.approx(0.0, abs=1e-6)
+    _, plain = sequence_logprobs_and_entropy(model, ids, mask, 1.0, chunk_bytes=0)
+    assert not plain.requires_grad and plain[0, 1].item() == pytest.approx(math.log(4), abs=1e-6)
+
+
+def test_the_entropy_bonus_subtracts_coef_times_the_token_mean_entropy():
+    """Two tokens with H = 1.0 and 0.5 nats, entropy_coef 0.01, A = 0: loss = -0.01 * 0.75 = -0.0075,
+    and d loss / d H_t = -0.01 / 2 per token."""
+    logp = t([[-1.0, -2.0]], grad=True)
+    ent = t([[1.0, 0.5]], grad=True)
+    cfg = loss_config("grpo", entropy_coef=0.01)
+    loss, m = compute_policy_loss(logp, logp.detach(), t([0.0]), t([[1, 1]]), cfg, entropy=ent)
+    assert loss.item() == pytest.approx(-0.0075, abs=1e-8) and m["entropy_loss"] == pytest.approx(0.75)
+    loss.backward()
+    assert ent.grad.tolist()[0] == pytest.approx([-0.005, -0.005], abs=1e-9)
+
+
+# ---- learning-rate schedule ---------------------------------------------------------------------
+
+
+def test_cosine_schedule_with_warm_up_and_floor_at_chosen_steps():
+    """Warm-up 2, decay to step 10, floor 0.1: steps 0, 1 -> 1/3, 2/3 (warm-up); step 2 -> 1; step 6
+    is half-way (p = 0.5): 0.1 + 0.9 * (1 + cos(pi/2)) / 2 = 0.55; step 10 and after -> 0.1."""
+    m = [lr_multiplier(s, "cosine", 2, 10, 0.1) for s in (0, 1, 2, 6, 10, 50)]
+    assert m == pytest.approx([1 / 3, 2 / 3, 1.0, 0.55, 0.1, 0.1], abs=1e-12)
+
+
+def test_linear_and_constant_schedules():
+    """Linear from step 0 to 4 without floor: 1, 0.75, 0.5, 0.25, 0; constant stays 1 after warm-up."""
+    assert [lr_multiplier(s, "linear", 0, 4, 0.0) for s in range(5)] == pytest.approx([1, 0.75, 0.5, 0.25, 0])
+    assert [lr_multiplier(s, "constant", 1, None, 0.0) for s in range(3)] == [0.5, 1.0, 1.0]
+
+
+def test_a_schedule_refuses_bad_settings_naming_the_field():
+    with pytest.raises(ValueError, match="learner.lr_schedule"):
+        lr_multiplier(0, "step", 0, 4, 0.0)
+    with pytest.raises(ValueError, match="learner.lr_decay_steps"):
+        lr_multiplier(3, "cosine", 0, None, 0.0)
+    with pytest.raises(ValueError, match="learner.lr_min_ratio"):
+        lr_multiplier(0, "linear", 0, 4, 1.5)
+
+
+# ---- shuffled mini-batches ----------------------------------------------------------------------
+
+
+def test_a_shuffled_order_from_a_fixed_seed():
+    """The order is a function of (seed, version, epoch) alone: the same on every call (every rank,
+    a resumed run), another one for the next epoch."""
+    assert shuffled_rows(4, 0, 0, 0) == [0, 1, 3, 2]
+    assert shuffled_rows(8, 3, 5, 1) == shuffled_rows(8, 3, 5, 1)
+    assert sorted(shuffled_rows(8, 3, 5, 1)) == list(range(8))
+    assert shuffled_rows(8, 3, 5, 1) != shuffled_rows(8, 3, 5, 2)

@@ -1,0 +1,71 @@
+"""The frozen reference policy of the KL penalty: version 0, scored in the learner's own numerics.
+
+Full-weight training keeps one frozen copy of the initial model (the model folder) in the learner's
+dtype, on the engine's device: one model's memory, and one no-grad forward per micro-batch. With
+LoRA the reference is the base model with the adapter switched off (peft's ``disable_adapter``): the
+engine's own module runs it, nothing is copied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+import torch
+
+from modelkit.scoring import sequence_logprobs
+
+
+class ReferencePolicy:
+    """Log-probs of the frozen reference policy (version 0).
+
+    Args:
+        model: the HF model (or the peft-wrapped one with LoRA) before any training step.
+        dtype: the learner's compute dtype; parameters are cast to it, buffers stay fp32 (as
+            DeepSpeed casts the trained model), so the reference is scored as the learner scores.
+        lora: the model is peft-wrapped; the reference is its base with the adapter disabled.
+
+    Attributes:
+        bytes: host or device memory held by the reference (0 with LoRA).
+    """
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype, lora: bool) -> None:
+        self.lora = lora
+        self._copy: torch.nn.Module | None = None
+        self.bytes = 0
+        if not lora:
+            self._copy = copy.deepcopy(model).eval().requires_grad_(False)
+            for p in self._copy.parameters():
+                p.data = p.data.to(dtype)
+            self.bytes = sum(p.numel() * p.element_size() for p in self._copy.parameters())
+
+    def to(self, device: torch.device | str) -> ReferencePolicy:
+        """Move the frozen copy to ``device`` (no-op with LoRA); returns self."""
+        if self._copy is not None:
+            self._copy.to(device)
+        return self
+
+    @torch.no_grad()
+    def logprobs(
+        self,
+        engine_module: Any,
+        token_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        temperature: float,
+        first: int,
+        chunk_bytes: int,
+    ) -> torch.Tensor:
+        """``[batch, seq]`` fp32 log-probs (nats) of the reference, no gradient, eval mode, at the
+        sampling temperature, vocabulary logits from position ``first`` on
+        (:func:`modelkit.scoring.sequence_logprobs`). ``engine_module`` is the trained module (used
+        with LoRA, its adapter disabled for the forward and its train/eval mode restored)."""
+        model = self._copy if self._copy is not None else engine_module
+        was_training = model.training
+        model.eval()
+        switch = model.disable_adapter() if self.lora else contextlib.nullcontext()
+        try:
+            with switch:
+                return sequence_logprobs(model, token_ids, attention_mask, temperature, first, chunk_bytes)
+        finally:
+            model.train(was_training)
