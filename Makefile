@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED := 1
 # DeepSpeed JIT-builds its CPU comm op; one build per venv (a shared cache rebuilds per venv switch).
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/$(VENV)/torch_extensions
 
-.PHONY: install test test-fast demo bench bench-latency bench-gateway-load bench-methods bench-trl bench-soak lint model clean gpu-wheels gpu-rehearse
+.PHONY: install test test-fast demo bench bench-latency bench-gateway-load bench-methods bench-trl bench-soak lint model clean gpu-wheels gpu-rehearse docs
 
 install: $(STAMP)
 
@@ -88,7 +88,7 @@ bench-trl: install
 	$(VENV)/bin/vintage bench trl --budget-s $(BUDGET_S)
 
 # what a borrowed GPU machine lacks (cp312 wheels, SmolLM2's tokenizer) into the ignored deploy/gpu/;
-# there: `python -m deploy.gpu_check --out result.json` (README: "GPU check on a borrowed machine")
+# there: `python -m deploy.gpu_check --out result.json` (docs/clusters-and-gpus.md: "GPU check on a borrowed machine")
 gpu-wheels: install
 	$(PY) -m deploy.gpu_wheels
 
@@ -106,6 +106,11 @@ bench-soak: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# the documentation site (MkDocs, from docs/ and mkdocs.yml) into site/; a broken link or anchor fails it.
+# docs/configuration.md is generated: .venv/bin/python -m trainer.driver.config_reference > docs/configuration.md
+docs: install
+	$(PY) -m mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) .pytest_cache build dist *.egg-info

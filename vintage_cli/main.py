@@ -158,9 +158,22 @@ def eval_env(
     model_path: Annotated[
         str | None, typer.Option(help="Or an HF folder (as vintage export writes), smollm2 or tiny; needs --config.")
     ] = None,
-    config: Annotated[Path | None, typer.Option(help="With --model-path: the TOML config whose [env] to run.")] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="With --model-path: the config whose env section to run, TOML or a run's config.resolved.json."
+        ),
+    ] = None,
     engine: Annotated[
         str | None, typer.Option(help="vllm or transformers (default: the config's rollout.engine).")
+    ] = None,
+    seed: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Sampling seed (controller.seed) of this evaluation; evaluate under several seeds and "
+            "average to even out sampling noise (default: the config's).",
+        ),
     ] = None,
     out: Annotated[Path, typer.Option(help="JSON report: totals and per-episode rewards.")] = Path("eval-env.json"),
 ) -> None:
@@ -168,22 +181,29 @@ def eval_env(
     the job's sampling and seeds) on a CPU engine: prints mean success and reward with the count."""
     from transformers.utils import logging as hf_logging
 
-    from trainer.driver.config import load_config, one_line
-    from trainer.driver.eval_env import evaluate_model_path, evaluate_run
+    from trainer.driver.config import one_line
+    from trainer.driver.eval_env import config_file, evaluate_model_path, evaluate_run, with_seed
     from trainer.driver.export import ExportError, parse_version
 
     if (run_dir is None) == (model_path is None):
         raise typer.BadParameter("give exactly one of RUN_DIR and --model-path", param_hint="RUN_DIR")
     if model_path is not None and config is None:
-        raise typer.BadParameter("--model-path needs --config (the TOML whose [env] to run)", param_hint="--config")
+        raise typer.BadParameter(
+            "--model-path needs --config (a TOML config or a run's config.resolved.json, whose env section to run)",
+            param_hint="--config",
+        )
+    if run_dir is not None and config is not None:
+        raise typer.BadParameter(
+            "RUN_DIR brings its own config (config.resolved.json); drop --config", param_hint="--config"
+        )
     if engine not in (None, "vllm", "transformers"):
         raise typer.BadParameter(f"{engine!r} is not vllm or transformers", param_hint="--engine")
     hf_logging.disable_progress_bar()
     try:
         if run_dir is not None:
-            report = evaluate_run(run_dir, parse_version(version), engine)
+            report = evaluate_run(run_dir, parse_version(version), engine, seed=seed)
         else:
-            report = evaluate_model_path(model_path, load_config(config), engine)
+            report = evaluate_model_path(model_path, with_seed(config_file(config), seed), engine)
     except (ExportError, OSError, ValueError) as e:  # pydantic.ValidationError is a ValueError
         console.print(f"[red]eval error:[/red] {one_line(e)}", soft_wrap=True)
         raise typer.Exit(2) from None
@@ -292,7 +312,13 @@ def exit_code(summary: dict) -> int:
 def export(
     run_dir: Annotated[Path, typer.Argument(help="The run folder (logging.run_dir) holding checkpoints/.")],
     out: Annotated[Path, typer.Option(help="Folder to write (must not exist or be empty, unless --overwrite).")],
-    version: Annotated[str, typer.Option(help="A checkpointed version number, or latest.")] = "latest",
+    version: Annotated[
+        str,
+        typer.Option(
+            help="A checkpointed version number, latest (the resume point) or best (the version of the best "
+            "pinned held-out evaluation, kept with controller.keep_best)."
+        ),
+    ] = "latest",
     merge: Annotated[bool, typer.Option(help="LoRA runs: a merged full model instead of the peft adapter.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace a non-empty --out folder.")] = False,
 ) -> None:

