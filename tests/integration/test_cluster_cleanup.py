@@ -28,7 +28,8 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 HEAD = """
-import json, time
+import json, signal, time
+signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the default action this test expects, whatever was inherited
 from deploy.local_cluster import LocalRayHead
 head = LocalRayHead.start(num_cpus=1, timeout_s=300)
 print(json.dumps({"groups": [head.pid], "temp_dir": head.temp_dir}), flush=True)

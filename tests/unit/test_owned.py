@@ -2,7 +2,10 @@
 signal then goes on to the handler that was there before; an ignored signal stops nothing.
 
 Each case runs in a child Python process (signals and exit handlers are process-wide); the owned
-"stops" only print, so nothing but the child is signalled.
+"stops" only print, so nothing but the child is signalled. A child starts from the dispositions a
+Python process has when nothing is inherited (SIGINT raises KeyboardInterrupt, SIGTERM and SIGHUP take
+the default action), whatever this process inherited: a run in the background ignores SIGINT, one
+under ``nohup`` ignores SIGHUP. A case that tests another disposition sets it itself.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 PRELUDE = """
 import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)
 from trainer.driver import owned
 def say(word):
     return lambda: print(word, flush=True)
@@ -95,9 +101,11 @@ def gone_within(p: psutil.Process, timeout_s: float) -> bool:
 
 
 def test_stop_processes_ends_a_recorded_process_and_its_child_and_skips_one_already_gone():
+    # SIGTERM's default action in both, whatever this process inherited (the parent's is set before 'ready')
+    dfl = "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_DFL)"
     parent = subprocess.Popen(
-        [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
-         "'import time; time.sleep(120)']); print('ready', flush=True); time.sleep(120)"],
+        [sys.executable, "-c", f"{dfl}; subprocess.Popen([sys.executable, '-c', {dfl + '; time.sleep(120)'!r}]); "
+         "print('ready', flush=True); time.sleep(120)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     ended = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])

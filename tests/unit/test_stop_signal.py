@@ -11,8 +11,11 @@ from trainer.driver.job import StopSignal
 
 REPO = Path(__file__).resolve().parents[2]
 
+# the child starts from Python's own dispositions, whatever this process inherited
 TWICE = """
 import os, signal
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 from trainer.driver.job import StopSignal
 stop = StopSignal()
 with stop.installed():
