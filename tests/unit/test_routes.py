@@ -82,7 +82,7 @@ def test_the_snapshot_route_asks_only_for_older_versions_when_the_learner_gives_
     assert method == "score" and masks == [[0, 1, 0, 0, 0], [0, 1, 1, 1, 1]]
 
 
-def test_the_scorer_installs_the_rollout_publication_only_when_it_is_float32_and_unperturbed():
+def test_the_scorer_installs_the_rollout_publication_only_when_it_is_in_the_learners_dtype_and_unperturbed():
     own = []
 
     def publish(dtype):
@@ -96,3 +96,7 @@ def test_the_scorer_installs_the_rollout_publication_only_when_it_is_float32_and
     assert snap.scorer_publication(rollout, "bfloat16", publish, perturbed=False) == ("manifest-fp32", "ref-fp32")
     assert snap.scorer_publication(rollout, "float32", publish, perturbed=True) == ("manifest-fp32", "ref-fp32")
     assert own == ["float32", "float32"]
+    bf16 = make_route("snapshot", SERVICE, scorer_dtype="bfloat16")  # a bf16 learner: the service scores in bf16
+    assert bf16.scorer_publication(rollout, "bfloat16", publish, perturbed=False) == rollout
+    assert bf16.scorer_publication(rollout, "float32", publish, perturbed=False) == ("manifest-fp32", "ref-fp32")
+    assert own == ["float32", "float32", "bfloat16"]

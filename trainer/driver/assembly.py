@@ -68,6 +68,7 @@ def start_job(cfg: JobConfig, console: Console) -> Job:
         start_service(cfg, model_path, console),
         cfg.oldlogit.restart_timeout_s,
         cfg.current_from_learner,
+        scorer_dtype=cfg.learner.dtype,
     )
     pool = start_workers(cfg, model_path, route, console)
     version = run_segment = lost_before = 0

@@ -27,7 +27,7 @@ A route holds the old-logit service's Ray handle (None on ``none``) and makes ev
 through :class:`oldlogit_service.calls.ServiceCalls` (``calls``), which waits out a restart of the
 service; it never owns the buffer or the workers - the loop passes what a hook needs. The route
 module also starts the service with its settings (:func:`start_service`) and decides what of a
-publication the service installs (:meth:`NoRoute.scorer_publication`, in :data:`SCORER_DTYPE`).
+publication the service installs (:meth:`NoRoute.scorer_publication`, in the learner's dtype).
 """
 
 from __future__ import annotations
@@ -46,16 +46,16 @@ if TYPE_CHECKING:
     from trainer.driver.config import JobConfig
 
 ScorerWeights = tuple[WeightManifest, Any]
-"""``(manifest, payload ObjectRef)`` of the float32 publication the old-logit service installs."""
-
-SCORER_DTYPE = "float32"
-"""The old-logit service scores in the learner's dtype, so an exact pi_old is the learner's own value."""
+"""``(manifest, payload ObjectRef)`` of the publication the old-logit service installs (learner dtype)."""
 
 
 class NoRoute:
     """Route ``none``: no old-logit service; the learner uses its configured proxy for every token."""
 
     name = "none"
+    scorer_dtype = "float32"
+    """The dtype the old-logit service holds and scores in: the learner's (``learner.dtype``), so an
+    exact pi_old is the learner's own value in bf16 as in fp32 (:func:`make_route` sets it)."""
     background_publish = True
     """Whether a publication is applied in the background while the loop goes on (the consumers'
     switch does not have to be in step with collection); False keeps the loop waiting for it."""
@@ -69,11 +69,11 @@ class NoRoute:
         self, rollout: ScorerWeights, rollout_dtype: str, publish: Callable[[str], ScorerWeights], perturbed: bool
     ) -> ScorerWeights | None:
         """What the service installs of a publication: None without a service; the rollout
-        workers' publication ``rollout`` when it is in :data:`SCORER_DTYPE` and not perturbed;
-        otherwise a publication of its own, ``publish(SCORER_DTYPE)``."""
+        workers' publication ``rollout`` when it is in :attr:`scorer_dtype` and not perturbed;
+        otherwise a publication of its own, ``publish(scorer_dtype)``."""
         if self.oldlogit is None:
             return None
-        return rollout if rollout_dtype == SCORER_DTYPE and not perturbed else publish(SCORER_DTYPE)
+        return rollout if rollout_dtype == self.scorer_dtype and not perturbed else publish(self.scorer_dtype)
 
     def service_record(self) -> dict[str, float]:
         """The service's restart and outage counters so far (:meth:`ServiceCalls.record`); {} without one."""
@@ -158,32 +158,40 @@ class ScorerRoute(NoRoute):
 
 
 def make_route(
-    name: str, oldlogit: Any, restart_timeout_s: float = 600.0, current_from_learner: bool = False
+    name: str,
+    oldlogit: Any,
+    restart_timeout_s: float = 600.0,
+    current_from_learner: bool = False,
+    scorer_dtype: str = "float32",
 ) -> NoRoute:
     """The route object for ``loss.oldlogit_route`` ``name`` around the service handle ``oldlogit``;
     its calls wait at most ``restart_timeout_s`` seconds for a restarting service (:class:`RestartWait`);
     ``current_from_learner``: the learner gives its own version's pi_old, so the snapshot route asks
-    the service only for older tokens (:attr:`trainer.driver.config.JobConfig.current_from_learner`).
+    the service only for older tokens (:attr:`trainer.driver.config.JobConfig.current_from_learner`);
+    ``scorer_dtype``: the learner's dtype, the one the service is fed and scores in.
 
     Raises:
         ValueError: an unknown route name, or a route other than ``none`` without a service handle.
     """
     if name == "none":
-        return NoRoute(oldlogit, restart_timeout_s)
-    if oldlogit is None:
+        route = NoRoute(oldlogit, restart_timeout_s)
+    elif oldlogit is None:
         raise ValueError(f"oldlogit_route: {name!r} needs a running old-logit service")
-    if name == "snapshot":
-        return SnapshotRoute(oldlogit, restart_timeout_s, current_from_learner)
-    if name in ("old_logit_model", "interrupt_sync"):
-        return ScorerRoute(name, oldlogit, restart_timeout_s)
-    raise ValueError(f"oldlogit_route: {name!r} is not one of {', '.join(OLDLOGIT_ROUTES)}")
+    elif name == "snapshot":
+        route = SnapshotRoute(oldlogit, restart_timeout_s, current_from_learner)
+    elif name in ("old_logit_model", "interrupt_sync"):
+        route = ScorerRoute(name, oldlogit, restart_timeout_s)
+    else:
+        raise ValueError(f"oldlogit_route: {name!r} is not one of {', '.join(OLDLOGIT_ROUTES)}")
+    route.scorer_dtype = scorer_dtype
+    return route
 
 
 def start_service(cfg: JobConfig, model_path: Path, console: Console) -> Any:
     """The old-logit service's Ray handle, started and ready; None on the ``none`` route. Its
     settings come from the route and the job: ``loss.oldlogit_route``, the versions it keeps
     (``controller.max_staleness``), ``oldlogit.memory_budget_bytes``, the LoRA adapter spec,
-    :data:`SCORER_DTYPE` (the learner's numerics), and its threads and CPU priority
+    ``learner.dtype`` (the learner's numerics: an exact pi_old is the learner's own value), and its threads and CPU priority
     (:meth:`JobConfig.thread_plan`: ``oldlogit.threads``, ``machine.yield_to_learner``).
 
     Raises:
@@ -204,7 +212,7 @@ def start_service(cfg: JobConfig, model_path: Path, console: Console) -> Any:
             max_staleness=c.max_staleness,
             memory_budget_bytes=cfg.oldlogit.memory_budget_bytes,
             adapter=cfg.lora.spec() if cfg.lora.enabled else None,
-            dtype=SCORER_DTYPE,
+            dtype=cfg.learner.dtype,
             torch_threads=plan.oldlogit,
             yield_cpu=plan.yield_to_learner,
         )
