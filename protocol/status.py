@@ -136,6 +136,14 @@ class JobStatus(Message):
     proxy_fraction: float = Field(0.0, ge=0.0, le=1.0)
     ewma: EwmaStatus | None = None
     mask_kept_fraction: float | None = Field(None, ge=0.0, le=1.0)
+    entropy: float | None = Field(None, ge=0.0)
+    """Mean policy entropy (nats) over the last batch's trained tokens: a fall towards 0 comes
+    before a collapse (None before the first step)."""
+    kl_ref: float | None = Field(None, ge=0.0)
+    """Mean KL (nats, k3 estimate) of the policy to the frozen reference over the last batch's
+    trained tokens; None without a KL penalty (``loss.kl_coef = 0``)."""
+    zero_variance_share: float | None = Field(None, ge=0.0, le=1.0)
+    """Share of the last batch's groups whose rewards were all equal (no gradient)."""
     tokens_per_s: float = Field(0.0, ge=0.0)
     last_publish_s: float | None = None
     last_publish_unix: float | None = None

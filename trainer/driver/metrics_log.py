@@ -50,6 +50,11 @@ class StepMetrics(BaseModel):
     """Share of the trained tokens the discrepancy mask keeps (reported even when not applied)."""
     zero_variance_groups: int = Field(0, ge=0)
     """Groups whose rewards were all equal (advantages exactly 0)."""
+    groups: int = Field(0, ge=0)
+    """Groups of the batch (``zero_variance_groups / groups`` is the share that carries no gradient)."""
+    kl_ref: float | None = None
+    """Token-mean k3 estimate (nats) of KL(pi_theta || pi_ref) to the frozen reference policy over
+    the trained tokens, before each optimizer step; None when ``loss.kl_coef`` is 0 (no reference)."""
     tokens_per_s: float = 0.0
     """Trained tokens per second of the learner step."""
     optimizer_steps: int = Field(1, ge=0)

@@ -92,7 +92,9 @@ def step_line(m: StepMetrics, version: int) -> str:
         f"step {m.consumed_version}->{version}  reward {m.reward_mean:.3f}  staleness mean {m.staleness_mean:.2f} "
         f"max {m.staleness_max}  exact {m.exact_token_fraction:.2f}  kept {kept:.2f}  "
         f"loss {m.loss:+.4f}  clip {m.clip_frac_step_max:.2f}  entropy {m.entropy:.2f}  len {m.response_tokens_mean:.0f}  "
-        f"{m.tokens_per_s:.0f} tok/s  train {m.train_s:.1f}s"
+        f"zero-var {m.zero_variance_groups}/{m.groups}  "
+        + (f"kl_ref {m.kl_ref:.4f}  " if m.kl_ref is not None else "")
+        + f"{m.tokens_per_s:.0f} tok/s  train {m.train_s:.1f}s"
     )
 
 
@@ -128,6 +130,9 @@ def status_fields(job: Job, oldlogit: OldLogitServiceStatus | None, m: StepMetri
             mask_kept_fraction=_finite_or_none(m.mask_kept_fraction),
             tokens_per_s=_finite_or_none(m.tokens_per_s) or 0.0,
             skipped_steps=m.skipped_steps,
+            entropy=_finite_or_none(m.entropy),
+            kl_ref=_finite_or_none(m.kl_ref) if m.kl_ref is not None else None,
+            zero_variance_share=m.zero_variance_groups / m.groups if m.groups else None,
         )
         extra = m.model_extra or {}
         if "ewma_beta" in extra:
