@@ -519,3 +519,32 @@ def test_mini_batches_take_the_rows_in_the_seeded_order_of_each_epoch(tiny_model
         expected += [sum(tokens[i] for i in order[:4]), sum(tokens[i] for i in order[4:])]
     assert [o["tokens"] for o in core.last_optimizer_steps] == expected
     assert expected != [sum(tokens[:4]), sum(tokens[4:])] * 2  # the seed's order is not the buffer's
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_services_exact_old_logits_are_the_learners_own_in_its_dtype(tiny_model_path, make_trajs, dtype):
+    """The old-logit service held in the learner's dtype (the job's wiring: ``learner.dtype`` is the
+    service's, and it installs the learner's publication in that dtype) scores version-1 tokens to
+    the learner's own log-probs bit for bit, in bf16 as in fp32; so at staleness 0 with two
+    optimizer steps the first step's ratio is exactly 1 on every token with the service's values."""
+    from oldlogit_service import OldLogitService
+    from protocol import OldLogitRequest
+
+    s = settings(tiny_model_path, dtype=dtype, loss=loss_config("snapshot"), ppo_mini_batches=2, lr=1e-2)
+    core = LearnerCore(s)
+    svc = OldLogitService(tiny_model_path, route="snapshot", max_staleness=2, dtype=dtype)
+    assert core.train_step(make_trajs(seed=0))["applied"] == 1.0
+    svc.update_weights(*core.publish(dtype))
+    trajs = make_trajs(n=8, seed=3, version=1)
+    items = [
+        {"trajectory_id": t.trajectory_id, "token_ids": t.token_ids, "loss_mask": t.loss_mask, "versions": t.versions}
+        for t in trajs
+    ]
+    answer = svc.score(OldLogitRequest(request_id="r", temperature=1.0, items=items))
+    own = core.logprobs(collate(trajs, consuming_version=1)).numpy()
+    for r, t in enumerate(trajs):
+        sel = t.loss_mask == 1
+        assert np.array_equal(answer.old_logprobs[r][sel], own[r, : len(t.token_ids)][sel]), r
+    core.train_step(trajs, old_logits=answer)
+    first = core.last_optimizer_steps[0]
+    assert first["ratio_max"] == 1.0 and first["ratio_min"] == 1.0
