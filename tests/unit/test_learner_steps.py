@@ -53,3 +53,14 @@ def test_a_single_step_passes_its_metrics_through():
 def test_steps_without_tokens_take_plain_means():
     out = combine_step_metrics([step(0, entropy=1.0), step(0, entropy=2.0)])
     assert out["entropy"] == 1.5
+
+
+def test_a_step_without_loss_tokens_leaves_the_extremes_alone():
+    """A mini-batch whose rows carry no loss token reports ratio and discrepancy extremes of 0 (no
+    ratio at all); the batch's extremes come from the steps that had tokens: 0.7 and 1.6, not 0."""
+    empty = step(0, loss=0.0, ratio_max=0.0, ratio_min=0.0, discrepancy_min=0.0, discrepancy_max=0.0)
+    full = step(20, loss=0.1, ratio_max=1.6, ratio_min=0.7, discrepancy_min=0.9, discrepancy_max=1.2)
+    out = combine_step_metrics([empty, full])
+    assert (out["ratio_min"], out["ratio_max"], out["discrepancy_min"], out["discrepancy_max"]) == (0.7, 1.6, 0.9, 1.2)
+    none = combine_step_metrics([empty])
+    assert math.isnan(none["ratio_min"]) and math.isnan(none["ratio_max"])

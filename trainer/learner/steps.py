@@ -38,8 +38,8 @@ def combine_step_metrics(steps: Sequence[Mapping[str, float]]) -> dict[str, floa
 
     Each step's dict holds ``tokens`` (its loss-token count N), ``applied``, ``grad_norm``,
     ``ewma_kept_frac`` and the loss library's metrics. Rules: phase seconds, micro-batch counts and
-    the proxy-error sums add up; ``*_max`` and ``ewma_reset`` take the largest, ``*_min`` the
-    smallest; ``grad_norm`` is the mean over applied steps (``grad_norm_max`` the largest; NaN when
+    the proxy-error sums add up; ``ewma_reset`` takes the largest, ``*_max`` the largest and
+    ``*_min`` the smallest over the steps with loss tokens (NaN when no step had one); ``grad_norm`` is the mean over applied steps (``grad_norm_max`` the largest; NaN when
     none applied), ``ewma_kept_frac`` the mean over steps that measured it and ``lr`` the last step's; every other metric is
     the token-weighted mean (plain mean when no step has a token). Derived: ``optimizer_steps``
     (applied) and ``optimizer_steps_total``, ``proxy_abs_err`` = proxy-error sum / tokens (NaN
@@ -61,10 +61,12 @@ def combine_step_metrics(steps: Sequence[Mapping[str, float]]) -> dict[str, floa
         vals = [v for v, _ in pairs]
         if k in _SUMMED:
             out[k] = float(sum(vals))
-        elif k.endswith("_max") or k == "ewma_reset":
+        elif k == "ewma_reset":
             out[k] = float(max(vals))
-        elif k.endswith("_min"):
-            out[k] = float(min(vals))
+        elif k.endswith(("_max", "_min")):
+            # extremes over the steps that had loss tokens (an empty step's 0 is no ratio); NaN if none
+            seen = [v for v, w in pairs if w > 0 and math.isfinite(v)]
+            out[k] = float((max if k.endswith("_max") else min)(seen)) if seen else math.nan
         elif total > 0:
             out[k] = float(sum(v * w for v, w in pairs) / sum(w for _, w in pairs)) if any(w for _, w in pairs) else 0.0
         else:
