@@ -22,7 +22,7 @@ def bench_methods(
     grid: Annotated[
         str,
         typer.Option(
-            help="Which grid: quick, reduced, seeds, lr, eps, full, confirm, paper, paper_lr, paper_real, paper_agent (see benchmarks/methods_grid.py)."
+            help="Which grid: quick, reduced, seeds, lr, eps, full, confirm, paper, paper_lr, paper_real, paper_agent, verdict (see benchmarks/methods_grid.py)."
         ),
     ] = "full",
 ) -> None:
@@ -38,6 +38,16 @@ def bench_methods(
         raise typer.BadParameter(f"grid={grid!r} is not one of {', '.join(GRIDS)}", param_hint="--grid")
     reexec_with_loopback()  # the cells' private clusters, this driver included, listen on loopback only
     methods_main(out_dir=out, quick=quick, console=console, kind=grid)
+
+
+@bench_app.command("oracle")
+def bench_oracle(
+    out: Annotated[Path, typer.Option(help="Results folder (oracle.json, README.md).")] = Path("results/oracle"),
+) -> None:
+    """The exact oracle: every correction's expected update on a softmax bandit, lags 0-8, no sampling."""
+    from benchmarks.oracle import main as oracle_main
+
+    oracle_main(["--out", str(out)])
 
 
 @bench_app.command("publish")
