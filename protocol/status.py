@@ -164,6 +164,10 @@ class JobStatus(Message):
     skipped_steps: int = Field(0, ge=0)
     fingerprint_mismatch: int = Field(0, ge=0)
     """Consumers found serving other weights than the version published to them (each restarted)."""
+    fingerprint_unverified: int = Field(0, ge=0)
+    """Consumer reports after a publication whose served fingerprint could not be judged (the engine
+    could not read its weights back, or the expected value was unknown); such a rollout worker is
+    restarted as a mismatch only with ``rollout.unverified_fingerprint = "mismatch"``."""
     scale_pending: int | None = Field(None, ge=0)
     """A scale request recorded but not applied yet (the latest one wins)."""
     scale_note: str = ""
@@ -177,6 +181,9 @@ class JobStatus(Message):
     """Its share of episodes with reward > 0.5."""
     held_out_version: int | None = Field(None, ge=0)
     """The policy version that evaluation was pinned to."""
+    eval_resubmitted: int = Field(0, ge=0)
+    """Held-out evaluation requests submitted again so far because the rollout worker holding them
+    was lost (died, hung, removed, restarted for a fingerprint mismatch); never counted in ``dropped``."""
     best_version: int | None = Field(None, ge=0)
     """The version of the best pinned held-out evaluation so far, whose checkpoint is kept
     (``controller.keep_best``; ties: the earlier version); None before the first."""

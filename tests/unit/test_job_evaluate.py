@@ -32,13 +32,20 @@ def traj(tid, reward, purpose, versions=(3, 3)):
 
 
 class Pool:
-    """Answers each poll with the next scripted list (then nothing); records submitted requests."""
+    """Answers each poll with the next scripted list (then nothing); records submitted requests;
+    never loses a worker."""
 
     def __init__(self, polls):
         self.polls, self.submitted = list(polls), []
 
     def __len__(self):
         return 1
+
+    def take_lost(self):
+        return []
+
+    def kill_hung(self):
+        return []
 
     def submit(self, reqs):
         self.submitted += reqs
@@ -64,6 +71,7 @@ def test_eval_requests_are_tagged_and_training_trajectories_held_back():
         "episodes": 2,
         "version": 3,
         "sampled_versions": [3],
+        "resubmitted": 0,
     }
     # one sample each, no seed on vLLM (the default engine)
     assert [(r.request_id, r.purpose, r.env.seed, r.sampling.n, r.sampling.seed) for r in pool.submitted] == [
@@ -158,6 +166,7 @@ def test_eval_requests_no_worker_took_are_submitted_again():
         "episodes": 2,
         "version": 3,
         "sampled_versions": [3],
+        "resubmitted": 0,
     }
     assert [r.request_id for r in pool.submitted] == ["eval-after-10", "eval-after-11"]
 
@@ -179,6 +188,7 @@ def test_eval_started_beside_training_takes_its_episodes_out_of_the_polls():
         "episodes": 2,
         "version": 3,
         "sampled_versions": [3],
+        "resubmitted": 0,
     }
     assert not j.eval_running and j.finish_eval() == {}
     j2 = job(Pool([[], [traj("eval-during-10", 1.0, "eval"), t1]]))

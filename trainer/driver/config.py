@@ -118,6 +118,13 @@ class RolloutConfig(_Placement):
     """Experiments only: weights published to the rollout workers (not the learner or the old-logit
     service) are multiplied by ``1 + N(0, std)`` per element, injecting train-inference mismatch.
     Applies from version 1 on (version 0 is the model folder)."""
+    unverified_fingerprint: Literal["count", "mismatch"] = "count"
+    """What the driver does with a rollout worker whose served fingerprint cannot be judged after it
+    applied a publication (its engine could not read its weights back, or what it should serve is
+    unknown): ``count`` keeps it serving and counts it in ``fingerprint_unverified`` (step metrics,
+    ``/v1/status``, summary); ``mismatch`` also treats it as a fingerprint mismatch: it is killed and
+    replaced, its in-flight samples dropped as ``fingerprint_mismatch``, and counted there too. The
+    old-logit service's unverifiable report is counted, never restarted for it."""
     sampling: SamplingParams = Field(default_factory=lambda: SamplingParams(temperature=1.0, max_tokens=64, n=8))
     """Sampling of every rollout; ``n`` is the group size."""
 

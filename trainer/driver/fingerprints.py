@@ -10,8 +10,12 @@ that merges an adapter into its base serves merged weights, so its expected valu
 the fingerprint of the merged tensors it handed to its engine.
 
 A consumer whose served fingerprint differs from the expected one is restarted by the caller and
-counted as ``fingerprint_mismatch``; a report for another version, or without a fingerprint on
-either side, is not judged.
+counted as ``fingerprint_mismatch``; a report for another version (the consumer did not take the
+publication) is not judged. A report for the published version without a fingerprint on either
+side (the engine could not read its weights back, or the expected value is unknown) cannot be
+judged: :func:`is_unverified`; the caller counts it as ``fingerprint_unverified`` and, with
+``rollout.unverified_fingerprint = "mismatch"``, restarts such a rollout worker like a mismatched one
+(:func:`mismatched_workers`).
 
 Trajectories are judged by the same rule (:func:`trajectory_mismatch`): each carries the
 fingerprint its worker served at its ``policy_version`` (``Trajectory.served_fingerprint``), and the
@@ -38,6 +42,10 @@ FINGERPRINT_MISMATCH = "fingerprint_mismatch"
 """Reason a consumer is restarted (and its in-flight samples lost): it serves other weights than
 the version it was published."""
 
+UNVERIFIED_COUNT, UNVERIFIED_MISMATCH = "count", "mismatch"
+"""The values of ``rollout.unverified_fingerprint``: a rollout worker whose report cannot be judged
+(:func:`is_unverified`) is only counted, or also restarted as a mismatch."""
+
 
 def expected_fingerprint(manifest: WeightManifest, report: Mapping[str, Any], merges_adapters: bool) -> str | None:
     """What ``report``'s consumer should serve after applying ``manifest`` (None: unknown).
@@ -59,10 +67,42 @@ def is_mismatch(manifest: WeightManifest, report: Mapping[str, Any] | None, merg
     return want is not None and got is not None and got != want
 
 
-def mismatched_workers(manifest: WeightManifest, reports: Mapping[str, Mapping[str, Any]]) -> list[str]:
+def is_unverified(manifest: WeightManifest, report: Mapping[str, Any] | None, merges_adapters: bool) -> bool:
+    """True when ``report`` is for ``manifest.version`` and cannot be judged: its ``served``
+    fingerprint or :func:`expected_fingerprint` is None. False for no report (the consumer did not
+    answer; it is asked again) and for a report of another version (it did not take this publication).
+
+    Example: v1 with fingerprint ``"aa..."``: ``{"version": 1, "served": None}`` is unverified,
+    ``{"version": 1, "served": "bb..."}`` is a mismatch (:func:`is_mismatch`), not unverified, and
+    ``{"version": 0, "served": None}`` is neither."""
+    if report is None or report.get("version") != manifest.version:
+        return False
+    return expected_fingerprint(manifest, report, merges_adapters) is None or report.get("served") is None
+
+
+def unverified_workers(manifest: WeightManifest, reports: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Ids (sorted) of the rollout workers in ``reports`` ({worker id: report}) whose report of
+    ``manifest`` cannot be judged (:func:`is_unverified`, adapters merged)."""
+    return sorted(w for w, r in reports.items() if is_unverified(manifest, r, merges_adapters=True))
+
+
+def mismatched_workers(
+    manifest: WeightManifest, reports: Mapping[str, Mapping[str, Any]], unverified: str = UNVERIFIED_COUNT
+) -> list[str]:
     """Ids (sorted) of the rollout workers in ``reports`` ({worker id: report}) that serve other
-    weights than ``manifest`` (:func:`is_mismatch`, adapters merged)."""
-    return sorted(w for w, r in reports.items() if is_mismatch(manifest, r, merges_adapters=True))
+    weights than ``manifest`` (:func:`is_mismatch`, adapters merged); with ``unverified =
+    "mismatch"`` (``rollout.unverified_fingerprint``) those whose report cannot be judged
+    (:func:`unverified_workers`) too.
+
+    Raises:
+        ValueError: ``unverified`` is neither ``"count"`` nor ``"mismatch"``.
+    """
+    if unverified not in (UNVERIFIED_COUNT, UNVERIFIED_MISMATCH):
+        raise ValueError(f"rollout.unverified_fingerprint: must be 'count' or 'mismatch', got {unverified!r}")
+    bad = {w for w, r in reports.items() if is_mismatch(manifest, r, merges_adapters=True)}
+    if unverified == UNVERIFIED_MISMATCH:
+        bad.update(unverified_workers(manifest, reports))
+    return sorted(bad)
 
 
 def expected_entries(manifest: WeightManifest, reports: Mapping[str, Mapping[str, Any]]) -> dict:

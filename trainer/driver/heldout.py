@@ -11,6 +11,12 @@ An evaluation is pinned to one published version: every sampled token of every e
 that version (:func:`held_out_scores` checks it). The job guarantees it by publishing nothing while
 an evaluation runs (:meth:`trainer.driver.parts.Job.finish_eval`).
 
+A held-out request held by a rollout worker that is lost (died, hung, removed by a scale request,
+killed for a fingerprint mismatch) is submitted again (:meth:`PendingEval.put_back`), at most
+:data:`EVAL_RESUBMITS` times per request; one lost once more fails the evaluation
+(:class:`EvalLostError`). Its samples are never training samples: they are not in the buffer's
+accounting, and the resubmissions are counted apart (``eval_resubmitted``).
+
 The best pinned evaluation of a run (:class:`BestEval`, :func:`beats`: the highest mean reward, ties
 to the earlier version) keeps its version's checkpoint (``controller.keep_best``,
 :meth:`trainer.driver.parts.Job.note_best`).
@@ -30,9 +36,16 @@ from trainer.driver.config import JobConfig
 SUCCESS_THRESHOLD = 0.5
 """An episode succeeds when its reward is above this."""
 
+EVAL_RESUBMITS = 3
+"""Most times one held-out request is submitted again after the rollout worker holding it was lost."""
+
 
 class OffVersionError(RuntimeError):
     """A held-out episode holds a token sampled by another version than the pinned one."""
+
+
+class EvalLostError(RuntimeError):
+    """A held-out request was lost with its rollout worker more than :data:`EVAL_RESUBMITS` times."""
 
 
 def eval_seed(cfg: JobConfig, env_seed: int) -> int:
@@ -125,12 +138,14 @@ def eval_record(tag: str, scores: dict[str, float | int], seconds: float, waited
     """The ``metrics.jsonl`` record of one evaluation (``kind = "eval"``): ``version`` (the pinned
     one), ``held_out`` (mean reward), ``success_rate``, ``n`` (episodes), ``tag`` (``before``,
     ``during``, ``after``), ``seconds`` (its wall time), ``waited_s`` (what of it the loop waited)
-    and, for env episodes, ``sampled_versions`` (the versions their sampled tokens carry)."""
+    and, for env episodes, ``sampled_versions`` (the versions their sampled tokens carry) and
+    ``eval_resubmitted`` (its requests submitted again after their worker was lost: ``scores["resubmitted"]``)."""
     return {
         "kind": "eval",
         "tag": tag,
         "version": int(scores["version"]),
         **({"sampled_versions": scores["sampled_versions"]} if "sampled_versions" in scores else {}),
+        **({"eval_resubmitted": int(scores["resubmitted"])} if "resubmitted" in scores else {}),
         "held_out": float(scores["reward"]),
         "success_rate": float(scores["success_rate"]),
         "n": int(scores["episodes"]),
@@ -141,7 +156,9 @@ def eval_record(tag: str, scores: dict[str, float | int], seconds: float, waited
 
 @dataclass
 class PendingEval:
-    """An evaluation whose requests are out: those no worker took yet, and the episodes back."""
+    """An evaluation whose requests are out: those no worker took yet, the episodes back, and how
+    often each request was submitted again after its worker was lost (``resubmitted``). Each request
+    is one sample (:func:`held_out_requests`), so an episode's id is its request's."""
 
     tag: str
     version: int
@@ -150,6 +167,7 @@ class PendingEval:
     got: list[Trajectory] = field(default_factory=list)
     started: float = field(default_factory=time.perf_counter)
     ids: set[str] = field(default_factory=set)
+    resubmitted: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.ids = {r.request_id for r in self.requests}
@@ -158,6 +176,34 @@ class PendingEval:
     def done(self) -> bool:
         """Every episode is back."""
         return len(self.got) >= len(self.requests)
+
+    def take(self, t: Trajectory) -> bool:
+        """Keep ``t`` when it is an episode of this evaluation not back yet; False otherwise."""
+        if t.trajectory_id not in self.ids or any(g.trajectory_id == t.trajectory_id for g in self.got):
+            return False
+        self.got.append(t)
+        return True
+
+    def put_back(self, request_id: str, reason: str) -> bool:
+        """A rollout worker holding ``request_id`` was lost with ``reason``: the request goes back to
+        ``unsent`` to be submitted again (True), unless it is not one of this evaluation's or its
+        episode is back (False).
+
+        Raises:
+            EvalLostError: it was submitted again :data:`EVAL_RESUBMITS` times already (the message
+                names the evaluation, the request and ``reason``).
+        """
+        if request_id not in self.ids or any(g.trajectory_id == request_id for g in self.got):
+            return False
+        n = self.resubmitted.get(request_id, 0)
+        if n >= EVAL_RESUBMITS:
+            raise EvalLostError(
+                f"held-out evaluation {self.tag!r}: request {request_id} was lost with its rollout worker "
+                f"({reason}) after {n} resubmissions, the most allowed"
+            )
+        self.resubmitted[request_id] = n + 1
+        self.unsent.append(next(r for r in self.requests if r.request_id == request_id))
+        return True
 
 
 @dataclass(frozen=True)

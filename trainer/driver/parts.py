@@ -42,12 +42,15 @@ from trainer.driver.fingerprints import (
     ExpectedFingerprints,
     expected_entries,
     is_mismatch,
+    is_unverified,
     mismatched_workers,
     prune_expected,
     trajectory_mismatch,
+    unverified_workers,
 )
 from trainer.driver.heldout import BestEval, beats
 from trainer.driver.ledger import Ledger
+from trainer.driver.pool import WORKER_REMOVED
 from trainer.driver.resume import write_trajectories
 from trainer.driver.routes import NoRoute, ScorerWeights
 from trainer.driver.server import StatusBoard
@@ -150,6 +153,10 @@ class Job:
     _saved_for_eval: int | None = None
     """A version checkpointed only because its evaluation started (:meth:`start_eval`), until the
     evaluation's result decides whether the checkpoint stays (:meth:`note_best`)."""
+    fingerprint_unverified = 0
+    """Consumer reports, after a publication was applied, whose served fingerprint could not be
+    judged (:func:`trainer.driver.fingerprints.is_unverified`), one per report: restarted as
+    mismatches too with ``rollout.unverified_fingerprint = "mismatch"``."""
 
     def __init__(
         self,
@@ -193,6 +200,7 @@ class Job:
         self.last_publish: dict[str, float] = {}
         self.fingerprint_mismatch = 0
         """Consumers found serving other weights than the version published to them, restarted."""
+        self.fingerprint_unverified = 0
         self.served_expected: dict = {}
         """What each published version should serve (:data:`trainer.driver.fingerprints.ExpectedFingerprints`):
         trajectories served otherwise are dropped as ``fingerprint_mismatch``. Versions older than
@@ -403,7 +411,9 @@ class Job:
         in-flight samples dropped as ``fingerprint_mismatch``); the old-logit service is killed for
         Ray to restart it (only while ``oldlogit.max_restarts`` > 0; otherwise it is counted and
         named on the console) and given the publication again. A worker that did not answer is
-        checked later (:meth:`check_joined_workers`)."""
+        checked later (:meth:`check_joined_workers`). A consumer whose report cannot be judged is
+        counted in :attr:`fingerprint_unverified` (a rollout worker is restarted as a mismatch with
+        ``rollout.unverified_fingerprint = "mismatch"``; the service never is for it)."""
         reports = self.pool.fingerprints()
         for wid in self.pool.worker_ids():
             if wid not in reports:
@@ -412,7 +422,13 @@ class Job:
         calls = self.route.calls
         if scorer_weights is None or calls is None:
             return
-        if not is_mismatch(scorer_weights[0], calls.call("fingerprint"), merges_adapters=False):
+        report = calls.call("fingerprint")
+        if is_unverified(scorer_weights[0], report, merges_adapters=False):
+            self.fingerprint_unverified += 1
+            self.console.print(
+                f"[yellow]old-logit service: served fingerprint of v{manifest.version} cannot be read, not checked"
+            )
+        if not is_mismatch(scorer_weights[0], report, merges_adapters=False):
             return
         self.fingerprint_mismatch += 1
         if self.cfg.oldlogit.max_restarts == 0:
@@ -430,13 +446,24 @@ class Job:
         """Kill the workers of ``reports`` (their fingerprint reports after applying ``manifest``)
         that serve other weights (:func:`trainer.driver.fingerprints.mismatched_workers`), to be
         replaced like dead ones, count them in :attr:`fingerprint_mismatch`, and note what the
-        others vouch for in :attr:`served_expected`. Returns the killed ids."""
-        bad = mismatched_workers(manifest, reports)
+        others vouch for in :attr:`served_expected`. Those whose report cannot be judged are counted
+        in :attr:`fingerprint_unverified`, and with ``rollout.unverified_fingerprint = "mismatch"``
+        killed and counted as mismatched too. Returns the killed ids."""
+        unverified = unverified_workers(manifest, reports)
+        self.fingerprint_unverified += len(unverified)
+        setting = self.cfg.rollout.unverified_fingerprint if unverified else "count"
+        bad = mismatched_workers(manifest, reports, setting)
+        if unverified:
+            self.console.print(
+                f"[yellow]{', '.join(unverified)}: served fingerprint of v{manifest.version} cannot be read, "
+                + ("restarting" if setting == "mismatch" else "not checked")
+            )
         self.served_expected.update(expected_entries(manifest, reports))
         if bad:
             self.pool.kill(bad, FINGERPRINT_MISMATCH)
+        if differs := [w for w in bad if w not in unverified]:
             self.console.print(
-                f"[yellow]{', '.join(bad)}: served fingerprint differs from v{manifest.version}, restarting"
+                f"[yellow]{', '.join(differs)}: served fingerprint differs from v{manifest.version}, restarting"
             )
         self.fingerprint_mismatch += len(bad)
         return bad
@@ -520,6 +547,8 @@ class Job:
         Raises:
             TimeoutError: its episodes did not all finish within ``env.eval_timeout_s`` of its start.
             trainer.driver.heldout.OffVersionError: an episode holds a token of another version.
+            trainer.driver.heldout.EvalLostError: a request was lost with its rollout worker once
+                more after :data:`trainer.driver.heldout.EVAL_RESUBMITS` resubmissions.
         """
         if not self.source.eval_running:
             return {}
@@ -700,10 +729,11 @@ class Job:
 
     def replace_dead_workers(self, board: StatusBoard) -> None:
         """Rollout workers whose process died, or that hung (no finished trajectory for longer than
-        ``rollout.hang_timeout_s`` with samples in flight: killed here): their in-flight samples are
-        lost to the source (:meth:`TrajectorySource.note_worker_loss`, reason ``worker_died`` /
-        ``worker_hung``) and replacements start, at most ``rollout.max_restarts`` over the run; past
-        that the job goes on with fewer and ``scale_note`` says so."""
+        ``rollout.hang_timeout_s`` with samples in flight: killed here): their in-flight training
+        samples are lost to the source (:meth:`TrajectorySource.note_worker_loss`, reason
+        ``worker_died`` / ``worker_hung``; held-out requests they held are submitted again by the
+        source) and replacements start, at most ``rollout.max_restarts`` over the run; past that the
+        job goes on with fewer and ``scale_note`` says so."""
         self.pool.kill_hung()
         deaths = self.pool.take_deaths()
         if not deaths:
@@ -719,15 +749,17 @@ class Job:
 
     def apply_controls(self, board: StatusBoard) -> None:
         """Apply the latest scale request (one that arrives meanwhile stays pending for the next call).
-        Extra workers are removed now; new ones start in the background (:meth:`admit_started_workers`),
-        so the loop never waits for a placement."""
+        Extra workers are removed now, their in-flight training samples lost to the source
+        (:meth:`TrajectorySource.note_worker_loss`, reason ``worker_removed``; held-out requests they
+        held are submitted again by the source); new ones start in the background
+        (:meth:`admit_started_workers`), so the loop never waits for a placement."""
         want = board.take_scale_request()
         if want is None:
             return
         self.workers_wanted = want
         removed = self.pool.request(want)
         for _wid, lost in removed.items():
-            self.buffer.note_lost(lost, "worker_removed")
+            self.source.note_worker_loss(lost, WORKER_REMOVED)
         self.report_workers(board, report.scaled_note(self, want, len(removed)))
 
     def admit_started_workers(self, board: StatusBoard) -> None:

@@ -1,10 +1,11 @@
 """The driver's handle on the rollout workers: create, scale, feed, poll and update them.
 
 Workers are independent Ray actors (:data:`rollout.worker.RolloutWorker`); adding or removing one
-never stops the others. A removed worker's unfinished samples are counted as lost by the caller; so
-are those of a worker whose process died, which every call notices and leaves out, and those of a
-worker that hung (:meth:`WorkerPool.kill_hung`), which is killed: both are reported by
-:meth:`WorkerPool.take_deaths` with the reason.
+never stops the others. A removed worker's unfinished training samples are counted as lost by the
+caller; so are those of a worker whose process died, which every call notices and leaves out, and
+those of a worker that hung (:meth:`WorkerPool.kill_hung`), which is killed: both are reported by
+:meth:`WorkerPool.take_deaths` with the reason. Samples of held-out evaluation requests
+(``purpose = "eval"``) are never in those counts: their requests are sent again (see below).
 
 Hangs (with ``hang_timeout_s`` set): a worker answers its calls between two engine steps; one stuck
 inside a step (an environment that never returns, a wedged engine) answers nothing. The pool never
@@ -23,9 +24,10 @@ longer than ``hang_timeout_s`` is hung (:func:`hung_workers`).
 
 Requests lost with a worker: the pool remembers which request ids each worker holds (samples
 taken, their trajectories not polled yet; a trajectory's id names its request:
-:func:`rollout.worker.sample_id`). When a worker is buried, killed or removed, the
-ids it held are handed out by :meth:`WorkerPool.take_lost_requests`, so a caller waiting for one
-(the gateway) resubmits it at once instead of waiting for a result nothing will deliver.
+:func:`rollout.worker.sample_id`), and which of them are evaluation requests. When a worker is
+buried, killed or removed, the ids it held are handed out by :meth:`WorkerPool.take_lost_requests`
+(with the reason: :meth:`WorkerPool.take_lost`), so a caller waiting for one (the gateway, the env
+loop's held-out evaluation) resubmits it at once instead of waiting for a result nothing will deliver.
 
 The pool may be fed from several threads (the driver and the gateway): one lock guards the worker
 table, the in-flight counts and the late calls; remote calls are made outside it, except while scaling.
@@ -50,8 +52,9 @@ CALL_WAIT_S = 5.0
 """Longest wait, seconds, for a worker's answer to a poll, status or submission when hang detection
 is on; a healthy worker answers within one engine step. An answer that comes later is not lost."""
 
-WORKER_DIED, WORKER_HUNG = "worker_died", "worker_hung"
-"""Reasons a worker's in-flight samples are lost: its process died; it hung and was killed."""
+WORKER_DIED, WORKER_HUNG, WORKER_REMOVED = "worker_died", "worker_hung", "worker_removed"
+"""Reasons a worker's in-flight samples are lost: its process died; it hung and was killed; a scale
+request removed it."""
 
 LOST_REQUESTS_KEPT = 65536
 """Ids of requests lost with a worker kept for :meth:`WorkerPool.take_lost_requests` (oldest dropped
@@ -126,7 +129,8 @@ class WorkerPool:
         self._behind: set[str] = set()  # late workers that missed a publication
         self._unverified: dict[str, WeightManifest] = {}  # applied outside update_weights' answers
         self._held: dict[str, dict[str, int]] = {}  # wid -> {request id: samples not polled yet}
-        self._lost_requests: deque[str] = deque(maxlen=LOST_REQUESTS_KEPT)
+        self._held_eval: set[str] = set()  # the held request ids of purpose "eval"
+        self._lost_requests: deque[tuple[str, str]] = deque(maxlen=LOST_REQUESTS_KEPT)  # (id, reason)
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -158,7 +162,8 @@ class WorkerPool:
     def request(self, n: int) -> dict[str, int]:
         """Move toward ``n`` workers without waiting for any start: new workers are launched and
         join when :meth:`admit_started` finds them ready (each within ``start_timeout_s``); extra
-        workers are removed now, those still starting first. Returns {removed id: lost samples}."""
+        workers are removed now, those still starting first. Returns {removed id: lost training
+        samples}; the requests they held go to :meth:`take_lost` with reason :data:`WORKER_REMOVED`."""
         removed: dict[str, int] = {}
         with self._lock:
             while len(self.workers) + len(self.starting) < n:
@@ -168,8 +173,7 @@ class WorkerPool:
             while len(self.workers) > n:
                 wid = max(self.workers, key=_number)
                 actor = self.workers.pop(wid)
-                removed[wid] = self.in_flight.pop(wid)
-                self._lose_held(wid)
+                removed[wid] = max(0, self.in_flight.pop(wid) - self._lose_held(wid, WORKER_REMOVED))
                 self.last_progress.pop(wid, None)
                 self._late.pop(wid, None)
                 self._behind.discard(wid)
@@ -227,26 +231,33 @@ class WorkerPool:
         return joined, gave_up
 
     def _bury(self, wid: str, reason: str = WORKER_DIED) -> None:
-        """Forget a worker whose process died (or that hung); its in-flight samples are recorded as lost."""
+        """Forget a worker whose process died (or that hung); its in-flight training samples are
+        recorded as lost, the requests it held go to :meth:`take_lost`."""
         with self._lock:
             if wid in self.workers:
                 del self.workers[wid]
-                self._died[wid] = (self.in_flight.pop(wid, 0), reason)
-                self._lose_held(wid)
+                self._died[wid] = (max(0, self.in_flight.pop(wid, 0) - self._lose_held(wid, reason)), reason)
                 self.last_progress.pop(wid, None)
                 self._late.pop(wid, None)
                 self._behind.discard(wid)
                 self._unverified.pop(wid, None)
 
-    def _lose_held(self, wid: str) -> None:
-        """The request ids ``wid`` held become lost (lock held)."""
-        self._lost_requests.extend(self._held.pop(wid, {}))
+    def _lose_held(self, wid: str, reason: str) -> int:
+        """The request ids ``wid`` held become lost with ``reason``; returns how many of its samples
+        were of evaluation requests (lock held)."""
+        held = self._held.pop(wid, {})
+        self._lost_requests.extend((rid, reason) for rid in held)
+        evals = [rid for rid in held if rid in self._held_eval]
+        self._held_eval.difference_update(evals)
+        return sum(held[rid] for rid in evals)
 
-    def _hold(self, wid: str, request_id: str, n: int) -> None:
-        """``wid`` took ``n`` samples of ``request_id`` (lock held)."""
+    def _hold(self, wid: str, request_id: str, n: int, purpose: str = "train") -> None:
+        """``wid`` took ``n`` samples of ``request_id``, a request of ``purpose`` (lock held)."""
         if n > 0 and wid in self.workers:
             held = self._held.setdefault(wid, {})
             held[request_id] = held.get(request_id, 0) + n
+            if purpose == "eval":
+                self._held_eval.add(request_id)
 
     def _release(self, wid: str, trajectories: list[Trajectory]) -> None:
         """``wid`` delivered ``trajectories``: their requests are no longer held there (lock held)."""
@@ -259,14 +270,21 @@ class WorkerPool:
                 held[rid] -= 1
                 if held[rid] <= 0:
                     del held[rid]
+                    self._held_eval.discard(rid)
 
-    def take_lost_requests(self) -> list[str]:
-        """Ids of requests a worker held when it died, hung or was removed (their trajectories will
-        never arrive), since the last call; each id once."""
+    def take_lost(self) -> list[tuple[str, str]]:
+        """``(request id, reason)`` of the requests a worker held when it died, hung, was killed or
+        was removed (their trajectories will never arrive), since the last call (of this or
+        :meth:`take_lost_requests`), in the order lost; each once. ``reason`` is the worker's
+        (:data:`WORKER_DIED`, :data:`WORKER_HUNG`, :data:`WORKER_REMOVED`, or the reason it was killed with)."""
         with self._lock:
             out = list(self._lost_requests)
             self._lost_requests.clear()
         return out
+
+    def take_lost_requests(self) -> list[str]:
+        """The ids of :meth:`take_lost`."""
+        return [rid for rid, _ in self.take_lost()]
 
     def take_unverified(self) -> dict[str, WeightManifest]:
         """``{worker id: manifest}`` of the live workers that applied a publication since the last
@@ -285,8 +303,9 @@ class WorkerPool:
                 self._unverified[wid] = manifest
 
     def take_deaths(self) -> dict[str, tuple[int, str]]:
-        """``{worker id: (in-flight samples lost, reason)}`` of workers found dead (:data:`WORKER_DIED`)
-        or killed as hung (:data:`WORKER_HUNG`) since the last call."""
+        """``{worker id: (in-flight training samples lost, reason)}`` of workers found dead
+        (:data:`WORKER_DIED`), killed as hung (:data:`WORKER_HUNG`) or killed by :meth:`kill` since
+        the last call; samples of evaluation requests are left out (their requests: :meth:`take_lost`)."""
         with self._lock:
             died, self._died = self._died, {}
         return died
@@ -412,7 +431,7 @@ class WorkerPool:
                 with self._lock:
                     if wid in self.workers:
                         self._late.setdefault(wid, []).append(("submit", ref, r.sampling.n))
-                    self._hold(wid, r.request_id, r.sampling.n)
+                    self._hold(wid, r.request_id, r.sampling.n, r.purpose)
                 n = r.sampling.n
             except BaseException as e:
                 with self._lock:
@@ -426,7 +445,7 @@ class WorkerPool:
                 with self._lock:
                     if wid in self.in_flight:
                         self.in_flight[wid] += n - r.sampling.n
-                    self._hold(wid, r.request_id, n)
+                    self._hold(wid, r.request_id, n, r.purpose)
             total += n
             pending.pop(0)
         return total
@@ -468,7 +487,7 @@ class WorkerPool:
 
     def kill(self, wids: list[str], reason: str) -> None:
         """Kill workers ``wids`` now; :meth:`take_deaths` reports them with ``reason`` and their
-        in-flight samples, so the caller replaces them as it replaces dead ones."""
+        in-flight training samples, so the caller replaces them as it replaces dead ones."""
         with self._lock:
             actors = [self.workers[w] for w in wids if w in self.workers]
             for wid in wids:

@@ -76,6 +76,7 @@ def step_report(job: Job, batch: list[Trajectory], m: dict[str, Any]) -> StepRep
             "publish_bytes": float(job.last_publish.get("bytes", 0.0)),
             "run_segment": job.run_segment,
             "fingerprint_mismatch": job.fingerprint_mismatch,
+            "fingerprint_unverified": job.fingerprint_unverified,
             "filtered_groups": job.buffer.filtered_groups,
             "zero_variance_admitted": job.buffer.zero_variance_admitted,
             **service,
@@ -100,7 +101,8 @@ def step_line(m: StepMetrics, version: int) -> str:
 
 def status_fields(job: Job, oldlogit: OldLogitServiceStatus | None, m: StepMetrics | None = None) -> dict[str, Any]:
     """The ``/v1/status`` fields (:class:`protocol.JobStatus`) now, with the old-logit service's
-    status ``oldlogit``; with the last step's row ``m``, its batch's fields too."""
+    status ``oldlogit``; with the last step's row ``m``, its batch's fields too. A job without
+    ``fingerprint_unverified``, or a source without ``eval_resubmitted``, reads 0 there."""
     f = dict(
         learner_version=job.version,
         run_segment=job.run_segment,
@@ -119,6 +121,8 @@ def status_fields(job: Job, oldlogit: OldLogitServiceStatus | None, m: StepMetri
         last_publish_s=job.last_publish.get("seconds"),
         last_publish_unix=job.last_publish.get("unix"),
         fingerprint_mismatch=job.fingerprint_mismatch,
+        fingerprint_unverified=getattr(job, "fingerprint_unverified", 0),
+        eval_resubmitted=getattr(job.source, "eval_resubmitted", 0),
         gateway=job.source.status(),
         **best_status(job),
     )
@@ -276,6 +280,8 @@ def run_summary(
         "accounting_ok": job.buffer.accounting_ok(),
         "worker_restarts": job.restarts,
         "fingerprint_mismatch": job.fingerprint_mismatch,
+        "fingerprint_unverified": job.fingerprint_unverified,
+        "eval_resubmitted": job.source.eval_resubmitted,
         "run_segment": job.run_segment,
         "loop_s": loop_s,
         "train_steps": job.train_steps,

@@ -54,6 +54,16 @@ class StatusBoard:
             "fingerprint_mismatch": Gauge(
                 "vintage_fingerprint_mismatch", "Consumers found serving other weights than published", registry=r
             ),
+            "fingerprint_unverified": Gauge(
+                "vintage_fingerprint_unverified",
+                "Consumer reports whose served fingerprint could not be judged after a publication",
+                registry=r,
+            ),
+            "eval_resubmitted": Gauge(
+                "vintage_eval_resubmitted",
+                "Held-out evaluation requests submitted again because their rollout worker was lost",
+                registry=r,
+            ),
             "held_out": Gauge("vintage_held_out_reward", "Mean reward of the latest held-out evaluation", registry=r),
             "held_out_version": Gauge(
                 "vintage_held_out_version", "Policy version of the latest held-out evaluation", registry=r

@@ -11,7 +11,8 @@ operation                   :class:`EnvSource` (the built-in     :class:`AgentSo
 ``evaluate``                held-out env seeds, one sample each  the agent on held-out tasks
 ``start_eval`` /            submits them and returns; the        runs :meth:`evaluate` at once
 ``finish_eval``             episodes come back with ``poll``     (blocking); returns its scores
-``note_worker_loss``        drops the samples (worker's reason)  nothing: sessions end on their own
+``note_worker_loss``        drops the training samples           nothing: sessions end on their own
+                            (worker's reason)
 ``status``                  None                                 the gateway's sessions and calls
 ``cursor`` / ``pending``    next env seed / held-back            ``{}`` / none: task ids continue
                             trajectories (kept by a checkpoint)  from the session count
@@ -25,7 +26,10 @@ the places of a group dropped by dynamic sampling (``controller.dynamic_sampling
 ``filtered``) go to new prompts (new env seeds, new agent tasks) at the next admission; every trajectory a source admits is noted
 submitted on the job's buffer and ends polled, dropped with a reason, or in flight (the buffer's
 accounting, :meth:`TrajectoryBuffer.accounting_ok`); ``poll`` never returns an evaluation
-trajectory. The driver loop is the only caller.
+trajectory, and evaluation samples are never in the buffer's accounting: a held-out request lost
+with its rollout worker is submitted again (at most :data:`trainer.driver.heldout.EVAL_RESUBMITS`
+times, counted in ``eval_resubmitted``), never dropped as a training sample. The driver loop is the
+only caller.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ if TYPE_CHECKING:
 
 class TrajectorySource(Protocol):
     """What the driver loop needs from a source of training trajectories (see the module docstring)."""
+
+    eval_resubmitted: int
+    """Held-out requests submitted again so far because the rollout worker holding them was lost."""
 
     def top_up(self) -> None:
         """Admit as much new work as the staleness admission rule allows now."""
@@ -72,8 +79,9 @@ class TrajectorySource(Protocol):
         """Forget the running evaluation (the job stops)."""
 
     def note_worker_loss(self, samples: int, reason: str) -> None:
-        """``samples`` in flight on a rollout worker that died or hung (``reason``: ``worker_died``,
-        ``worker_hung``) are lost."""
+        """``samples`` training samples in flight on a rollout worker that was lost (``reason``:
+        ``worker_died``, ``worker_hung``, ``worker_removed``, ``fingerprint_mismatch``) are lost;
+        evaluation samples are not among them (the pool leaves them out)."""
 
     def status(self) -> GatewayStatus | None:
         """The source's own ``/v1/status`` record (``JobStatus.gateway``); None when it has none."""
@@ -123,7 +131,8 @@ class EnvSource:
     on from its submission count). Held-out seeds are the ``env.eval_prompts`` after them
     (:mod:`trainer.driver.heldout`). An evaluation either runs beside training (:meth:`start_eval`:
     its episodes are picked out of each :meth:`poll`, and :meth:`finish_eval` waits for the rest) or
-    blocks (:meth:`evaluate`); training trajectories that finish while :meth:`finish_eval` waits are
+    blocks (:meth:`evaluate`); its requests held by a rollout worker that is lost are submitted
+    again (:meth:`_send_eval`); training trajectories that finish while :meth:`finish_eval` waits are
     held back and returned by the next :meth:`poll` (a checkpoint saves them too). Request and group ids are ``v{version}-{seed}-{n}``
     (``n``: the submission count), from run segment 1 on prefixed ``r{segment}.``: the ids of a resumed
     segment never repeat those the segment before sampled after the checkpoint.
@@ -152,6 +161,8 @@ class EnvSource:
         self.id_prefix = f"r{segment}." if segment else ""
         self._held_back: list[Trajectory] = []  # training trajectories polled during an evaluation
         self._eval: PendingEval | None = None  # the evaluation whose requests are out
+        self.eval_resubmitted = 0
+        """Held-out requests submitted again so far because the rollout worker holding them was lost."""
 
     def top_up(self) -> None:
         """Submit as many new groups as the staleness admission rule allows (none without a worker)."""
@@ -206,14 +217,18 @@ class EnvSource:
 
     def finish_eval(self) -> dict[str, float]:
         """Wait for the running evaluation's episodes and score them (:func:`trainer.driver.heldout.held_out_scores`:
-        mean reward, success rate (reward > 0.5), count, the version every sampled token carries);
-        ``{}`` when none runs. Training trajectories that finish meanwhile are held back for the next
-        :meth:`poll`.
+        mean reward, success rate (reward > 0.5), count, the version every sampled token carries),
+        plus ``resubmitted`` (its requests submitted again after their worker was lost); ``{}`` when
+        none runs. Training trajectories that finish meanwhile are held back for the next
+        :meth:`poll`. While it waits, hung workers are killed (:meth:`WorkerPool.kill_hung`; the job
+        reports and replaces them at its next controls) and the requests they held are sent again.
 
         Raises:
             TimeoutError: not every evaluation episode finished within ``env.eval_timeout_s`` of its
                 start (a rollout worker failed or hung); the message names the field and the count received.
             trainer.driver.heldout.OffVersionError: an episode holds a token of another version.
+            trainer.driver.heldout.EvalLostError: a request was lost with its worker once more after
+                :data:`trainer.driver.heldout.EVAL_RESUBMITS` resubmissions.
         """
         e = self._eval
         if e is None:
@@ -223,6 +238,7 @@ class EnvSource:
             self._held_back += self._sort(self.pool.poll())
             if e.done:
                 break
+            self.pool.kill_hung()
             self._send_eval()
             if time.perf_counter() - e.started > timeout:
                 raise TimeoutError(
@@ -231,7 +247,7 @@ class EnvSource:
                 )
             time.sleep(0.2)
         self._eval = None
-        return held_out_scores(e.got, e.version)
+        return {**held_out_scores(e.got, e.version), "resubmitted": sum(e.resubmitted.values())}
 
     def evaluate(self, tag: str) -> dict[str, float]:
         """:meth:`start_eval` then :meth:`finish_eval`: the held-out scores at the current version;
@@ -243,24 +259,38 @@ class EnvSource:
         self._eval = None
 
     def _send_eval(self) -> None:
-        """Submit the running evaluation's requests no worker took yet (one sample each, in order)."""
+        """Submit the running evaluation's requests no worker took yet (one sample each, in order),
+        those a lost rollout worker held included (:meth:`WorkerPool.take_lost`, put back by
+        :meth:`PendingEval.put_back`, each counted in :attr:`eval_resubmitted`). The other lost ids
+        (training requests, whose samples :meth:`note_worker_loss` drops) are passed over. Nothing
+        without a running evaluation: a request can only be lost while its evaluation runs, since
+        an evaluation ends with every episode back.
+
+        Raises:
+            trainer.driver.heldout.EvalLostError: a request was lost once more after
+                :data:`trainer.driver.heldout.EVAL_RESUBMITS` resubmissions.
+        """
         e = self._eval
-        if e is not None and e.unsent:
+        if e is None:
+            return
+        for request_id, reason in self.pool.take_lost():
+            self.eval_resubmitted += e.put_back(request_id, reason)
+        if e.unsent:
             e.unsent = e.unsent[self.pool.submit(e.unsent) :]
 
     def _sort(self, polled: list[Trajectory]) -> list[Trajectory]:
-        """The training trajectories of ``polled``; the running evaluation's episodes go to it, and
-        those of an abandoned one are discarded."""
+        """The training trajectories of ``polled``; the running evaluation's episodes go to it (each
+        once: :meth:`PendingEval.take`), and those of an abandoned one are discarded."""
         train = []
         for t in polled:
             if t.purpose != "eval":
                 train.append(t)
-            elif self._eval is not None and t.trajectory_id in self._eval.ids:
-                self._eval.got.append(t)
+            elif self._eval is not None:
+                self._eval.take(t)
         return train
 
     def note_worker_loss(self, samples: int, reason: str) -> None:
-        """Each sample was one submitted trajectory: dropped with the worker's reason."""
+        """Each training sample was one submitted trajectory: dropped with the worker's reason."""
         self.buffer.note_lost(samples, reason)
 
     def status(self) -> GatewayStatus | None:
@@ -300,6 +330,9 @@ class AgentSource:
     ``group_id``): a full group is released at once, every segment in one poll, and judged whole;
     a group released short of ``rollout.sampling.n`` with a baseline is never filtered.
     """
+
+    eval_resubmitted = 0
+    """Always 0: the gateway resubmits the calls of every session itself (``GatewayStatus.lost_resubmissions``)."""
 
     def __init__(self, runner: AgentRunner):
         self.runner = runner

@@ -1,0 +1,117 @@
+"""A consumer whose served fingerprint cannot be judged (it could not read its weights back, or
+what it should serve is unknown) is counted as ``fingerprint_unverified`` in the step metrics,
+``/v1/status`` and the summary; with ``rollout.unverified_fingerprint = "mismatch"`` such a
+rollout worker is restarted like a mismatched one. Hand-written reports; stand-ins for the pool
+and the old-logit service handle."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from pydantic import ValidationError
+from rich.console import Console
+
+from protocol import JobStatus
+from trainer.driver.buffer import TrajectoryBuffer
+from trainer.driver.config import load_config, one_line
+from trainer.driver.fingerprints import FINGERPRINT_MISMATCH, is_unverified, mismatched_workers, unverified_workers
+from trainer.driver.parts import Job
+from trainer.driver.report import status_fields
+
+A, B, C = "a" * 16, "b" * 16, "c" * 16
+FULL = SimpleNamespace(version=1, adapter=None, fingerprint=A)
+REPORTS = {
+    "rollout-0": {"version": 1, "served": A, "applied": A},  # serves v1: verified
+    "rollout-1": {"version": 1, "served": None, "applied": A},  # could not read its weights back
+    "rollout-2": {"version": 1, "served": B, "applied": A},  # serves other weights: a mismatch
+    "rollout-3": {"version": 0, "served": None, "applied": None},  # did not take v1: not judged, not counted
+}
+
+
+def test_which_reports_cannot_be_judged():
+    assert [w for w, r in REPORTS.items() if is_unverified(FULL, r, merges_adapters=True)] == ["rollout-1"]
+    assert not is_unverified(FULL, None, merges_adapters=True)  # no answer: asked again later, not counted
+    no_fingerprint = SimpleNamespace(version=1, adapter=None, fingerprint=None)
+    assert is_unverified(no_fingerprint, {"version": 1, "served": A}, merges_adapters=False)  # nothing to compare to
+    adapter = SimpleNamespace(version=2, adapter=object(), fingerprint=C)
+    # a worker that merges an adapter should serve its own merge, unknown here; the service holds the adapter
+    assert is_unverified(adapter, {"version": 2, "served": A, "applied": None}, merges_adapters=True)
+    assert not is_unverified(adapter, {"version": 2, "served": A, "applied": None}, merges_adapters=False)
+    assert unverified_workers(FULL, REPORTS) == ["rollout-1"]
+    assert mismatched_workers(FULL, REPORTS) == ["rollout-2"]
+    assert mismatched_workers(FULL, REPORTS, unverified="count") == ["rollout-2"]
+    assert mismatched_workers(FULL, REPORTS, unverified="mismatch") == ["rollout-1", "rollout-2"]
+
+
+class _Pool:
+    def __init__(self, reports):
+        self.reports, self.killed, self.unverified = reports, [], {}
+
+    def fingerprints(self, only=None):
+        return {w: r for w, r in self.reports.items() if only is None or w in only}
+
+    def worker_ids(self):
+        return sorted(self.reports)
+
+    def mark_unverified(self, wid, manifest):
+        self.unverified[wid] = manifest
+
+    def take_unverified(self):
+        out, self.unverified = self.unverified, {}
+        return out
+
+    def kill(self, wids, reason):
+        self.killed.append((wids, reason))
+
+
+class _Calls:
+    def __init__(self, report):
+        self.report, self.calls = report, []
+
+    def call(self, method, *args):
+        self.calls.append(method)
+        return self.report if method == "fingerprint" else None
+
+
+@pytest.mark.parametrize(
+    ("setting", "killed", "mismatches"),
+    [(None, ["rollout-2"], 1), ("count", ["rollout-2"], 1), ("mismatch", ["rollout-1", "rollout-2"], 2)],
+)
+def test_unverifiable_consumers_are_counted_and_restarted_only_when_asked(monkeypatch, setting, killed, mismatches):
+    """After v1: rollout-1 and the old-logit service report no served fingerprint (2 unverified);
+    rollout-2 serves other weights (a mismatch). A joiner that cannot read back counts once more."""
+    import ray
+
+    monkeypatch.setattr(ray, "kill", lambda *a, **k: pytest.fail("the service is never restarted here"))
+    j = Job.__new__(Job)
+    j.cfg = load_config(None, [] if setting is None else [f'rollout.unverified_fingerprint="{setting}"'])
+    j.console, j.fingerprint_mismatch, j.served_expected = Console(quiet=True), 0, {}
+    j.pool = _Pool(REPORTS)
+    calls = _Calls({"version": 1, "served": None})  # the service could not read back either
+    j.route = SimpleNamespace(calls=calls, oldlogit="service-handle")
+    j.check_fingerprints(FULL, (FULL, "ref"))
+    assert j.pool.killed == [(killed, FINGERPRINT_MISMATCH)]
+    assert (j.fingerprint_mismatch, j.fingerprint_unverified) == (mismatches, 2)
+    assert calls.calls == ["fingerprint"]  # counted, not restarted (the setting is the rollout workers')
+
+    j.pool = _Pool({"rollout-4": {"version": 1, "served": None, "applied": A}})
+    j.pool.unverified = {"rollout-4": FULL}  # a joiner caught up outside the publication
+    assert j.check_joined_workers() == (["rollout-4"] if setting == "mismatch" else [])
+    assert (j.fingerprint_mismatch, j.fingerprint_unverified) == (mismatches + (setting == "mismatch"), 3)
+
+
+def test_the_count_reaches_the_status():
+    job = SimpleNamespace(
+        version=1, run_segment=0, route=SimpleNamespace(name="none"), pool=SimpleNamespace(statuses=lambda: []),
+        buffer=TrajectoryBuffer(capacity=4, max_staleness=1), last_publish={},
+        source=SimpleNamespace(status=lambda: None), fingerprint_mismatch=1, fingerprint_unverified=3,
+    )  # fmt: skip
+    s = JobStatus(**status_fields(job, None))
+    assert (s.fingerprint_mismatch, s.fingerprint_unverified) == (1, 3)
+
+
+def test_the_setting_refuses_other_values():
+    with pytest.raises(ValidationError) as e:
+        load_config(None, ['rollout.unverified_fingerprint="ignore"'])
+    assert one_line(e.value) == "rollout.unverified_fingerprint: Input should be 'count' or 'mismatch' (got 'ignore')"
