@@ -20,6 +20,30 @@ _AGGREGATION_TO_TRL = {"token_mean": "dapo", "seq_mean_token_mean": "grpo"}
 trained tokens of the whole optimizer batch, ``grpo`` averages per-sequence token means."""
 
 
+def _trl_schedule(cfg) -> dict[str, Any]:
+    """transformers' scheduler settings for ``learner.lr_schedule``: ``constant`` (or
+    ``constant_with_warmup``), ``linear``, ``cosine_with_min_lr`` with ``min_lr_rate``; a decaying
+    schedule also sets ``max_steps`` to the decay length (transformers decays over ``max_steps``).
+    transformers' warm-up starts at 0 (``lr * s / W``), vintage's at ``lr / (W + 1)``.
+
+    Raises:
+        ValueError: a linear decay with ``lr_min_ratio > 0`` (transformers' linear decays to 0)."""
+    lr, c = cfg.learner, cfg.controller
+    out: dict[str, Any] = {"warmup_steps": lr.lr_warmup_steps}
+    if lr.lr_schedule == "constant":
+        out["lr_scheduler_type"] = "constant_with_warmup" if lr.lr_warmup_steps else "constant"
+        return out
+    if lr.lr_schedule == "linear" and lr.lr_min_ratio > 0:
+        raise ValueError(f"learner.lr_min_ratio: {lr.lr_min_ratio} with a linear decay has no transformers equivalent")
+    out["max_steps"] = lr.lr_decay_steps or c.total_steps * lr.ppo_epochs * lr.ppo_mini_batches
+    if lr.lr_schedule == "linear":
+        out["lr_scheduler_type"] = "linear"
+    else:
+        out["lr_scheduler_type"] = "cosine_with_min_lr"
+        out["lr_scheduler_kwargs"] = {"min_lr_rate": lr.lr_min_ratio}
+    return out
+
+
 def trl_config_kwargs(cfg, output_dir: str, *, cpu: bool = True, max_steps: int = 10**6) -> dict[str, Any]:
     """``trl.GRPOConfig`` keyword arguments that reproduce the vintage job config ``cfg`` (a
     :class:`trainer.driver.config.JobConfig`).
@@ -27,14 +51,16 @@ def trl_config_kwargs(cfg, output_dir: str, *, cpu: bool = True, max_steps: int 
     Per optimizer step both train ``controller.batch_groups`` prompts x ``sampling.n`` completions,
     in forward/backward chunks of ``learner.micro_batch_size`` (TRL: per-device batch = micro batch,
     gradient accumulation = batch / micro batch, one generation per optimizer step). AdamW betas and
-    eps are vintage's learner defaults (:class:`trainer.learner.LearnerSettings`); the learning rate
-    is constant. ``max_steps`` is a ceiling: the wall-clock budget stops the run.
+    eps are vintage's learner defaults (:class:`trainer.learner.LearnerSettings`); the learning-rate
+    schedule is transformers' equivalent of ``learner.lr_schedule`` (:func:`_trl_schedule`).
+    ``max_steps`` is a ceiling: the wall-clock budget stops the run. Dynamic sampling
+    (``controller.dynamic_sampling``) has no GRPOTrainer equivalent: TRL trains every group.
 
     Raises:
         ValueError: a setting has no GRPOTrainer equivalent (the message names the field and value):
             the batch is not a whole number of micro-batches, an advantage other than ``grpo``, an
             aggregation other than ``token_mean``/``seq_mean_token_mean``, a sequence-level
-            (``gspo``) policy loss, or top-p/top-k truncation.
+            (``gspo``) policy loss, top-p/top-k truncation, or a linear decay with a floor.
     """
     from trainer.learner import LearnerSettings
 
@@ -50,6 +76,9 @@ def trl_config_kwargs(cfg, output_dir: str, *, cpu: bool = True, max_steps: int 
         raise ValueError(f"loss.aggregation: {loss.aggregation!r} has no GRPOTrainer loss_type equivalent")
     if loss.policy_loss != "ppo_clip":
         raise ValueError(f"loss.policy_loss: {loss.policy_loss!r} is not compared with TRL (token clip only)")
+    schedule = _trl_schedule(cfg)
+    if schedule.get("max_steps") is not None:
+        max_steps = min(max_steps, schedule.pop("max_steps"))
     defaults = LearnerSettings.model_fields
     beta1, beta2 = defaults["betas"].default
     fused = defaults["fused_adam"].default
@@ -63,8 +92,7 @@ def trl_config_kwargs(cfg, output_dir: str, *, cpu: bool = True, max_steps: int 
         "top_p": 1.0,
         "top_k": 0,  # off, like vintage (its sampling refuses truncated supports)
         "learning_rate": lr.lr,
-        "lr_scheduler_type": "constant",
-        "warmup_steps": 0,
+        **schedule,
         "optim": "adamw_torch_fused" if fused else "adamw_torch",
         "adam_beta1": beta1,
         "adam_beta2": beta2,

@@ -64,11 +64,13 @@ def test_trl_config_mirrors_the_demo_config():
     # demo: 2 prompts x 8 samples, micro-batch 16, lr 5e-5, 48 tokens, T = 1, clip 1.0, fp32 learner
     assert kw["per_device_train_batch_size"] == 16 and kw["gradient_accumulation_steps"] == 1
     assert kw["num_generations"] == 8 and kw["max_completion_length"] == 48 and kw["temperature"] == 1.0
-    assert kw["learning_rate"] == 5e-5 and kw["lr_scheduler_type"] == "constant" and kw["warmup_steps"] == 0
+    # cosine from 5e-5 to 5e-6 over the 40 steps after 2 warm-up steps
+    assert kw["learning_rate"] == 5e-5 and kw["lr_scheduler_type"] == "cosine_with_min_lr" and kw["warmup_steps"] == 2
+    assert kw["lr_scheduler_kwargs"] == {"min_lr_rate": 0.1} and kw["max_steps"] == 40
     assert (kw["adam_beta1"], kw["adam_beta2"], kw["adam_epsilon"], kw["weight_decay"]) == (0.9, 0.999, 1e-8, 0.0)
     assert kw["optim"] == "adamw_torch_fused" and kw["max_grad_norm"] == 1.0
     assert kw["bf16"] is False and kw["beta"] == 0.0 and kw["num_iterations"] == 1
-    assert (kw["epsilon"], kw["epsilon_high"], kw["loss_type"]) == (0.2, 0.2, "dapo")
+    assert (kw["epsilon"], kw["epsilon_high"], kw["loss_type"]) == (0.2, 0.28, "dapo")
     assert kw["use_vllm"] is False and kw["gradient_checkpointing"] is False and kw["shuffle_dataset"] is False
     assert kw["output_dir"] == "/tmp/out" and kw["seed"] == 0
 
