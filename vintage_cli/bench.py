@@ -78,6 +78,28 @@ def bench_memory(
     memory_main(["--model", model, "--batch", str(batch), "--seq", str(seq), "--out", str(out)])
 
 
+@bench_app.command("learner")
+def bench_learner(
+    model: Annotated[str, typer.Option(help="tiny (the tiny random Llama) or real (SmolLM2-135M).")] = "tiny",
+    method: Annotated[str, typer.Option(help="Loss method of both steps (the demo's: snapshot).")] = "snapshot",
+    batch: Annotated[int, typer.Option(min=1, help="Sequences in the batch (one micro-batch).")] = 16,
+    prompt: Annotated[int, typer.Option(min=1, help="Prompt tokens per sequence.")] = 64,
+    completion: Annotated[int, typer.Option(min=1, help="Longest completion, tokens.")] = 32,
+    threads: Annotated[int, typer.Option(min=1, help="Torch threads of both steps.")] = 1,
+    repeats: Annotated[int, typer.Option(min=1, help="Repeats of both steps; the first is warm-up.")] = 5,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    out: Annotated[Path, typer.Option(help="JSON results file.")] = Path("runs/bench/learner.json"),
+) -> None:
+    """The learner's training step vs a plain PyTorch step (HF forward, the same loss, backward,
+    fused AdamW) on the same batch, dtype and threads, and the learner's step split into its parts;
+    prints a table, writes JSON (see benchmarks/bench_learner.py)."""
+    from benchmarks.bench_learner import main as learner_main
+
+    argv = ["--model", model, "--method", method, "--batch", str(batch), "--prompt", str(prompt)]
+    argv += ["--completion", str(completion), "--threads", str(threads), "--repeats", str(repeats)]
+    learner_main([*argv, "--dtype", dtype, "--out", str(out)])
+
+
 @bench_app.command("trl")
 def bench_trl(
     budget_s: Annotated[
