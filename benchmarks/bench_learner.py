@@ -235,8 +235,8 @@ def plain_step(model: Any, optimizer: Any, batch: Any, cfg: Any, amp: Any, grad_
     ``tokens`` (the loss tokens), ``loss`` and ``grad_norm`` (before clipping)."""
     import torch
 
+    from trainer.algorithm.batch import first_loss_position
     from trainer.algorithm.losses import compute_policy_loss
-    from trainer.learner.core import first_loss_position
 
     device = batch.token_ids.device
     ids, attn, mask = batch.token_ids, batch.attention_mask, batch.loss_mask

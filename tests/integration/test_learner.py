@@ -17,10 +17,9 @@ from modelkit.modelhub import load_causal_lm
 from modelkit.scoring import sequence_logprobs
 from modelkit.weights import unpack_weights
 from protocol import Trajectory
-from trainer.algorithm.batch import Batch, collate
+from trainer.algorithm.batch import Batch, collate, shuffled_rows
 from trainer.algorithm.loss_config import loss_config
 from trainer.learner import LearnerCore, LearnerGroup, LearnerSettings, free_port
-from trainer.learner.core import shuffled_rows
 
 pytestmark = pytest.mark.integration
 

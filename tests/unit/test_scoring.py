@@ -18,8 +18,7 @@ from modelkit.scoring import (
     sequence_logprobs_and_entropy,
 )
 from protocol import AdapterSpec
-from trainer.algorithm.batch import Batch
-from trainer.learner import first_loss_position
+from trainer.algorithm.batch import Batch, first_loss_position
 
 
 def test_logprobs_from_a_first_position_match_the_full_forward(tiny_model_path):

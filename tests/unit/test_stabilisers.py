@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from modelkit.scoring import sequence_logprobs_and_entropy
+from trainer.algorithm.batch import shuffled_rows
 from trainer.algorithm.loss_config import loss_config
 from trainer.algorithm.losses import K3_MAX, compute_policy_loss, kl_penalty, regularisers
-from trainer.learner.core import shuffled_rows
 from trainer.learner.schedule import lr_multiplier
 
 

@@ -170,6 +170,25 @@ class Batch:
         return out
 
 
+def first_loss_position(mb: Batch) -> int:
+    """The first sequence position any row of ``mb`` trains on (``loss_mask`` column), at least 1.
+
+    The learner's forwards compute vocabulary logits only from there on (every position before it
+    is prompt or context in every row, never read by the loss); 1 when nothing is trained on.
+    Example: rows with prompts of 5 and 7 tokens, completions after them: 5.
+    """
+    cols = torch.nonzero(mb.loss_mask.any(0)).flatten()
+    return max(1, int(cols[0])) if cols.numel() else 1
+
+
+def shuffled_rows(size: int, seed: int, version: int, epoch: int) -> list[int]:
+    """The row order ``[size]`` of one pass over a rollout batch: a permutation from a torch
+    generator seeded with ``seed * 1_000_003 + version * 1_009 + epoch`` (the same on every rank and
+    on a resumed run). Example: ``shuffled_rows(4, 0, 0, 0)`` is ``[0, 1, 3, 2]``."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + version * 1_009 + epoch)
+    return torch.randperm(size, generator=gen).tolist()
+
+
 def empty_batch(consuming_version: int = 0, temperature: float = 1.0, pad_token_id: int = 0) -> Batch:
     """One padding row of 2 tokens with nothing to train on (keeps collectives aligned across ranks)."""
     ids = torch.full((1, 2), pad_token_id, dtype=torch.long)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainer.learner.core import Learner, LearnerCore, first_loss_position
+    from trainer.learner.core import Learner, LearnerCore
     from trainer.learner.group import LearnerGroup
     from trainer.learner.rollback import OptimizerRollback
     from trainer.learner.settings import LearnerOptions, LearnerSettings, free_port
@@ -28,7 +28,6 @@ __all__ = [
     "LearnerOptions",
     "LearnerSettings",
     "OptimizerRollback",
-    "first_loss_position",
     "free_port",
 ]
 

@@ -58,37 +58,18 @@ import torch
 
 from modelkit.cores import torch_threads
 from modelkit.scoring import enable_gradient_checkpointing, sequence_logprobs, sequence_logprobs_and_entropy
-from modelkit.weights import PackedWeights, Transport, pack_weights, perturbed_weights
+from modelkit.weights import Transport
 from protocol import OldLogitAnswer, Trajectory, WeightManifest
-from trainer.algorithm.batch import Batch, collate
+from trainer.algorithm.batch import Batch, collate, first_loss_position, shuffled_rows
 from trainer.algorithm.ewma import EwmaProximal
 from trainer.algorithm.losses import compute_policy_loss, discrepancy_ratio, icepop_mask
 from trainer.algorithm.proximal import RECOMPUTE_PROXIES, proximal_reference
-from trainer.learner import checkpoint
+from trainer.learner import checkpoint, publication
 from trainer.learner.guard import StepGuard
 from trainer.learner.reference import ReferencePolicy
 from trainer.learner.schedule import lr_multiplier
 from trainer.learner.settings import LearnerSettings, init_distributed
 from trainer.learner.steps import combine_step_metrics, sum_max_min
-
-
-def first_loss_position(mb: Batch) -> int:
-    """The first sequence position any row of ``mb`` trains on (``loss_mask`` column), at least 1.
-
-    The learner's forwards compute vocabulary logits only from there on (every position before it
-    is prompt or context in every row, never read by the loss); 1 when nothing is trained on.
-    Example: rows with prompts of 5 and 7 tokens, completions after them: 5.
-    """
-    cols = torch.nonzero(mb.loss_mask.any(0)).flatten()
-    return max(1, int(cols[0])) if cols.numel() else 1
-
-
-def shuffled_rows(size: int, seed: int, version: int, epoch: int) -> list[int]:
-    """The row order ``[size]`` of one pass over a rollout batch: a permutation from a torch
-    generator seeded with ``seed * 1_000_003 + version * 1_009 + epoch`` (the same on every rank and
-    on a resumed run). Example: ``shuffled_rows(4, 0, 0, 0)`` is ``[0, 1, 3, 2]``."""
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + version * 1_009 + epoch)
-    return torch.randperm(size, generator=gen).tolist()
 
 
 class LearnerCore:
@@ -567,31 +548,12 @@ class LearnerCore:
             self.engine.module.train(was_training)
 
     def state_dict_full(self) -> dict[str, torch.Tensor]:
-        """CPU fp32 copy of the full weights in HF naming (tied tensors appear under both names).
-
-        With LoRA: the merged weights a consumer runs, ``W0 + (alpha / r) * B @ A`` per adapted
-        module (:func:`modelkit.lora.merged_weights`)."""
-        with self._full_params():
-            if self.settings.lora.enabled:
-                from modelkit.lora import adapter_state, base_state, merged_weights
-
-                module = self.engine.module
-                state = merged_weights(base_state(module), adapter_state(module), self.settings.lora.spec())
-            else:
-                state = self.engine.module.state_dict()
-            return {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in state.items()}
+        """See :func:`trainer.learner.publication.state_dict_full`."""
+        return publication.state_dict_full(self)
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
-        """CPU fp32 copy of the LoRA adapter, ``{protocol.adapter_key name: tensor}`` (A ``[r, in]``,
-        B ``[out, r]``).
-
-        Raises:
-            ValueError: LoRA is off."""
-        if not self.settings.lora.enabled:
-            raise ValueError("lora.enabled: false, the learner has no adapter")
-        from modelkit.lora import adapter_state
-
-        return {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in adapter_state(self.engine.module).items()}
+        """See :func:`trainer.learner.publication.adapter_state`."""
+        return publication.adapter_state(self)
 
     def publish(
         self,
@@ -601,62 +563,8 @@ class LearnerCore:
         mismatch_std: float = 0.0,
         mismatch_seed: int = 0,
     ) -> tuple[WeightManifest, Mapping[str, torch.Tensor]]:
-        """Pack the current weights as version :attr:`version` for the rollout workers and the
-        old-logit service (:func:`modelkit.weights.pack_weights`: cast to ``dtype``, tied tensors sent
-        once, digest computed once here). Records ``last_publish`` = {seconds, gather_s, pack_s,
-        bytes, version}: ``gather_s`` is the time to get whole tensors (the ZeRO-3 all-gather),
-        ``pack_s`` the copy/cast and digest.
-
-        ``copy=False`` is for the Ray wrappers (:class:`LearnerGroup`): the actor's return value is
-        serialised into the object store before the actor runs its next call, so that copy is the
-        private one and the weights are not copied first. Under ZeRO-3 the gathered tensors are
-        released on leaving the gather, so a copy is always made there. ``transport="cuda_ipc"``
-        (or ``auto`` on a GPU) keeps the payload on the device (:mod:`modelkit.cuda_ipc`); the last
-        two such payloads are kept alive here, as their consumers read this process's memory.
-
-        With LoRA only the adapter is packed (:func:`modelkit.lora.pack_adapter`, ``manifest.adapter``
-        set): ``rank * (in + out)`` elements per adapted module; consumers merge it into their own base.
-
-        ``mismatch_std`` > 0 publishes perturbed weights (:func:`modelkit.weights.perturbed_weights`
-        with seed ``mismatch_seed + version``): a train-inference mismatch injected for experiments,
-        drawn here so no one else handles the payload.
-
-        Under ZeRO-3 with several ranks every rank must call it (parameters are gathered).
-
-        Raises:
-            ValueError: ``mismatch_std`` < 0, or > 0 with LoRA or a device transport (full host weights only).
-        """
-        if mismatch_std < 0 or (mismatch_std > 0 and (self.settings.lora.enabled or transport != "host")):
-            raise ValueError(
-                f"mismatch_std: {mismatch_std} needs >= 0, and full weights on the host transport when > 0"
-            )
-        t0 = time.perf_counter()
-        if self.settings.lora.enabled:  # ZeRO 0-2 only: the adapter is whole on every rank
-            from modelkit.lora import adapter_state, pack_adapter
-
-            named = adapter_state(self.engine.module)
-            t1 = time.perf_counter()
-            manifest, payload = pack_adapter(named.items(), self.version, self.settings.lora.spec(), dtype)
-        else:
-            with self._full_params():
-                named = self.engine.module.state_dict()
-                t1 = time.perf_counter()
-                copy = copy or self.settings.zero_stage == 3
-                manifest, payload = pack_weights(named.items(), self.version, dtype, copy=copy, transport=transport)
-            if mismatch_std > 0:
-                manifest, payload = perturbed_weights(manifest, payload, mismatch_std, mismatch_seed + self.version)
-            if not isinstance(payload, PackedWeights):  # a device payload: consumers map this memory
-                self._device_payloads.append(payload)
-                torch.cuda.ipc_collect()
-        t2 = time.perf_counter()
-        self.last_publish = {
-            "seconds": t2 - t0,
-            "gather_s": t1 - t0,
-            "pack_s": t2 - t1,
-            "bytes": float(manifest.total_bytes),
-            "version": float(self.version),
-        }
-        return manifest, payload
+        """See :func:`trainer.learner.publication.publish` (every ZeRO-3 rank must call it)."""
+        return publication.publish(self, dtype, copy, transport, mismatch_std, mismatch_seed)
 
     def get_version(self) -> int:
         """The current version (for Ray callers; the attribute :attr:`version` locally)."""
