@@ -21,6 +21,7 @@ from modelkit.modelhub import load_causal_lm
 from modelkit.weights import pack_weights
 from trainer.driver.buffer import TrajectoryBuffer
 from trainer.driver.config import load_config
+from trainer.driver.fingerprint_check import FingerprintCheck
 from trainer.driver.fingerprints import FINGERPRINT_MISMATCH
 from trainer.driver.parts import Job
 from trainer.driver.routes import NoRoute
@@ -47,8 +48,9 @@ def test_a_joiner_that_skips_its_catch_up_load_is_killed_replaced_and_counted(ra
     pool = WorkerPool(engine)
     j = Job.__new__(Job)  # the parts the worker controls use; the pool and its workers are real
     j.cfg = load_config(None, ["rollout.num_workers=2", "rollout.max_restarts=2"])
-    j.console, j.pool, j.fingerprint_mismatch, j.served_expected = Console(quiet=True), pool, 0, {}
+    j.console, j.pool = Console(quiet=True), pool
     j.workers_wanted, j.restarts, j.route = 2, 0, NoRoute()
+    j.fingerprints = FingerprintCheck(j.cfg, j.console, pool, j.route)
     j.buffer = TrajectoryBuffer(capacity=16, max_staleness=1)
     j.source = EnvSource(j.cfg, pool, j.buffer, lambda: 1)
     board = StatusBoard()
@@ -60,13 +62,13 @@ def test_a_joiner_that_skips_its_catch_up_load_is_killed_replaced_and_counted(ra
                 p.mul_(1.25)
         manifest, payload = pack_weights(model.state_dict().items(), version=1)
         assert pool.update_weights(manifest, ray.put(payload)) == [1]
-        j.check_fingerprints(manifest, None)  # the publication's own check: rollout-0 serves it
-        assert j.fingerprint_mismatch == 0 and pool.take_unverified() == {}
+        j.fingerprints.check_fingerprints(manifest, None)  # the publication's own check: rollout-0 serves it
+        assert j.fingerprints.mismatches == 0 and pool.take_unverified() == {}
 
         pool.engine_config = engine.model_copy(update={"test_skip_weight_loads": True})
         pool.request(2)  # a scale-up: rollout-1 starts in the background, then catches up to v1
         _admit_all(j, board)
-        assert j.fingerprint_mismatch == 1 and pool.worker_ids() == ["rollout-0"]
+        assert j.fingerprints.mismatches == 1 and pool.worker_ids() == ["rollout-0"]
         assert pool._died == {"rollout-1": (0, FINGERPRINT_MISMATCH)}  # reported to the next controls
 
         pool.engine_config = engine  # the replacement loads what it is sent
@@ -76,7 +78,7 @@ def test_a_joiner_that_skips_its_catch_up_load_is_killed_replaced_and_counted(ra
             "(0 samples lost); 1 of 2 running, 1 starting, 1 of 2 restarts used"
         )
         _admit_all(j, board)
-        assert j.fingerprint_mismatch == 1 and pool.worker_ids() == ["rollout-0", "rollout-2"]
+        assert j.fingerprints.mismatches == 1 and pool.worker_ids() == ["rollout-0", "rollout-2"]
         reports = pool.fingerprints()
         want = {"version": 1, "served": manifest.fingerprint, "applied": manifest.fingerprint}
         assert reports == {"rollout-0": want, "rollout-2": want}

@@ -1,7 +1,8 @@
 """The best version kept (``controller.keep_best``), by hand: a :class:`trainer.driver.parts.Job`
-with stand-in parts runs the loop's order of operations (evaluate before, then per version: the
-pending evaluation's result, the regular checkpoint, the next evaluation; evaluate after, the final
-checkpoint) while a stand-in learner writes checkpoint folders as the real one lays them out.
+and its :class:`trainer.driver.keeper.CheckpointKeeper` with stand-in parts run the loop's order of
+operations (evaluate before, then per version: the pending evaluation's result, the regular
+checkpoint, the next evaluation; evaluate after, the final checkpoint) while a stand-in learner
+writes checkpoint folders as the real one lays them out.
 
 Hand-worked run: ``eval_every = 10`` over 40 versions scores 0.20 (v0, before training), 0.50
 (v10), 0.84 (v20), 0.56 (v30) and 0.48 (v40, after training). The best is v20 (0.84); with
@@ -26,8 +27,10 @@ from trainer.driver.buffer import TrajectoryBuffer
 from trainer.driver.config import load_config
 from trainer.driver.export import ExportError, best_version, checkpoint_tag
 from trainer.driver.heldout import BestEval, beats, eval_due
+from trainer.driver.keeper import CheckpointKeeper
 from trainer.driver.parts import Job
 from trainer.driver.report import best_line, best_status, best_summary
+from trainer.driver.resume import write_driver_state
 from trainer.learner.checkpoint import (
     BEST_FILE,
     DEEPSPEED_LATEST_FILE,
@@ -103,13 +106,14 @@ def make_job(run_dir: Path, *overrides: str, scores=SCORES, version=0, run_segme
     )
     j = Job.__new__(Job)  # the parts checkpoints and evaluations use
     j.cfg, j.run_dir, j.version, j.run_segment = cfg, run_dir, version, run_segment
-    j.checkpointed_version, j.times = None, Counter()
+    j.times = Counter()
     j.buffer = TrajectoryBuffer(capacity=8, max_staleness=1)
     j.ledger = lambda *a, **k: None
     j.learner, j.source = Learner(j), Source(j, scores)
-    if cfg.controller.resume_from and Path(cfg.controller.resume_from).resolve() == j.checkpoints_dir.resolve():
-        j.checkpointed_version = version
-    j.best = j.starting_best()
+    j.keeper = CheckpointKeeper(
+        cfg, run_dir, j.learner, j.ledger, version=version, run_segment=run_segment,
+        driver_state=lambda folder: write_driver_state(folder, j.buffer, j.source),
+    )  # fmt: skip
     return j
 
 
@@ -154,8 +158,8 @@ def test_the_best_version_is_kept_through_pruning(tmp_path):
     assert seen[10] == [0, 10] and seen[11] == [10]  # v0 went when v10 (0.50) beat it
     assert seen[21] == [20] and seen[30] == [20, 30] and seen[31] == [20]  # v30 (0.56 < 0.84) went at its result
     assert checkpointed_versions(ckpt) == [20, 40] and latest_tag(ckpt) == "v40"
-    assert (j.best.version, j.best.held_out, j.best.tag) == (20, 0.84, "during")
-    assert j.best.checkpoint == str((ckpt / "v20").resolve())
+    assert (j.keeper.best.version, j.keeper.best.held_out, j.keeper.best.tag) == (20, 0.84, "during")
+    assert j.keeper.best.checkpoint == str((ckpt / "v20").resolve())
     assert read_best(ckpt)["version"] == 20 and read_best(ckpt)["held_out"] == 0.84
     assert best_summary(j) == {
         "best_version": 20,
@@ -190,21 +194,21 @@ def test_regular_checkpoints_are_not_saved_twice_and_follow_keep_checkpoints(tmp
     run_loop(j, 40)
     assert j.learner.saves == [0, 10, 20, 30, 40, 40]  # the loop's v40, then the run's final one
     assert checkpointed_versions(ckpt) == [20, 30, 40]
-    assert j.best.version == 20 and not j.best.saved_for_it
+    assert j.keeper.best.version == 20 and not j.keeper.best.saved_for_it
 
 
 def test_a_tie_keeps_the_earlier_version(tmp_path):
     ckpt = tmp_path / "checkpoints"
     j = make_job(tmp_path, scores={0: 0.2, 10: 0.84, 20: 0.84, 30: 0.84, 40: 0.84})
     run_loop(j, 40)
-    assert j.best.version == 10 and checkpointed_versions(ckpt) == [10, 40]
+    assert j.keeper.best.version == 10 and checkpointed_versions(ckpt) == [10, 40]
 
 
 def test_the_best_can_be_the_evaluation_after_training(tmp_path):
     ckpt = tmp_path / "checkpoints"
     j = make_job(tmp_path, scores={**SCORES, 40: 0.9})
     run_loop(j, 40)
-    assert (j.best.version, j.best.tag, j.best.saved_for_it) == (40, "after", False)
+    assert (j.keeper.best.version, j.keeper.best.tag, j.keeper.best.saved_for_it) == (40, "after", False)
     assert checkpointed_versions(ckpt) == [40] and j.learner.saves == [0, 10, 20, 30, 40]
 
 
@@ -212,7 +216,7 @@ def test_without_keep_best_or_eval_every_nothing_extra_is_saved(tmp_path):
     for i, off in enumerate(["controller.keep_best=false", "controller.eval_every=0"]):
         j = make_job(tmp_path / str(i), off)
         run_loop(j, 40)
-        assert j.learner.saves == [40] and j.best is None
+        assert j.learner.saves == [40] and j.keeper.best is None
         assert best_summary(j) == {"best_version": None, "best_held_out": None, "best_checkpoint": None}
         assert best_line(j) is None and best_status(j) == {}
         assert read_best(tmp_path / str(i) / "checkpoints") is None
@@ -239,21 +243,26 @@ def test_a_resumed_run_compares_against_the_best_so_far(tmp_path):
         version=20,
         run_segment=1,
     )
-    assert (r.best.version, r.best.held_out, r.best.run_segment, r.best.saved_for_it) == (20, 0.84, 0, True)
-    assert r.checkpointed_version == 20  # the resume point is this run's own: not saved again
+    b = r.keeper.best
+    assert (b.version, b.held_out, b.run_segment, b.saved_for_it) == (20, 0.84, 0, True)
+    assert r.keeper.checkpointed_version == 20  # the resume point is this run's own: not saved again
     seen = {}
-    run_loop(r, 60, on_version=lambda r: seen.setdefault(r.version, (r.best.version, checkpointed_versions(ckpt))))
+
+    def look(r):
+        seen.setdefault(r.version, (r.keeper.best.version, checkpointed_versions(ckpt)))
+
+    run_loop(r, 60, on_version=look)
     assert r.learner.saves == [30, 40, 50, 60]  # the before-evaluation of v20 found its checkpoint
     assert seen[41] == (20, [20])  # v40 tied 0.84: the earlier v20 stays, v40 went
     assert seen[51] == (50, [50])  # v50 (0.90) beat it: v20 went
-    assert (r.best.version, r.best.run_segment) == (50, 1) and checkpointed_versions(ckpt) == [50, 60]
+    assert (r.keeper.best.version, r.keeper.best.run_segment) == (50, 1) and checkpointed_versions(ckpt) == [50, 60]
 
 
 def test_a_fresh_run_drops_an_earlier_runs_record(tmp_path):
     ckpt = tmp_path / "checkpoints"
     ckpt.mkdir()
     (ckpt / BEST_FILE).write_text(json.dumps({"version": 3}))
-    assert make_job(tmp_path).best is None and not (ckpt / BEST_FILE).exists()
+    assert make_job(tmp_path).keeper.best is None and not (ckpt / BEST_FILE).exists()
 
 
 def test_export_best_resolves_to_the_best_versions_checkpoint(tmp_path):

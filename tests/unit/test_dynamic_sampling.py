@@ -12,10 +12,12 @@ import httpx
 import numpy as np
 import pydantic
 import pytest
+from rich.console import Console
 
 from protocol import JobStatus, Trajectory
 from trainer.driver.buffer import TrajectoryBuffer, admission_capacity
 from trainer.driver.config import load_config
+from trainer.driver.fingerprint_check import FingerprintCheck
 from trainer.driver.job import Job
 from trainer.driver.ledger import fates
 from trainer.driver.parts import filter_bound
@@ -188,7 +190,7 @@ def job(polls, *overrides):
     j.buffer = TrajectoryBuffer(capacity=32, max_staleness=0, ledger=j.ledger)
     j.source = EnvSource(j.cfg, j.pool, j.buffer, lambda: j.version)
     j.batch_size, j.group_size, j.vocab_size, j.taken_ahead = 8, 4, 1000, 0
-    j.served_expected = {}
+    j.fingerprints = FingerprintCheck(j.cfg, Console(quiet=True), j.pool, j.route)
     return j
 
 
@@ -232,7 +234,8 @@ def test_counts_reach_status_and_prometheus():
     b.filter_groups(arrived, 0, 4, bound=1)
     job_ = SimpleNamespace(
         version=0, run_segment=0, route=SimpleNamespace(name="none"), pool=SimpleNamespace(statuses=lambda: []),
-        buffer=b, last_publish={}, source=SimpleNamespace(status=lambda: None), fingerprint_mismatch=0,
+        buffer=b, last_publish={}, source=SimpleNamespace(status=lambda: None),
+        fingerprints=SimpleNamespace(mismatches=0, unverified=0),
     )  # fmt: skip
     s = JobStatus(**status_fields(job_, None))
     assert (s.filtered_groups, s.zero_variance_admitted, s.dropped) == (1, 1, {"filtered": 4})

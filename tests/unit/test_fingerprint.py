@@ -164,19 +164,17 @@ def test_driver_restarts_and_counts_mismatched_consumers(monkeypatch, max_restar
     import ray
 
     from trainer.driver.config import load_config
-    from trainer.driver.parts import Job
+    from trainer.driver.fingerprint_check import FingerprintCheck
 
     killed = []
     monkeypatch.setattr(ray, "kill", lambda h, no_restart=True: killed.append((h, no_restart)))
     manifest = SimpleNamespace(version=1, adapter=None, fingerprint="a" * 16)
-    j = Job.__new__(Job)
-    j.cfg = load_config(None, [f"oldlogit.max_restarts={max_restarts}"])
-    j.console, j.fingerprint_mismatch, j.served_expected = Console(quiet=True), 0, {}
-    j.pool = _Pool({"w0": {"version": 1, "served": "a" * 16}, "w1": {"version": 1, "served": "b" * 16}})
+    cfg = load_config(None, [f"oldlogit.max_restarts={max_restarts}"])
+    pool = _Pool({"w0": {"version": 1, "served": "a" * 16}, "w1": {"version": 1, "served": "b" * 16}})
     calls = _Calls({"version": 1, "served": "c" * 16})
-    j.route = SimpleNamespace(calls=calls, oldlogit="service-handle")
-    j.check_fingerprints(manifest, (manifest, "ref"))
-    assert j.pool.killed == [(["w1"], FINGERPRINT_MISMATCH)] and j.fingerprint_mismatch == 2
+    f = FingerprintCheck(cfg, Console(quiet=True), pool, SimpleNamespace(calls=calls, oldlogit="service-handle"))
+    f.check_fingerprints(manifest, (manifest, "ref"))
+    assert pool.killed == [(["w1"], FINGERPRINT_MISMATCH)] and f.mismatches == 2
     if max_restarts:
         assert killed == [("service-handle", False)] and calls.calls == ["fingerprint", "update_weights"]
     else:

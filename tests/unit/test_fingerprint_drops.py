@@ -13,6 +13,7 @@ from rich.console import Console
 from protocol import Trajectory
 from trainer.driver.buffer import TrajectoryBuffer
 from trainer.driver.config import load_config
+from trainer.driver.fingerprint_check import FingerprintCheck
 from trainer.driver.fingerprints import FINGERPRINT_MISMATCH, expected_entries, prune_expected, trajectory_mismatch
 from trainer.driver.parts import Job, intake_refusal
 
@@ -71,12 +72,13 @@ def test_entries_below_the_staleness_bound_are_pruned():
 
 
 def _job(buffer: TrajectoryBuffer) -> Job:
-    j = Job.__new__(Job)  # only the buffer and the route's answer are needed
+    j = Job.__new__(Job)  # only the buffer, the route's answer and the fingerprint check are needed
     j.cfg = load_config(None, ["controller.max_staleness=2"])
     j.buffer, j.version, j.vocab_size, j.taken_ahead = buffer, 4, 1000, 0
     j.batch_size, j.group_size = 4, 2
     j.route = SimpleNamespace(async_old_logits=lambda batch, v, temperature: None)
-    j.served_expected = dict(EXPECTED)
+    j.fingerprints = FingerprintCheck(j.cfg, Console(quiet=True), None, j.route)
+    j.fingerprints.expected = dict(EXPECTED)
     return j
 
 
@@ -100,10 +102,10 @@ def test_buffered_and_taken_ahead_mismatches_are_dropped_and_the_ledger_closes()
     for r in rows:
         assert buf.offer(traj(*r))
     j = _job(buf)
-    j.served_expected = {}  # the mismatch is not known yet when the batch is taken ahead
+    j.fingerprints.expected = {}  # the mismatch is not known yet when the batch is taken ahead
     ahead = j.take(ahead=True)
     assert [t.trajectory_id for t in ahead.trajectories] == ["t1", "t2", "t3", "t4"] and buf.held == 4
-    j.served_expected = dict(EXPECTED)  # now it is (an adapter version's merge, checked after its take)
+    j.fingerprints.expected = dict(EXPECTED)  # now it is (an adapter version's merge, checked after its take)
     events.clear()
     assert j.still_whole(ahead) is None
     assert events == [("dropped", ["t5", "t2"], FINGERPRINT_MISMATCH)]
@@ -146,11 +148,10 @@ class _Pool:
 
 def test_a_joiner_serving_other_weights_is_killed_and_counted():
     manifest = SimpleNamespace(version=3, adapter=None, fingerprint=A)
-    j = Job.__new__(Job)
-    j.console, j.fingerprint_mismatch, j.served_expected = Console(quiet=True), 0, {}
-    j.pool = _Pool(manifest)
-    assert j.check_joined_workers() == ["rollout-2"]
-    assert j.pool.asked == [["rollout-2", "rollout-3"]]
-    assert j.pool.killed == [(["rollout-2"], FINGERPRINT_MISMATCH)] and j.fingerprint_mismatch == 1
-    assert j.pool.unverified == {"rollout-3": manifest}  # asked again next time
-    assert j.served_expected == {3: A}
+    pool = _Pool(manifest)
+    f = FingerprintCheck(load_config(None, []), Console(quiet=True), pool, None)
+    assert f.check_joined_workers() == ["rollout-2"]
+    assert pool.asked == [["rollout-2", "rollout-3"]]
+    assert pool.killed == [(["rollout-2"], FINGERPRINT_MISMATCH)] and f.mismatches == 1
+    assert pool.unverified == {"rollout-3": manifest}  # asked again next time
+    assert f.expected == {3: A}

@@ -15,8 +15,8 @@ from rich.console import Console
 from protocol import JobStatus
 from trainer.driver.buffer import TrajectoryBuffer
 from trainer.driver.config import load_config, one_line
+from trainer.driver.fingerprint_check import FingerprintCheck
 from trainer.driver.fingerprints import FINGERPRINT_MISMATCH, is_unverified, mismatched_workers, unverified_workers
-from trainer.driver.parts import Job
 from trainer.driver.report import status_fields
 
 A, B, C = "a" * 16, "b" * 16, "c" * 16
@@ -84,28 +84,27 @@ def test_unverifiable_consumers_are_counted_and_restarted_only_when_asked(monkey
     import ray
 
     monkeypatch.setattr(ray, "kill", lambda *a, **k: pytest.fail("the service is never restarted here"))
-    j = Job.__new__(Job)
-    j.cfg = load_config(None, [] if setting is None else [f'rollout.unverified_fingerprint="{setting}"'])
-    j.console, j.fingerprint_mismatch, j.served_expected = Console(quiet=True), 0, {}
-    j.pool = _Pool(REPORTS)
+    cfg = load_config(None, [] if setting is None else [f'rollout.unverified_fingerprint="{setting}"'])
     calls = _Calls({"version": 1, "served": None})  # the service could not read back either
-    j.route = SimpleNamespace(calls=calls, oldlogit="service-handle")
-    j.check_fingerprints(FULL, (FULL, "ref"))
-    assert j.pool.killed == [(killed, FINGERPRINT_MISMATCH)]
-    assert (j.fingerprint_mismatch, j.fingerprint_unverified) == (mismatches, 2)
+    f = FingerprintCheck(
+        cfg, Console(quiet=True), _Pool(REPORTS), SimpleNamespace(calls=calls, oldlogit="service-handle")
+    )
+    f.check_fingerprints(FULL, (FULL, "ref"))
+    assert f.pool.killed == [(killed, FINGERPRINT_MISMATCH)]
+    assert (f.mismatches, f.unverified) == (mismatches, 2)
     assert calls.calls == ["fingerprint"]  # counted, not restarted (the setting is the rollout workers')
 
-    j.pool = _Pool({"rollout-4": {"version": 1, "served": None, "applied": A}})
-    j.pool.unverified = {"rollout-4": FULL}  # a joiner caught up outside the publication
-    assert j.check_joined_workers() == (["rollout-4"] if setting == "mismatch" else [])
-    assert (j.fingerprint_mismatch, j.fingerprint_unverified) == (mismatches + (setting == "mismatch"), 3)
+    f.pool = _Pool({"rollout-4": {"version": 1, "served": None, "applied": A}})
+    f.pool.unverified = {"rollout-4": FULL}  # a joiner caught up outside the publication
+    assert f.check_joined_workers() == (["rollout-4"] if setting == "mismatch" else [])
+    assert (f.mismatches, f.unverified) == (mismatches + (setting == "mismatch"), 3)
 
 
 def test_the_count_reaches_the_status():
     job = SimpleNamespace(
         version=1, run_segment=0, route=SimpleNamespace(name="none"), pool=SimpleNamespace(statuses=lambda: []),
         buffer=TrajectoryBuffer(capacity=4, max_staleness=1), last_publish={},
-        source=SimpleNamespace(status=lambda: None), fingerprint_mismatch=1, fingerprint_unverified=3,
+        source=SimpleNamespace(status=lambda: None), fingerprints=SimpleNamespace(mismatches=1, unverified=3),
     )  # fmt: skip
     s = JobStatus(**status_fields(job, None))
     assert (s.fingerprint_mismatch, s.fingerprint_unverified) == (1, 3)

@@ -8,8 +8,10 @@ import threading
 from collections import Counter
 
 import pytest
+from rich.console import Console
 
 from trainer.driver.config import load_config
+from trainer.driver.fingerprint_check import FingerprintCheck
 from trainer.driver.job import Job
 from trainer.driver.routes import NoRoute, ScorerRoute
 
@@ -73,7 +75,7 @@ def job(pool, route):
     j = Job.__new__(Job)  # only the parts publish uses
     j.cfg = load_config(None, [])
     j.learner, j.pool, j.route, j.times, j.last_publish = Learner(), pool, route, Counter(), {}
-    j.fingerprint_mismatch, j.served_expected = 0, {}
+    j.fingerprints = FingerprintCheck(j.cfg, Console(quiet=True), pool, route)
     j.ledger_rows = []
     j.ledger = lambda event, ids, reason=None, **fields: j.ledger_rows.append({"event": event, "ids": ids, **fields})
     return j

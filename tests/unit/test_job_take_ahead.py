@@ -8,10 +8,12 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
+from rich.console import Console
 
 from protocol import Trajectory
 from trainer.driver.buffer import TrajectoryBuffer
 from trainer.driver.config import load_config
+from trainer.driver.fingerprint_check import FingerprintCheck
 from trainer.driver.job import Job
 from trainer.driver.routes import NoRoute
 from trainer.driver.sources import EnvSource
@@ -72,7 +74,7 @@ def job(polls, *overrides, version=3):
     j.buffer = TrajectoryBuffer(capacity=16, max_staleness=j.cfg.controller.max_staleness)
     j.source = EnvSource(j.cfg, j.pool, j.buffer, lambda: j.version)
     j.batch_size, j.group_size, j.vocab_size, j.taken_ahead = 4, 2, 1000, 0
-    j.served_expected = {}
+    j.fingerprints = FingerprintCheck(j.cfg, Console(quiet=True), j.pool, j.route)
     j.buffer.note_submitted(6)
     return j
 

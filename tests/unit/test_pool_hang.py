@@ -8,6 +8,7 @@ from rich.console import Console
 
 from trainer.driver.buffer import TrajectoryBuffer
 from trainer.driver.config import load_config
+from trainer.driver.fingerprint_check import FingerprintCheck
 from trainer.driver.job import Job
 from trainer.driver.pool import WORKER_DIED, WORKER_HUNG, hung_workers
 from trainer.driver.server import StatusBoard
@@ -65,6 +66,7 @@ def test_hung_and_dead_workers_are_dropped_with_their_reason_and_replaced():
     j = Job.__new__(Job)  # the parts a real Job starts are not needed here
     j.cfg = load_config(None, ["rollout.max_restarts=3", "rollout.hang_timeout_s=30"])
     j.pool, j.console, j.workers_wanted, j.restarts = Pool(), Console(quiet=True), 3, 0
+    j.fingerprints = FingerprintCheck(j.cfg, j.console, j.pool, None)
     j.buffer = TrajectoryBuffer(capacity=64, max_staleness=1)
     j.source = EnvSource(j.cfg, j.pool, j.buffer, lambda: 0)
     j.buffer.note_submitted(16)

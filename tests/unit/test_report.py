@@ -29,7 +29,8 @@ def test_the_ledger_closes_with_the_batch_taken_ahead():
     assert buf.take_ahead(4, consuming_version=1, group_size=2) is not None
     job = SimpleNamespace(
         version=0, run_segment=0, route=SimpleNamespace(name="snapshot"), pool=SimpleNamespace(statuses=lambda: []),
-        buffer=buf, last_publish={}, source=SimpleNamespace(status=lambda: None), fingerprint_mismatch=0,
+        buffer=buf, last_publish={}, source=SimpleNamespace(status=lambda: None),
+        fingerprints=SimpleNamespace(mismatches=0, unverified=0),
     )  # fmt: skip
     f = status_fields(job, None)
     s = JobStatus(**f)

@@ -19,7 +19,7 @@ accounting, and the resubmissions are counted apart (``eval_resubmitted``).
 
 The best pinned evaluation of a run (:class:`BestEval`, :func:`beats`: the highest mean reward, ties
 to the earlier version) keeps its version's checkpoint (``controller.keep_best``,
-:meth:`trainer.driver.parts.Job.note_best`).
+:meth:`trainer.driver.keeper.CheckpointKeeper.note_best`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,10 @@ or is refused with a reason (:func:`intake_refusal`), and its fate is in the led
 dropped as ``filtered`` right after the intake that completed it, within :func:`filter_bound` per
 version (:meth:`TrajectoryBuffer.filter_groups`); a checkpoint keeps every finished trajectory not yet consumed
 (:meth:`Job.checkpoint`); with ``controller.keep_best`` the version of the best pinned held-out
-evaluation stays checkpointed, and keep_checkpoints never prunes it (:meth:`Job.note_best`).
+evaluation stays checkpointed, and keep_checkpoints never prunes it (the job's checkpoints are its
+:attr:`Job.keeper`, :class:`trainer.driver.keeper.CheckpointKeeper`); every consumer found serving
+other weights than published to it is restarted and counted (:attr:`Job.fingerprints`,
+:class:`trainer.driver.fingerprint_check.FingerprintCheck`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,26 +36,17 @@ import ray
 from rich.console import Console
 
 from oldlogit_service.calls import PendingCall
-from protocol import OldLogitAnswer, OldLogitServiceStatus, Trajectory, WeightManifest
+from protocol import OldLogitAnswer, OldLogitServiceStatus, Trajectory
 from trainer.driver import report
 from trainer.driver.buffer import TrajectoryBuffer
 from trainer.driver.config import JobConfig
-from trainer.driver.fingerprints import (
-    FINGERPRINT_MISMATCH,
-    ExpectedFingerprints,
-    expected_entries,
-    is_mismatch,
-    is_unverified,
-    mismatched_workers,
-    prune_expected,
-    trajectory_mismatch,
-    unverified_workers,
-)
-from trainer.driver.heldout import BestEval, beats
+from trainer.driver.fingerprint_check import FingerprintCheck
+from trainer.driver.fingerprints import FINGERPRINT_MISMATCH, ExpectedFingerprints, trajectory_mismatch
+from trainer.driver.keeper import CheckpointKeeper
 from trainer.driver.ledger import Ledger
 from trainer.driver.pool import WORKER_REMOVED
-from trainer.driver.resume import write_trajectories
-from trainer.driver.routes import NoRoute, ScorerWeights
+from trainer.driver.resume import write_driver_state
+from trainer.driver.routes import NoRoute
 from trainer.driver.server import StatusBoard
 from trainer.driver.sources import TrajectorySource
 
@@ -147,16 +141,6 @@ class Job:
     _eval_tag, _eval_started, _eval_blocked = "", 0.0, 0.0
     """The running evaluation's tag, ``time.perf_counter()`` at its start and the seconds its start
     blocked (:meth:`start_eval`)."""
-    best: BestEval | None = None
-    """The best pinned held-out evaluation so far, whose version's checkpoint is kept
-    (``controller.keep_best``, :meth:`note_best`); None before the first, or without the setting."""
-    _saved_for_eval: int | None = None
-    """A version checkpointed only because its evaluation started (:meth:`start_eval`), until the
-    evaluation's result decides whether the checkpoint stays (:meth:`note_best`)."""
-    fingerprint_unverified = 0
-    """Consumer reports, after a publication was applied, whose served fingerprint could not be
-    judged (:func:`trainer.driver.fingerprints.is_unverified`), one per report: restarted as
-    mismatches too with ``rollout.unverified_fingerprint = "mismatch"``."""
 
     def __init__(
         self,
@@ -182,13 +166,11 @@ class Job:
         self.learner, self.route, self.pool, self.buffer = learner, route, pool, buffer
         self.version = version
         """The learner's version: the number of rollout batches it has trained on (one published update each)."""
-        self.checkpointed_version: int | None = None
-        """The version of this run's last checkpoint (None before the first; a run resumed from its
-        own checkpoints folder starts with the resume point)."""
-        resumed_from = cfg.controller.resume_from
-        if resumed_from and Path(resumed_from).resolve() == self.checkpoints_dir.resolve():
-            self.checkpointed_version = version
-        self.best = self.starting_best()
+        self.keeper = CheckpointKeeper(
+            cfg, self.run_dir, learner, ledger, version=version, run_segment=run_segment,
+            driver_state=lambda folder: write_driver_state(folder, self.buffer, self.source),
+        )  # fmt: skip
+        """The run's checkpoints and the best version's (:mod:`trainer.driver.keeper`)."""
         self.run_segment = run_segment
         """0 for a fresh run, +1 at every resume: (segment, version) names one set of weights even
         when a resumed run re-reaches a version number it had passed before the resume point."""
@@ -198,13 +180,9 @@ class Job:
         self.first_launch: float | None = None  # perf_counter at the first learner step's launch
         self.tokens_exact = self.tokens_total = 0
         self.last_publish: dict[str, float] = {}
-        self.fingerprint_mismatch = 0
-        """Consumers found serving other weights than the version published to them, restarted."""
-        self.fingerprint_unverified = 0
-        self.served_expected: dict = {}
-        """What each published version should serve (:data:`trainer.driver.fingerprints.ExpectedFingerprints`):
-        trajectories served otherwise are dropped as ``fingerprint_mismatch``. Versions older than
-        ``controller.max_staleness`` behind are pruned at each publication."""
+        self.fingerprints = FingerprintCheck(cfg, console, pool, route)
+        """What each consumer serves, checked after each publication; what each version should serve
+        (:mod:`trainer.driver.fingerprint_check`)."""
         self.ledger = ledger
         self.source: TrajectorySource = source(self)
         """Where training trajectories come from (:mod:`trainer.driver.sources`): it admits, collects and evaluates."""
@@ -229,7 +207,7 @@ class Job:
         self.times[timer] += time.perf_counter() - t0
         offered: list[str] = []
         for t in got:
-            refused = intake_refusal(t, self.vocab_size, self.served_expected)
+            refused = intake_refusal(t, self.vocab_size, self.fingerprints.expected)
             if refused:
                 self.buffer.reject(refused, t.trajectory_id)
             elif self.buffer.offer(t):
@@ -243,9 +221,9 @@ class Job:
         The batch stays held in the buffer until :meth:`async_train`; ahead, trajectories too stale
         for the next version are passed over, not dropped (:meth:`TrajectoryBuffer.take_ahead`).
         Trajectories whose worker served other weights than their version's are dropped first
-        (:meth:`drop_mismatched`). None when the buffer has no full batch.
+        (:meth:`FingerprintCheck.drop_mismatched`). None when the buffer has no full batch.
         """
-        self.drop_mismatched()
+        self.fingerprints.drop_mismatched(self.buffer)
         v = self.version + int(ahead)
         if ahead:
             batch = self.buffer.take_ahead(self.batch_size, v, self.group_size)
@@ -256,23 +234,13 @@ class Job:
         self.taken_ahead += int(ahead)
         return TakenBatch(batch, self.route.async_old_logits(batch, v, self.cfg.rollout.sampling.temperature), ahead)
 
-    def drop_mismatched(self) -> list[str]:
-        """Drop every buffered or held trajectory whose served fingerprint differs from what its
-        version should serve (:attr:`served_expected`, learned after it arrived: an adapter
-        version's merge is known once its worker's report is checked), as ``fingerprint_mismatch``;
-        returns their ids."""
-        if not self.served_expected:
-            return []
-        expected = dict(self.served_expected)  # the publication thread may add entries meanwhile
-        return self.buffer.drop_if(lambda t: trajectory_mismatch(t, expected), FINGERPRINT_MISMATCH)
-
     def still_whole(self, taken: TakenBatch | None) -> TakenBatch | None:
         """``taken`` (a batch taken ahead) if none of its trajectories is dropped by
-        :meth:`drop_mismatched`; otherwise the rest goes back to the buffer, unconsumed, and None
-        (the loop takes a batch again: the groups it broke are no longer whole)."""
+        :meth:`FingerprintCheck.drop_mismatched`; otherwise the rest goes back to the buffer,
+        unconsumed, and None (the loop takes a batch again: the groups it broke are no longer whole)."""
         if taken is None:
             return None
-        self.drop_mismatched()
+        self.fingerprints.drop_mismatched(self.buffer)
         held = self.buffer.held_ids()
         if all(t.trajectory_id in held for t in taken.trajectories):
             return taken
@@ -379,11 +347,7 @@ class Job:
         scorer_weights = self.route.scorer_publication(
             (manifest, ref), self.cfg.rollout.dtype, self.learner.async_publish, perturbed=noise > 0
         )
-        # no publication thread runs now: drop the versions no trajectory may be trained on any more
-        self.served_expected = prune_expected(
-            self.served_expected, manifest.version - self.cfg.controller.max_staleness
-        )
-        self.served_expected.update(expected_entries(manifest, {}))  # full weights: known before any worker applies
+        self.fingerprints.published(manifest)  # no publication thread runs now
         self.ledger("published", [], published=manifest.version, fingerprint=manifest.fingerprint)
         self.last_publish = {"seconds": time.perf_counter() - t0, "bytes": manifest.total_bytes, "unix": time.time()}
         self.times["publish"] += self.last_publish["seconds"]
@@ -392,7 +356,7 @@ class Job:
             t1 = time.perf_counter()
             try:
                 self.route.publish(lambda: self.pool.update_weights(manifest, ref), scorer_weights)
-                self.check_fingerprints(manifest, scorer_weights)
+                self.fingerprints.check_fingerprints(manifest, scorer_weights)
             except BaseException as e:  # raised by the next wait_published
                 self._apply_error = e
             self.last_publish["applied_s"] = time.perf_counter() - t1
@@ -403,84 +367,6 @@ class Job:
         else:
             apply()
             self.wait_published()
-
-    def check_fingerprints(self, manifest: WeightManifest, scorer_weights: ScorerWeights | None) -> None:
-        """After a publication is applied, restart every consumer that serves other weights than
-        it (:mod:`trainer.driver.fingerprints`) and count each in :attr:`fingerprint_mismatch`: a
-        rollout worker is killed and replaced like a dead one (:meth:`replace_dead_workers`, its
-        in-flight samples dropped as ``fingerprint_mismatch``); the old-logit service is killed for
-        Ray to restart it (only while ``oldlogit.max_restarts`` > 0; otherwise it is counted and
-        named on the console) and given the publication again. A worker that did not answer is
-        checked later (:meth:`check_joined_workers`). A consumer whose report cannot be judged is
-        counted in :attr:`fingerprint_unverified` (a rollout worker is restarted as a mismatch with
-        ``rollout.unverified_fingerprint = "mismatch"``; the service never is for it)."""
-        reports = self.pool.fingerprints()
-        for wid in self.pool.worker_ids():
-            if wid not in reports:
-                self.pool.mark_unverified(wid, manifest)
-        self.restart_mismatched(manifest, reports)
-        calls = self.route.calls
-        if scorer_weights is None or calls is None:
-            return
-        report = calls.call("fingerprint")
-        if is_unverified(scorer_weights[0], report, merges_adapters=False):
-            self.fingerprint_unverified += 1
-            self.console.print(
-                f"[yellow]old-logit service: served fingerprint of v{manifest.version} cannot be read, not checked"
-            )
-        if not is_mismatch(scorer_weights[0], report, merges_adapters=False):
-            return
-        self.fingerprint_mismatch += 1
-        if self.cfg.oldlogit.max_restarts == 0:
-            self.console.print(
-                "[yellow]old-logit service: served fingerprint differs (oldlogit.max_restarts = 0: kept)"
-            )
-            return
-        self.console.print(
-            f"[yellow]old-logit service: served fingerprint differs from v{manifest.version}, restarting"
-        )
-        ray.kill(self.route.oldlogit, no_restart=False)
-        calls.call("update_weights", *scorer_weights)
-
-    def restart_mismatched(self, manifest: WeightManifest, reports: dict[str, dict[str, Any]]) -> list[str]:
-        """Kill the workers of ``reports`` (their fingerprint reports after applying ``manifest``)
-        that serve other weights (:func:`trainer.driver.fingerprints.mismatched_workers`), to be
-        replaced like dead ones, count them in :attr:`fingerprint_mismatch`, and note what the
-        others vouch for in :attr:`served_expected`. Those whose report cannot be judged are counted
-        in :attr:`fingerprint_unverified`, and with ``rollout.unverified_fingerprint = "mismatch"``
-        killed and counted as mismatched too. Returns the killed ids."""
-        unverified = unverified_workers(manifest, reports)
-        self.fingerprint_unverified += len(unverified)
-        setting = self.cfg.rollout.unverified_fingerprint if unverified else "count"
-        bad = mismatched_workers(manifest, reports, setting)
-        if unverified:
-            self.console.print(
-                f"[yellow]{', '.join(unverified)}: served fingerprint of v{manifest.version} cannot be read, "
-                + ("restarting" if setting == "mismatch" else "not checked")
-            )
-        self.served_expected.update(expected_entries(manifest, reports))
-        if bad:
-            self.pool.kill(bad, FINGERPRINT_MISMATCH)
-        if differs := [w for w in bad if w not in unverified]:
-            self.console.print(
-                f"[yellow]{', '.join(differs)}: served fingerprint differs from v{manifest.version}, restarting"
-            )
-        self.fingerprint_mismatch += len(bad)
-        return bad
-
-    def check_joined_workers(self) -> list[str]:
-        """Check the rollout workers that applied a publication outside :meth:`publish` (a joiner's
-        catch-up, a late worker's update taken in later: :meth:`WorkerPool.take_unverified`) as
-        :meth:`check_fingerprints` checks a publication's: a mismatched one is killed, replaced like
-        a dead one (:meth:`replace_dead_workers`) and counted. One that does not answer is asked
-        again next time. Returns the killed ids."""
-        pending = self.pool.take_unverified()
-        if not pending:
-            return []
-        reports = self.pool.fingerprints(sorted(pending))
-        for wid in pending.keys() - reports.keys():
-            self.pool.mark_unverified(wid, pending[wid])
-        return [w for wid, r in sorted(reports.items()) for w in self.restart_mismatched(pending[wid], {wid: r})]
 
     def wait_published(self) -> None:
         """Wait until every consumer has applied the last publication; re-raise its failure, if any."""
@@ -520,17 +406,18 @@ class Job:
         its next :meth:`publish`), so every episode is sampled by this version alone, which
         :meth:`finish_eval` checks token by token; the learner meanwhile trains on the next batch.
 
-        With ``controller.keep_best`` (:attr:`keeps_best`) the version is checkpointed once the
-        evaluation has started, unless a checkpoint of it exists already, so that its weights are
-        on disk when its result arrives (:meth:`note_best`). The evaluation after training
-        (``tag = "after"``) is of the final version, which the run's final checkpoint saves.
+        With ``controller.keep_best`` the version is checkpointed once the evaluation has started,
+        unless a checkpoint of it exists already, so that its weights are on disk when its result
+        arrives (:meth:`CheckpointKeeper.save_for_eval`, :meth:`CheckpointKeeper.note_best`). The
+        evaluation after training (``tag = "after"``) is of the final version, which the run's
+        final checkpoint saves.
         """
         self.wait_published()  # every worker serves the version being evaluated
         self._eval_tag, self._eval_started = tag, time.perf_counter()
         started = self.source.start_eval(tag)
         self._eval_blocked = time.perf_counter() - self._eval_started
-        if started and tag != "after" and self.keeps_best and self.checkpointed_version != self.version:
-            self.checkpoint(for_eval=True)  # saved while the episodes run
+        if started and tag != "after":
+            self.keeper.save_for_eval(self.version)  # saved while the episodes run
         return started
 
     @property
@@ -561,169 +448,20 @@ class Job:
         # the agent source's scores carry no version: its evaluation blocked the loop, so it is the current one
         tag = tag or self._eval_tag
         result = {"version": self.version, **scores, "tag": tag, "seconds": seconds, "waited_s": waited}
-        self.note_best(result)
+        self.keeper.note_best(result)
         return result
 
-    def checkpoint(self, for_eval: bool = False) -> str:
-        """Save ``<run_dir>/checkpoints/v{version}`` and return its folder: the learner's state
-        (weights, optimizer, version, EWMA), the buffer's accounting, the source's cursor, the best
-        pinned evaluation so far (``best``, :attr:`best` as a dict, or None), and every
-        finished trajectory not yet consumed - buffered, held in a batch taken ahead (saved as
-        buffered, at the front: the resumed job takes it again) or held back by the source - in
-        :data:`trainer.driver.resume.TRAJECTORIES_FILE`, written before the learner moves the
-        checkpoint pointer. The ledger gets a ``checkpoint`` line naming the saved ids. Older
-        checkpoints are then removed by the retention rule (:meth:`prune`).
-
-        ``for_eval``: saved only because the version's held-out evaluation started
-        (``controller.keep_best``): nothing is pruned, and :meth:`note_best` removes it again unless
-        the evaluation is the best. A regular save of that version makes it a regular checkpoint.
-        """
-        from trainer.learner.checkpoint import version_tag
-
-        directory, tag = self.checkpoints_dir, version_tag(self.version)
-        pending = self.source.pending()
-        write_trajectories(directory / tag, self.buffer.saved(), pending)
-        extra = {
-            "buffer": self.buffer.state_dict(),
-            "source": {
-                "cursor": self.source.cursor(),
-                "held_back_ids": [t.trajectory_id for t in pending],
-                "held_back_units": self.source.pending_units(),
-            },
-            "run_segment": self.run_segment,
-            "best": asdict(self.best) if self.best is not None else None,
-        }
-        folder = self.learner.save_checkpoint(str(directory), extra)
-        self.checkpointed_version = self.version
-        self.ledger("checkpoint", extra["buffer"]["buffered_ids"], tag=tag, held_back=extra["source"]["held_back_ids"])
-        if for_eval:
-            self._saved_for_eval = self.version
-            return folder
-        if self._saved_for_eval == self.version:
-            self._saved_for_eval = None
-        if self.best is not None and self.best.saved_for_it and self.best.checkpoint == str(self._folder(self.version)):
-            self._set_best(replace(self.best, saved_for_it=False))
-        self.prune()
-        return folder
+    def checkpoint(self) -> str:
+        """Save the current version's checkpoint and return its folder
+        (:meth:`CheckpointKeeper.checkpoint`: the learner's state, every finished trajectory not yet
+        consumed (:func:`trainer.driver.resume.write_driver_state`), the best so far; older ones
+        pruned)."""
+        return self.keeper.checkpoint(self.version)
 
     def export(self) -> Path:
         """A Hugging Face folder of the current version at ``<run_dir>/exports/v{version}``
-        (:func:`trainer.driver.export.export_run`), checkpointing the version first if needed."""
-        from trainer.driver.export import export_run
-
-        if self.checkpointed_version != self.version:
-            self.checkpoint()
-        out = self.run_dir / "exports" / f"v{self.version}"
-        export_run(self.run_dir, out, self.version, overwrite=True)
-        return out
-
-    # -- the best pinned held-out evaluation's checkpoint (controller.keep_best) ---------------------
-
-    @property
-    def checkpoints_dir(self) -> Path:
-        """``<run_dir>/checkpoints``."""
-        return self.run_dir / "checkpoints"
-
-    @property
-    def keeps_best(self) -> bool:
-        """Whether the best pinned evaluation's checkpoint is kept: ``controller.keep_best`` with
-        ``controller.eval_every > 0``."""
-        c = self.cfg.controller
-        return c.keep_best and c.eval_every > 0
-
-    def _folder(self, version: int) -> Path:
-        """Version ``version``'s checkpoint folder in this run, as an absolute path."""
-        from trainer.learner.checkpoint import version_tag
-
-        return self.checkpoints_dir.resolve() / version_tag(version)
-
-    def _own(self, best: BestEval | None) -> bool:
-        """``best``'s checkpoint is in this run's checkpoints folder (a run resumed from another
-        folder may keep comparing against a best there, but never removes it)."""
-        return best is not None and Path(best.checkpoint).resolve().parent == self.checkpoints_dir.resolve()
-
-    def _set_best(self, best: BestEval | None) -> None:
-        """Make ``best`` the best so far and record it in ``<run_dir>/checkpoints/vintage_best.json``."""
-        from trainer.learner.checkpoint import write_best
-
-        self.best = best
-        write_best(self.checkpoints_dir, asdict(best) if best is not None else None)
-
-    def starting_best(self) -> BestEval | None:
-        """The best so far when the job starts. A fresh run: None, and a record left in its run
-        folder by an earlier run is removed. A resumed run with :attr:`keeps_best`: the record of the
-        checkpoints folder it resumed from while that version's checkpoint is there (a run resumed
-        from another folder records it in its own and never removes it); None otherwise.
-
-        Raises:
-            ValueError: the record is malformed (the message names the file or the field).
-        """
-        from trainer.learner.checkpoint import STATE_FILE, read_best, write_best
-
-        resumed_from = self.cfg.controller.resume_from
-        if not resumed_from:
-            write_best(self.checkpoints_dir, None)
-            return None
-        record = read_best(resumed_from) if self.keeps_best else None
-        if record is None:
-            return None
-        best = BestEval.from_record(record)
-        if not (Path(best.checkpoint) / STATE_FILE).is_file():
-            return None
-        if not self._own(best):
-            best = replace(best, saved_for_it=False)
-            write_best(self.checkpoints_dir, asdict(best))
-        return best
-
-    def note_best(self, scores: dict[str, Any]) -> None:
-        """Keep the checkpoint of the best pinned held-out evaluation (:attr:`keeps_best`), given one
-        evaluation's result ``scores`` (:meth:`finish_eval`: ``version``, ``reward``, ``tag``).
-
-        Rule: an evaluation whose mean reward beats the best so far (:func:`trainer.driver.heldout.beats`:
-        higher and finite; ties keep the earlier version) becomes the best. A checkpoint saved only
-        for an evaluation (:meth:`start_eval`) goes again when that evaluation is not the best, and a
-        best's such checkpoint goes when another version beats it; regular checkpoints
-        (``checkpoint_every``, ``export_every``, the final one) follow ``keep_checkpoints``, which
-        never prunes the best (:meth:`prune`).
-        """
-        pending, self._saved_for_eval = self._saved_for_eval, None
-        old = self.best
-        if self.keeps_best and scores and beats(float(scores["reward"]), old):
-            v = int(scores["version"])
-            folder = str(self._folder(v))
-            # saved only for evaluations: this one's, or the same checkpoint's when it was scored before
-            only_for_eval = pending == v or (old is not None and old.checkpoint == folder and old.saved_for_it)
-            self._set_best(
-                BestEval(v, float(scores["reward"]), self.run_segment, str(scores["tag"]), folder, only_for_eval)
-            )
-        if pending is not None and (self.best is None or self.best.checkpoint != str(self._folder(pending))):
-            self._drop(pending)
-        if self.best is not old:
-            if old is not None and old.saved_for_it and old.checkpoint != self.best.checkpoint and self._own(old):
-                self._drop(old.version)
-            self.prune()  # a regular checkpoint that was the best follows keep_checkpoints again
-
-    def prune(self) -> list[int]:
-        """Remove the checkpoints the retention rule lets go
-        (:func:`trainer.learner.checkpoint.checkpoints_to_remove`): the newest
-        ``controller.keep_checkpoints`` regular ones, the resume point and the best version stay.
-        Returns the versions removed."""
-        from trainer.learner.checkpoint import prune_checkpoints
-
-        best = self.best if self._own(self.best) else None
-        kept = best.version if best is not None else None
-        extra = (best.version,) if best is not None and best.saved_for_it else ()
-        return prune_checkpoints(self.checkpoints_dir, self.cfg.controller.keep_checkpoints, kept, extra)
-
-    def _drop(self, version: int) -> None:
-        """Remove ``version``'s checkpoint, saved only for an evaluation that is not (or no longer)
-        the best; the resume point moves back to the newest one left
-        (:func:`trainer.learner.checkpoint.remove_checkpoint`)."""
-        from trainer.learner.checkpoint import remove_checkpoint
-
-        remove_checkpoint(self.checkpoints_dir, version)
-        if self.checkpointed_version == version:
-            self.checkpointed_version = None
+        (:meth:`CheckpointKeeper.export`), checkpointing the version first if needed."""
+        return self.keeper.export(self.version)
 
     # -- the rollout workers between iterations ---------------------------------------------------
 
@@ -766,9 +504,9 @@ class Job:
         """Rollout workers started in the background that are ready join at the current version;
         those not placed and started within ``rollout.start_timeout_s`` are given up (the job goes on
         with fewer). ``scale_note`` says which. Then every worker that applied a publication
-        outside :meth:`publish` is fingerprint-checked (:meth:`check_joined_workers`)."""
+        outside :meth:`publish` is fingerprint-checked (:meth:`FingerprintCheck.check_joined_workers`)."""
         joined, gave_up = self.pool.admit_started()
-        self.check_joined_workers()
+        self.fingerprints.check_joined_workers()
         if not joined and not gave_up:
             return
         self.report_workers(board, report.started_note(self, joined, gave_up))

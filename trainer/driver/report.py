@@ -24,6 +24,7 @@ from trainer.driver.fingerprints import FINGERPRINT_MISMATCH
 from trainer.driver.metrics_log import StepMetrics
 
 if TYPE_CHECKING:
+    from trainer.driver.heldout import BestEval
     from trainer.driver.parts import Job
 
 
@@ -75,8 +76,8 @@ def step_report(job: Job, batch: list[Trajectory], m: dict[str, Any]) -> StepRep
             "publish_s": job.last_publish.get("seconds", 0.0),
             "publish_bytes": float(job.last_publish.get("bytes", 0.0)),
             "run_segment": job.run_segment,
-            "fingerprint_mismatch": job.fingerprint_mismatch,
-            "fingerprint_unverified": job.fingerprint_unverified,
+            "fingerprint_mismatch": job.fingerprints.mismatches,
+            "fingerprint_unverified": job.fingerprints.unverified,
             "filtered_groups": job.buffer.filtered_groups,
             "zero_variance_admitted": job.buffer.zero_variance_admitted,
             **service,
@@ -101,8 +102,8 @@ def step_line(m: StepMetrics, version: int) -> str:
 
 def status_fields(job: Job, oldlogit: OldLogitServiceStatus | None, m: StepMetrics | None = None) -> dict[str, Any]:
     """The ``/v1/status`` fields (:class:`protocol.JobStatus`) now, with the old-logit service's
-    status ``oldlogit``; with the last step's row ``m``, its batch's fields too. A job without
-    ``fingerprint_unverified``, or a source without ``eval_resubmitted``, reads 0 there."""
+    status ``oldlogit``; with the last step's row ``m``, its batch's fields too. A source without
+    ``eval_resubmitted`` reads 0 there."""
     f = dict(
         learner_version=job.version,
         run_segment=job.run_segment,
@@ -120,8 +121,8 @@ def status_fields(job: Job, oldlogit: OldLogitServiceStatus | None, m: StepMetri
         oldlogit=oldlogit,
         last_publish_s=job.last_publish.get("seconds"),
         last_publish_unix=job.last_publish.get("unix"),
-        fingerprint_mismatch=job.fingerprint_mismatch,
-        fingerprint_unverified=getattr(job, "fingerprint_unverified", 0),
+        fingerprint_mismatch=job.fingerprints.mismatches,
+        fingerprint_unverified=job.fingerprints.unverified,
         eval_resubmitted=getattr(job.source, "eval_resubmitted", 0),
         gateway=job.source.status(),
         **best_status(job),
@@ -189,10 +190,17 @@ def started_note(job: Job, joined: list[str], gave_up: list[str]) -> str:
     return f"{'; '.join(parts)}; {workers_line(job)}"
 
 
+def _best(job: Job) -> BestEval | None:
+    """The job's best pinned held-out evaluation so far (:attr:`trainer.driver.keeper.CheckpointKeeper.best`);
+    None without one, or for a job without a ``keeper``."""
+    return getattr(getattr(job, "keeper", None), "best", None)
+
+
 def best_status(job: Job) -> dict[str, Any]:
     """``/v1/status`` ``best_version`` and ``best_held_out``: the best pinned held-out evaluation so
-    far (``controller.keep_best``, :attr:`Job.best`); nothing before the first (or without a job's ``best``)."""
-    best = getattr(job, "best", None)
+    far (``controller.keep_best``, :attr:`CheckpointKeeper.best`); nothing before the first (or
+    without a job's ``keeper``)."""
+    best = _best(job)
     return {} if best is None else {"best_version": best.version, "best_held_out": _finite_or_none(best.held_out)}
 
 
@@ -203,7 +211,7 @@ def best_summary(job: Job) -> dict[str, Any]:
     """``summary.json``'s ``best_version``, ``best_held_out`` (its mean held-out reward) and
     ``best_checkpoint`` (the version's checkpoint folder): the best pinned held-out evaluation of
     the run (``controller.keep_best``, ties to the earlier version); each None when there is none."""
-    best = getattr(job, "best", None)
+    best = _best(job)
     if best is None:
         return {"best_version": None, "best_held_out": None, "best_checkpoint": None}
     return {"best_version": best.version, "best_held_out": best.held_out, "best_checkpoint": best.checkpoint}
@@ -279,8 +287,8 @@ def run_summary(
         "in_flight": job.buffer.in_flight,
         "accounting_ok": job.buffer.accounting_ok(),
         "worker_restarts": job.restarts,
-        "fingerprint_mismatch": job.fingerprint_mismatch,
-        "fingerprint_unverified": job.fingerprint_unverified,
+        "fingerprint_mismatch": job.fingerprints.mismatches,
+        "fingerprint_unverified": job.fingerprints.unverified,
         "eval_resubmitted": job.source.eval_resubmitted,
         "run_segment": job.run_segment,
         "loop_s": loop_s,

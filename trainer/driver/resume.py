@@ -13,8 +13,9 @@ they come back bit for bit)::
 
 Rules:
 
-* the file is written before the learner saves (:meth:`trainer.driver.parts.Job.checkpoint`), to a
-  temporary name then renamed, so a checkpoint that ``vintage_latest`` names always has it whole;
+* the file is written before the learner saves (:func:`write_driver_state`, called by
+  :meth:`trainer.driver.keeper.CheckpointKeeper.checkpoint`), to a temporary name then renamed, so
+  a checkpoint that ``vintage_latest`` names always has it whole;
 * the checkpoint's state lists the ids the file must hold (``buffer.buffered_ids``,
   ``source.held_back_ids``); reading checks them, line count and every message strictly (pydantic's
   strict JSON mode), so a file from another save or a damaged one is refused, never half-read;
@@ -27,10 +28,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from protocol import Trajectory
+
+if TYPE_CHECKING:
+    from trainer.driver.buffer import TrajectoryBuffer
+    from trainer.driver.sources import TrajectorySource
 
 TRAJECTORIES_FILE = "trajectories.jsonl"
 FORMAT = 1
@@ -61,6 +67,24 @@ def write_trajectories(folder: str | Path, buffered: list[Trajectory], held_back
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     return path
+
+
+def write_driver_state(folder: str | Path, buffer: TrajectoryBuffer, source: TrajectorySource) -> dict[str, Any]:
+    """The driver's share of a checkpoint saved in ``folder``: every finished trajectory not yet
+    consumed - buffered, held in a batch taken ahead (saved as buffered, at the front: the resumed
+    job takes it again) or held back by the source - written there (:func:`write_trajectories`);
+    returns the state that lists them, ``{"buffer": buffer.state_dict() (its ``buffered_ids``),
+    "source": {"cursor", "held_back_ids", "held_back_units"}}``."""
+    pending = source.pending()
+    write_trajectories(folder, buffer.saved(), pending)
+    return {
+        "buffer": buffer.state_dict(),
+        "source": {
+            "cursor": source.cursor(),
+            "held_back_ids": [t.trajectory_id for t in pending],
+            "held_back_units": source.pending_units(),
+        },
+    }
 
 
 def read_trajectories(folder: str | Path, buffered_ids: list[str], held_back_ids: list[str]) -> SavedTrajectories:
