@@ -24,6 +24,8 @@ from modelkit.lora import pack_adapter
 from modelkit.modelhub import load_causal_lm
 from modelkit.weights import pack_weights
 from protocol import AdapterSpec, adapter_key
+from tests.fingerprint_fakes import FakeCalls as _Calls
+from tests.fingerprint_fakes import FakePool as _Pool
 from trainer.driver.fingerprints import FINGERPRINT_MISMATCH, is_mismatch, mismatched_workers
 
 
@@ -124,36 +126,6 @@ def test_lora_worker_serves_the_merge_it_applied(tiny_model_path):
     assert mismatched_workers(manifest, {"w0": rg, "w1": rb}) == ["w1"]
     # the old-logit service holds the adapter itself: its expected value is the manifest's
     assert not is_mismatch(manifest, {"version": 1, "served": manifest.fingerprint}, merges_adapters=False)
-
-
-class _Pool:
-    def __init__(self, reports):
-        self.reports, self.killed, self.unverified = reports, [], {}
-
-    def fingerprints(self, only=None):
-        return {w: r for w, r in self.reports.items() if only is None or w in only}
-
-    def worker_ids(self):
-        return sorted(self.reports)
-
-    def mark_unverified(self, wid, manifest):
-        self.unverified[wid] = manifest
-
-    def take_unverified(self):
-        out, self.unverified = self.unverified, {}
-        return out
-
-    def kill(self, wids, reason):
-        self.killed.append((wids, reason))
-
-
-class _Calls:
-    def __init__(self, report):
-        self.report, self.calls = report, []
-
-    def call(self, method, *args):
-        self.calls.append(method)
-        return self.report if method == "fingerprint" else None
 
 
 @pytest.mark.parametrize("max_restarts", [0, 2])

@@ -13,6 +13,8 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from protocol import JobStatus
+from tests.fingerprint_fakes import FakeCalls as _Calls
+from tests.fingerprint_fakes import FakePool as _Pool
 from trainer.driver.buffer import TrajectoryBuffer
 from trainer.driver.config import load_config, one_line
 from trainer.driver.fingerprint_check import FingerprintCheck
@@ -42,36 +44,6 @@ def test_which_reports_cannot_be_judged():
     assert mismatched_workers(FULL, REPORTS) == ["rollout-2"]
     assert mismatched_workers(FULL, REPORTS, unverified="count") == ["rollout-2"]
     assert mismatched_workers(FULL, REPORTS, unverified="mismatch") == ["rollout-1", "rollout-2"]
-
-
-class _Pool:
-    def __init__(self, reports):
-        self.reports, self.killed, self.unverified = reports, [], {}
-
-    def fingerprints(self, only=None):
-        return {w: r for w, r in self.reports.items() if only is None or w in only}
-
-    def worker_ids(self):
-        return sorted(self.reports)
-
-    def mark_unverified(self, wid, manifest):
-        self.unverified[wid] = manifest
-
-    def take_unverified(self):
-        out, self.unverified = self.unverified, {}
-        return out
-
-    def kill(self, wids, reason):
-        self.killed.append((wids, reason))
-
-
-class _Calls:
-    def __init__(self, report):
-        self.report, self.calls = report, []
-
-    def call(self, method, *args):
-        self.calls.append(method)
-        return self.report if method == "fingerprint" else None
 
 
 @pytest.mark.parametrize(
