@@ -8,8 +8,9 @@ One :meth:`LearnerCore.train_step` at learner version ``V``:
 
 1. collate the trajectories (:func:`trainer.algorithm.batch.collate`): per-token staleness ``V - v_t``,
    exact old log-probs where a route supplied them (NaN elsewhere), GRPO advantages over the whole
-   batch; the batch is split into ``ppo_mini_batches`` mini-batches, taken ``ppo_epochs`` times,
-   one optimizer step each (with one step, the batch itself); with several steps and a proxy built
+   batch; the batch is split into ``ppo_mini_batches`` mini-batches, taken ``ppo_epochs`` times
+   in a row order drawn per epoch from (seed, version, epoch) (``shuffle_mini_batches``), one
+   optimizer step each (with one step, the batch itself); with several steps and a proxy built
    from the current log-probs, those of version ``V`` are taken first (the recompute reference);
    each rank then takes rows ``rank::world_size`` of a mini-batch;
 2. per optimizer step, the global token count ``N`` of the mini-batch (all-reduced over ranks) is
@@ -17,12 +18,14 @@ One :meth:`LearnerCore.train_step` at learner version ``V``:
    because DeepSpeed averages gradients over data-parallel ranks;
 3. per micro-batch: with the PPO-EWMA proxy a no-grad forward with the EWMA weights (only where a
    sampled token lacks exact old logits, plus a probe every ``ewma.probe_every`` versions that keeps
-   the auto-reset signal and the proxy-error metric measured), the forward
-   of the current policy (log-probs and entropy), :func:`trainer.algorithm.losses.compute_policy_loss` (exact
+   the auto-reset signal and the proxy-error metric measured), with ``loss.kl_coef`` a no-grad
+   forward of the frozen reference (:class:`trainer.learner.reference.ReferencePolicy`), the forward
+   of the current policy (log-probs and entropy, with gradient under ``loss.entropy_coef``), :func:`trainer.algorithm.losses.compute_policy_loss` (exact
    reference where known, the configured proxy elsewhere), ``engine.backward``; gradient
    accumulation is driven by hand (``set_gradient_accumulation_boundary``), so the number of
    micro-batches may change per step;
-4. the non-finite guard: a hook on every parameter flags a non-finite local gradient, the loss is
+4. the learning rate is set from the schedule (:func:`trainer.learner.schedule.lr_multiplier`);
+5. the non-finite guard: a hook on every parameter flags a non-finite local gradient, the loss is
    checked, and the flag is all-reduced; if set, ``engine.step()`` runs with the inner torch
    optimizer's ``step`` suppressed (DeepSpeed still clears its gradient buffers, weights and
    optimizer state stay untouched) and the optimizer step is counted as skipped. A step DeepSpeed
@@ -31,14 +34,13 @@ One :meth:`LearnerCore.train_step` at learner version ``V``:
    and when any updated weight or state tensor is not finite (an infinite learning rate, an
    overflowing update) every rank restores the copy, so weights and optimizer state are exactly
    those of before the step, and the step counts as skipped (``nonfinite_weight_steps``);
-5. after each applied optimizer step the EWMA folds the new weights in and resets when the
+6. after each applied optimizer step the EWMA folds the new weights in and resets when the
    discrepancy mask on pi_ewma/mu keeps less than ``ewma.reset_tau`` of the tokens; after the last
    one, ``version += 1`` when at least one step of the batch applied (otherwise the version stays,
    so weights a guard refused are never published as a new version).
 
-ZeRO stages 0, 1, 2 and 3 all run on CPU with gloo and a torch ``AdamW`` passed in (DeepSpeed's
-fused/CPU Adam would JIT-compile for minutes and is never used). bf16 keeps fp32 master weights in
-the DeepSpeed optimizer wrapper.
+ZeRO stages 0-3 all run on CPU with gloo and a torch ``AdamW`` passed in (DeepSpeed's fused/CPU Adam
+would JIT-compile for minutes); bf16 keeps fp32 master weights in DeepSpeed's optimizer wrapper.
 """
 
 from __future__ import annotations
