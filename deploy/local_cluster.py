@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -51,6 +52,25 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def outside_private_cluster(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without what a private loopback cluster gives its processes (the loopback bind
+    interposer in ``LD_PRELOAD`` and ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``, :mod:`trainer.driver.netguard`):
+    a cluster started here from such a process (a test session, a job) is a cluster of its own, whose
+    ``ray start --address`` would otherwise refuse a second node and resolve 127.0.0.1 to an address
+    the head does not listen on. Its token is set by the caller."""
+    from trainer.driver.netguard import MARK
+
+    env = dict(environ)
+    lib = env.pop(MARK, None)
+    if lib:
+        preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p and p != lib]
+        env["LD_PRELOAD"] = ":".join(preload)
+        if not preload:
+            env.pop("LD_PRELOAD")
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    return env
 
 
 @dataclass
@@ -91,7 +111,7 @@ class LocalRayHead:
         gcs, dash, agent_http, client = free_ports(4)
         bindir = str(Path(sys.executable).parent)  # job entrypoints (`vintage run`) use this environment
         env = {
-            **os.environ,
+            **outside_private_cluster(os.environ),
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN": token,
             "RAY_memory_monitor_refresh_ms": "0",
@@ -147,7 +167,7 @@ class LocalRayHead:
         """
         node_manager, object_manager, agent_http, agent_grpc, metrics, runtime_env = free_ports(6)
         resources = {**(resources or {}), f"vintage_node_{node_manager}": 1.0}  # tells this node apart
-        env = {**os.environ, **self.client_env(), "RAY_memory_monitor_refresh_ms": "0"}
+        env = {**outside_private_cluster(os.environ), **self.client_env(), "RAY_memory_monitor_refresh_ms": "0"}
         cmd = [
             str(Path(sys.executable).parent / "ray"), "start", "--block", f"--address={self.gcs_address}",
             "--node-ip-address=127.0.0.1", f"--num-cpus={num_cpus}", f"--resources={json.dumps(resources)}",
