@@ -46,7 +46,6 @@ would JIT-compile for minutes); bf16 keeps fp32 master weights in DeepSpeed's op
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import os
 import time
@@ -68,7 +67,7 @@ from trainer.algorithm.losses import compute_policy_loss, discrepancy_ratio, ice
 from trainer.algorithm.proximal import RECOMPUTE_PROXIES, proximal_reference
 from trainer.learner import checkpoint, publication
 from trainer.learner.guard import StepGuard
-from trainer.learner.reference import ReferencePolicy
+from trainer.learner.reference import ReferencePolicy, frozen_copy
 from trainer.learner.schedule import lr_multiplier
 from trainer.learner.settings import LearnerSettings, init_distributed
 from trainer.learner.steps import combine_step_metrics, sum_max_min
@@ -117,9 +116,7 @@ class LearnerCore:
         if use_ewma and not lora.enabled:
             # a plain copy for EWMA forwards; like DeepSpeed, cast parameters only (buffers stay fp32).
             # With LoRA there is no copy: the EWMA adapter is swapped into the engine's own module.
-            scorer = copy.deepcopy(model).eval().requires_grad_(False)
-            for p in scorer.parameters():
-                p.data = p.data.to(self._torch_dtype)
+            scorer = frozen_copy(model, self._torch_dtype)
         if settings.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         model.train()

@@ -17,6 +17,16 @@ import torch
 from modelkit.scoring import sequence_logprobs
 
 
+def frozen_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of ``model`` in eval mode with no gradient, its parameters cast to ``dtype`` and its
+    buffers left as they are (fp32), as DeepSpeed casts the trained model: scored by it, a token gets
+    the learner's own numerics."""
+    frozen = copy.deepcopy(model).eval().requires_grad_(False)
+    for p in frozen.parameters():
+        p.data = p.data.to(dtype)
+    return frozen
+
+
 class ReferencePolicy:
     """Log-probs of the frozen reference policy (version 0).
 
@@ -35,9 +45,7 @@ class ReferencePolicy:
         self._copy: torch.nn.Module | None = None
         self.bytes = 0
         if not lora:
-            self._copy = copy.deepcopy(model).eval().requires_grad_(False)
-            for p in self._copy.parameters():
-                p.data = p.data.to(dtype)
+            self._copy = frozen_copy(model, dtype)
             self.bytes = sum(p.numel() * p.element_size() for p in self._copy.parameters())
 
     def to(self, device: torch.device | str) -> ReferencePolicy:
