@@ -94,6 +94,24 @@ def check_sets(sets: Sequence[str]) -> list[str]:
     return list(sets)
 
 
+def finished(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a ``summary.json`` whose ``state`` is ``finished``."""
+    summary = run_dir / "summary.json"
+    return summary.is_file() and json.loads(summary.read_text()).get("state") == "finished"
+
+
+def stored_records(results: Path, config: str, sets: Sequence[str], tag: str | None) -> dict[int, dict[str, Any]]:
+    """Seed records of an earlier ``results.json`` written with the same config, ``--set`` list and
+    tag, by seed; empty when the file is absent or was written with other settings. They stand in for
+    seeds whose run folder is gone (a fresh checkout keeps ``results/`` but not ``runs/``)."""
+    if not results.is_file():
+        return {}
+    earlier = json.loads(results.read_text())
+    if (earlier.get("config"), earlier.get("sets"), earlier.get("tag")) != (config, list(sets), tag):
+        return {}
+    return {int(rec["seed"]): rec for rec in earlier.get("seeds", [])}
+
+
 def run_seed(seed: int, runs: Path, config: str = CONFIG, sets: Sequence[str] = (), tag: str | None = None) -> Path:
     """Run the config with ``controller.seed = seed`` and the ``sets`` overrides into
     ``runs/demo[-{tag}]-s{seed}`` unless a finished summary is there already; returns the run folder.
@@ -105,10 +123,9 @@ def run_seed(seed: int, runs: Path, config: str = CONFIG, sets: Sequence[str] = 
     """
     sets = check_sets(sets)
     run_dir = runs / run_name(seed, tag)
-    summary = run_dir / "summary.json"
     recorded = run_dir / "demo_seeds.json"
     wanted = {"config": config, "sets": sets}
-    if summary.is_file() and json.loads(summary.read_text()).get("state") == "finished":
+    if finished(run_dir):
         if recorded.is_file() and (got := json.loads(recorded.read_text())) != wanted:
             raise ValueError(
                 f"{run_dir}: finished with config {got.get('config')!r} and --set {got.get('sets')}, "
@@ -322,13 +339,17 @@ def main(
     sets = check_sets(sets)
     for s in seeds:
         run_name(s, tag)  # a bad tag fails before any run
+    stored = stored_records(out / "results.json", config, sets, tag)
     records = []
     for s in seeds:
         t0 = time.perf_counter()
-        rec = seed_record(s, run_seed(s, runs, config, sets, tag))
+        if s in stored and not finished(runs / run_name(s, tag)):
+            rec, source = stored[s], f"read from {out / 'results.json'}"
+        else:
+            rec, source = seed_record(s, run_seed(s, runs, config, sets, tag)), "run folder"
         records.append(rec)
         print(
-            f"seed {s}: {rec['state']} before {rec['before']:.3f} best {rec['best']:.3f} (v{rec['best_version']}) "
+            f"seed {s} ({source}): {rec['state']} before {rec['before']:.3f} best {rec['best']:.3f} (v{rec['best_version']}) "
             f"after {rec['after']:.3f} {'holds' if rec['holds'] else 'does not hold'} "
             f"({time.perf_counter() - t0:.0f} s)"
         )

@@ -52,6 +52,9 @@ Grids:
   learning rate keeps one version mostly inside the clip band (the largest per-step clip fraction).
 * ``paper_real``: the same comparison on SmolLM2 and the demo's task (2 mini-batches of 8 per
   16-sample batch, W = 2, 3 seeds, 20 steps; ~2.5 hours here).
+* ``paper_real_stable``: ``paper_real``'s decoupled PPO (recompute) and IcePop cells, seeds 0-2, with
+  the demo's stabilisers (:data:`STABILISERS`; rows tagged ``mb2-stable``): how many still collapse.
+  Run it into ``paper_real``'s folder to read the rows side by side.
 * ``paper_agent``: the same comparison on a multi-turn task through the gateway, the retail agent
   on SmolLM2 (:data:`AGENT`: 2 mini-batches, W = 2, 3 seeds, :data:`PAPER_AGENT_STEPS` steps).
 * ``verdict``: ``paper_real``'s regime made decisive by pairing and more seeds: SmolLM2 on the
@@ -89,6 +92,7 @@ by seed, with paired t intervals, and evaluation noise beside run-to-run spread)
     python -m benchmarks.methods --grid seeds --out results/methods
     python -m benchmarks.methods --grid confirm --out results/methods/confirm
     python -m benchmarks.methods --grid verdict --out results/methods/verdict
+    python -m benchmarks.methods --grid paper_real_stable --out results/methods/paper_real
     python -m benchmarks.methods_report results/methods/paper_real   # tables from cells/, no run
 """
 
@@ -259,6 +263,16 @@ through the gateway on SmolLM2, as ``deploy/configs/agent-retail.toml`` (easy ta
 episodes per task, 4 tasks per step, lr 5e-5), with 2 optimizer steps per rollout batch; applied
 over :data:`BASE`."""
 
+STABILISERS: tuple[str, ...] = (
+    "loss.eps_high=0.28",
+    'learner.lr_schedule="cosine"',
+    "learner.lr_warmup_steps=2",
+    "learner.lr_min_ratio=0.1",
+    "controller.dynamic_sampling=true",
+)
+"""The demo's stabilisers (``deploy/configs/demo.toml``): clip-higher, a cosine learning-rate decay
+from ``learner.lr`` to a tenth of it over the run after 2 warm-up steps, and dynamic sampling."""
+
 PAPER_AGENT_STEPS = 20
 """Versions per ``paper_agent`` run (~30 s per step here, plus two 32-task evaluations)."""
 
@@ -334,6 +348,13 @@ def grid(kind: str) -> list[Cell]:
             for s in (0, 1, 2)
             for m in PAPER_METHODS
         ]
+    if kind == "paper_real_stable":
+        extra = (*CONFIRM, "learner.ppo_mini_batches=2", "learner.micro_batch_size=8", *STABILISERS)
+        return [
+            Cell(m, 2, "bf16", s, PAPER_REAL_STEPS, extra, model="smollm2", tag="mb2-stable")
+            for s in (0, 1, 2)
+            for m in ("recompute", "icepop")
+        ]
     if kind == "paper_agent":
         return [
             Cell(m, 2, "bf16", s, PAPER_AGENT_STEPS, AGENT, model="smollm2", tag="agent-mb2")
@@ -355,8 +376,8 @@ def grid(kind: str) -> list[Cell]:
 
 
 GRIDS = (
-    "quick", "reduced", "seeds", "lr", "eps", "full", "confirm", "paper", "paper_lr", "paper_real", "paper_agent",
-    "verdict",
+    "quick", "reduced", "seeds", "lr", "eps", "full", "confirm", "paper", "paper_lr", "paper_real",
+    "paper_real_stable", "paper_agent", "verdict",
 )  # fmt: skip
 REDUCED_STEPS = 32
 

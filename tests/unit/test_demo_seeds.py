@@ -165,6 +165,30 @@ def test_finished_seeds_are_read_not_run_again(tmp_path):
     assert "Goals NOT met: every run holds (0 of 1): NOT met; none below start: met;" in table
 
 
+def test_seeds_whose_run_folder_is_gone_are_read_from_the_earlier_results_of_the_same_settings(tmp_path, monkeypatch):
+    run_folder(tmp_path / "runs", 1, 0.2, 0.6, name="demo-new-s1", evals=curve((0, 0.2), (20, 0.7), (40, 0.6)))
+    main([1], tmp_path / "out", tmp_path / "runs", tag="new")
+    (tmp_path / "runs" / "demo-new-s1" / "summary.json").unlink()
+    run_folder(tmp_path / "runs", 2, 0.3, 0.9, name="demo-new-s2", evals=curve((0, 0.3), (20, 0.9)))
+    monkeypatch.setattr(demo_seeds.subprocess, "run", lambda cmd, **kw: pytest.fail(f"ran {cmd}"))
+    result = main([1, 2], tmp_path / "out", tmp_path / "runs", tag="new")
+    assert [(r["seed"], r["before"], r["best"], r["after"]) for r in result["seeds"]] == [
+        (1, 0.2, 0.7, 0.6),
+        (2, 0.3, 0.9, 0.9),
+    ]
+    assert result["summary"]["gain_median"] == pytest.approx(0.5)
+
+
+def test_earlier_results_of_other_settings_are_not_read(tmp_path, monkeypatch):
+    run_folder(tmp_path / "runs", 1, 0.2, 0.6, name="demo-new-s1")
+    main([1], tmp_path / "out", tmp_path / "runs", tag="new")
+    (tmp_path / "runs" / "demo-new-s1" / "summary.json").unlink()
+    calls = []
+    monkeypatch.setattr(demo_seeds.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    main([1], tmp_path / "out", tmp_path / "runs", sets=["loss.kl_coef=0.05"], tag="new")
+    assert len(calls) == 1 and "loss.kl_coef=0.05" in calls[0]
+
+
 def test_a_tag_names_the_folders_and_sets_are_recorded(tmp_path):
     run_folder(tmp_path / "runs", 1, 0.2, 0.6, name="demo-kl-s1")
     result = main([1], tmp_path / "out", tmp_path / "runs", sets=["loss.kl_coef=0.05"], tag="kl")

@@ -199,3 +199,27 @@ def test_a_cell_record_keeps_its_held_out_evaluations():
     assert run_scores(r) == pytest.approx({"heldout_after": 0.75, "heldout_curve": 0.625, "batch_curve": 0.375})
     # a run recorded without evaluations keeps an empty list, not a curve
     assert cell_record(cell, rows, summary, _Poller(Path("/nonexistent")))["heldout_evals"] == []
+
+
+def test_paper_real_stable_is_paper_real_with_the_demos_stabilisers():
+    from trainer.driver.config import load_config
+
+    cells = grid("paper_real_stable")
+    assert [(c.method, c.seed) for c in cells] == [(m, s) for s in (0, 1, 2) for m in ("recompute", "icepop")]
+    real = next(c for c in grid("paper_real") if c.method == "icepop" and c.seed == 1)
+    ours = next(c for c in cells if c.method == "icepop" and c.seed == 1)
+    assert ours.name == "smollm2-icepop-W2-bf16-s1-mb2-stable"
+    added = set(ours.overrides(Path("/x"))) - set(real.overrides(Path("/x")))
+    assert added == {
+        "loss.eps_high=0.28",
+        'learner.lr_schedule="cosine"',
+        "learner.lr_warmup_steps=2",
+        "learner.lr_min_ratio=0.1",
+        "controller.dynamic_sampling=true",
+    }
+    # the same stabilisers as the demo's config file
+    demo = load_config("deploy/configs/demo.toml", [])
+    cfg = load_config(None, ours.overrides(Path("/tmp/x")))
+    for section, field in [("loss", "eps_high"), ("learner", "lr_schedule"), ("learner", "lr_warmup_steps"),
+                           ("learner", "lr_min_ratio"), ("controller", "dynamic_sampling")]:  # fmt: skip
+        assert getattr(getattr(cfg, section), field) == getattr(getattr(demo, section), field), field
