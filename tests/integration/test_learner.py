@@ -426,12 +426,12 @@ def test_two_mini_batches_recompute_ratio_departs_from_one_on_the_second_and_cli
 
 
 def test_ewma_folds_in_every_optimizer_step_with_the_window_in_steps(tiny_model_path, make_trajs):
-    """ppo_ewma, 2 mini-batches x 2 epochs: one version, four EWMA updates, and the window of 2
-    versions is 8 optimizer steps: beta = 8 / 10."""
+    """ppo_ewma, 2 mini-batches x 2 epochs: one version, four EWMA updates; the window of 2 versions
+    (mean lag 1 version) is 1 x 4 + (4 - 1) / 2 = 5.5 optimizer steps: beta = 5.5 / 6.5 = 11/13."""
     core = LearnerCore(settings(tiny_model_path, ppo_mini_batches=2, ppo_epochs=2))
     m = core.train_step(make_trajs(n=8, seed=7))
     assert core.version == 1 and m["optimizer_steps"] == 4.0 and m["optimizer_steps_total"] == 4.0
-    assert m["ewma_updates"] == 4 and m["ewma_beta"] == pytest.approx(0.8)
+    assert m["ewma_updates"] == 4 and m["ewma_beta"] == pytest.approx(11 / 13)
     assert m["tokens"] == 64 and m["micro_batches"] == 4.0  # one pass of 8 x 8 tokens; 1 micro-batch per step
     assert m["entropy"] > 0 and m["response_tokens_mean"] == 8.0
 

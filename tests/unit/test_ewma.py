@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from protocol import EwmaStatus
-from trainer.algorithm.ewma import EwmaProximal, beta_from_lag, beta_from_window
+from trainer.algorithm.ewma import EwmaProximal, beta_from_lag, beta_from_window, step_beta
 from trainer.algorithm.loss_config import EwmaConfig
 from trainer.algorithm.losses import discrepancy_weights
 
@@ -58,6 +58,38 @@ def test_beta_sources():
     assert EwmaProximal(model, EwmaConfig(beta_source="fixed", beta=0.9)).beta == 0.9
     with pytest.raises(ValueError, match="beta"):
         EwmaConfig(beta=1.0)
+
+
+def test_step_beta_counts_the_lag_inside_a_batch():
+    # one step per version: the per-version rules themselves
+    assert step_beta(1.0, 1) == 0.5 and step_beta(0.0, 1) == 0.0
+    # s = 1 version, S = 2 steps: 1 * 2 + (2 - 1) / 2 = 2.5 steps -> 2.5 / 3.5 = 5/7
+    assert step_beta(1.0, 2) == pytest.approx(5 / 7)
+    # s = 0, S = 2: the second step's tokens are one step old, mean 0.5 -> 1/3 (not 0)
+    assert step_beta(0.0, 2) == pytest.approx(1 / 3)
+    # s = 1, S = 4: 4 + 1.5 = 5.5 steps -> 11/13
+    assert step_beta(1.0, 4) == pytest.approx(11 / 13)
+    for lag, steps in [(-1.0, 1), (math.nan, 1), (math.inf, 1), (1.0, 0)]:
+        with pytest.raises(ValueError, match="mean_lag|steps_per_version"):
+            step_beta(lag, steps)
+
+
+def test_every_source_is_rescaled_by_the_steps_per_version():
+    model = Scalar()
+    # window W = 2 (mean lag 1 version), S = 2 -> 5/7; W = 0 with S = 2 -> 1/3, a trust region on step 2
+    assert EwmaProximal(model, EwmaConfig(window=2), steps_per_version=2).beta == pytest.approx(5 / 7)
+    assert EwmaProximal(model, EwmaConfig(window=0), steps_per_version=2).beta == pytest.approx(1 / 3)
+    # measured lag of 1 version with S = 2 -> 5/7
+    lag = EwmaProximal(model, EwmaConfig(beta_source="lag"), steps_per_version=2)
+    lag.observe_lag(1.0)
+    assert lag.beta == pytest.approx(5 / 7)
+    # fixed beta 0.5 per version (mean lag 1) with S = 2 -> 5/7; with S = 1 it is 0.5 itself
+    assert EwmaProximal(model, EwmaConfig(beta_source="fixed", beta=0.5), steps_per_version=2).beta == pytest.approx(
+        5 / 7
+    )
+    assert EwmaProximal(model, EwmaConfig(beta_source="fixed", beta=0.5)).beta == 0.5
+    with pytest.raises(ValueError, match="steps_per_version"):
+        EwmaProximal(model, steps_per_version=0)
 
 
 def test_ewma_equals_explicit_weighted_average():

@@ -56,6 +56,29 @@ def beta_from_lag(lag: float) -> float:
     return lag / (1.0 + lag)
 
 
+def step_beta(mean_lag: float, steps_per_version: int = 1) -> float:
+    """Decay per optimizer step for an EWMA whose mean lag is ``mean_lag`` versions, with
+    ``steps_per_version`` = S optimizer steps per version (``ppo_epochs * ppo_mini_batches``).
+
+    The EWMA folds the weights in after every optimizer step, and beta = L / (1 + L) gives a mean lag
+    of L folds. A token of version lag s that is trained at the j-th of the S steps of its batch
+    (j = 0 .. S - 1) lies s * S + j steps behind, so a mean lag of s versions is
+    L = s * S + (S - 1) / 2 optimizer steps (the in-batch term is the mean of 0 .. S - 1). With S = 1
+    this is beta = s / (1 + s) (:func:`beta_from_lag`); W = 0 with S = 2 gives L = 0.5, beta = 1/3,
+    so the reference of a batch's second step is not its current weights. Example: s = 1, S = 2 ->
+    L = 2.5, beta = 5/7.
+
+    Raises:
+        ValueError: ``mean_lag`` is negative or not finite, or ``steps_per_version`` < 1.
+    """
+    if not (math.isfinite(mean_lag) and mean_lag >= 0):
+        raise ValueError(f"mean_lag must be finite and >= 0, got mean_lag={mean_lag!r}")
+    if steps_per_version < 1:
+        raise ValueError(f"steps_per_version must be >= 1, got steps_per_version={steps_per_version!r}")
+    steps = mean_lag * steps_per_version + (steps_per_version - 1) / 2.0
+    return steps / (1.0 + steps)
+
+
 def _named(params: ParamSource) -> dict[str, Tensor]:
     if isinstance(params, nn.Module):
         return dict(params.named_parameters())
@@ -72,14 +95,26 @@ class EwmaProximal:
         config: decay source and reset threshold.
         trainable_only: keep only the parameters of ``params`` with ``requires_grad`` (a module's
             LoRA adapter); modules passed later are read by the EWMA's names.
+        steps_per_version: optimizer steps per version S; every source's decay is per version and
+            is turned into a decay per optimizer step by :func:`step_beta`.
 
     Raises:
-        ValueError: ``trainable_only`` and no parameter requires a gradient.
+        ValueError: ``trainable_only`` and no parameter requires a gradient, or
+            ``steps_per_version`` < 1.
     """
 
-    def __init__(self, params: ParamSource, config: EwmaConfig | None = None, trainable_only: bool = False) -> None:
+    def __init__(
+        self,
+        params: ParamSource,
+        config: EwmaConfig | None = None,
+        trainable_only: bool = False,
+        steps_per_version: int = 1,
+    ) -> None:
+        if steps_per_version < 1:
+            raise ValueError(f"steps_per_version must be >= 1, got steps_per_version={steps_per_version!r}")
         self.config = config or EwmaConfig()
         self.trainable_only = trainable_only
+        self.steps_per_version = steps_per_version
         named = _named(params)
         if trainable_only:
             named = {name: t for name, t in named.items() if t.requires_grad}
@@ -96,16 +131,23 @@ class EwmaProximal:
     # -- decay ----------------------------------------------------------------------------------
 
     @property
-    def beta(self) -> float:
-        """Current decay, from the configured source."""
+    def mean_lag(self) -> float:
+        """The EWMA's mean lag in versions, from the configured source: W / 2 ("window"), the
+        measured mean version lag ("lag"), beta / (1 - beta) ("fixed")."""
         if self.config.beta_source == "window":
-            return beta_from_window(self.config.window)
+            return self.config.window / 2.0
         if self.config.beta_source == "lag":
-            return beta_from_lag(self.lag)
-        return self.config.beta
+            return self.lag
+        return self.config.beta / (1.0 - self.config.beta)
+
+    @property
+    def beta(self) -> float:
+        """Current decay per optimizer step: :func:`step_beta` of :attr:`mean_lag`. With one step per
+        version it is :func:`beta_from_window`, :func:`beta_from_lag` or the fixed beta itself."""
+        return step_beta(self.mean_lag, self.steps_per_version)
 
     def observe_lag(self, mean_lag: float) -> None:
-        """Record the measured mean version lag of consumed tokens (used by the "lag" source)."""
+        """Record the measured mean version lag of consumed tokens, in versions (the "lag" source)."""
         if not (math.isfinite(mean_lag) and mean_lag >= 0):
             raise ValueError(f"mean_lag must be finite and >= 0, got mean_lag={mean_lag!r}")
         self.lag = float(mean_lag)

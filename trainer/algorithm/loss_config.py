@@ -130,12 +130,14 @@ class EwmaConfig(BaseModel):
     window: float = Field(2.0, ge=0.0)
     """Staleness window W for beta = W / (W + 2), in versions; the job sets it to max_staleness. The
     EWMA folds the weights in after every optimizer step, so with S optimizer steps per version
-    (``learner.ppo_epochs * learner.ppo_mini_batches``) the learner uses W * S steps (and the
-    measured lag of the "lag" source, times S)."""
+    (``learner.ppo_epochs * learner.ppo_mini_batches``) every source's mean lag of s versions
+    (W / 2 here) becomes s * S + (S - 1) / 2 optimizer steps, the last term the lag inside a batch
+    (``trainer.algorithm.ewma.step_beta``)."""
     initial_lag: float = Field(1.0, ge=0.0)
     """Mean lag assumed by the "lag" source until the first measurement arrives."""
     beta: float = Field(0.5, ge=0.0, lt=1.0)
-    """Decay used by the "fixed" source."""
+    """Decay per version of the "fixed" source (a mean lag of beta / (1 - beta) versions), turned into
+    a decay per optimizer step like the other sources'."""
     reset_tau: float = Field(0.5, ge=0.0, le=1.0)
     """Reset the EWMA to the current weights when the discrepancy mask on pi_ewma/mu keeps less than
     this fraction of valid tokens: below one half, the EWMA has drifted from what the rollouts sampled

@@ -154,11 +154,12 @@ class LearnerCore:
         self.ewma: EwmaProximal | None = None
         self._scorer = scorer
         if use_ewma:
-            # the window is in versions, the EWMA folds weights in per optimizer step: W * S steps
+            # the decay is set in versions; the EWMA folds weights in per optimizer step
             steps = settings.ppo_epochs * settings.ppo_mini_batches
-            ewma_cfg = settings.ewma.model_copy(update={"window": settings.ewma.window * steps})
             with self._full_params():
-                self.ewma = EwmaProximal(self.engine.module, ewma_cfg, trainable_only=lora.enabled)
+                self.ewma = EwmaProximal(
+                    self.engine.module, settings.ewma, trainable_only=lora.enabled, steps_per_version=steps
+                )
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -287,7 +288,7 @@ class LearnerCore:
         for epoch in range(s.ppo_epochs):
             minis = first_pass if epoch == 0 else self._epoch_order(batch, epoch).mini_batches(count)
             for j, mb in enumerate(minis):
-                results.append(self._optimizer_step(mb, probe and epoch == 0 and j == 0, taken[j], steps))
+                results.append(self._optimizer_step(mb, probe and epoch == 0 and j == 0, taken[j]))
         self.last_optimizer_steps = results
         applied = any(r["applied"] > 0 for r in results)
         out: dict[str, float] = {"consumed_version": float(self.version)}
@@ -360,9 +361,7 @@ class LearnerCore:
         dist.all_reduce(count)
         return torch.where(count > 0, total, float("nan")).to(values.dtype)
 
-    def _optimizer_step(
-        self, batch: Batch, probe: bool, use_recompute: bool, steps_per_version: int
-    ) -> dict[str, float]:
+    def _optimizer_step(self, batch: Batch, probe: bool, use_recompute: bool) -> dict[str, float]:
         """One optimizer step on one mini-batch (the whole rollout batch with one step per batch).
 
         The token-mean denominator ``N`` is the mini-batch's loss tokens over all ranks, so the loss
@@ -403,7 +402,7 @@ class LearnerCore:
             grad_norm = float(g) if g is not None else math.nan
         kept = glob["ewma_keep"] / glob["ewma_n"] if glob["ewma_n"] > 0 else math.nan
         td = time.perf_counter()
-        ewma_reset = self._fold_into_ewma(batch, kept, steps_per_version) if applied else False
+        ewma_reset = self._fold_into_ewma(batch, kept) if applied else False
         self.skipped_steps += int(not applied)
         timing["ewma_update_s"] = time.perf_counter() - td
         out = self._reduce_metrics(acc)
@@ -490,15 +489,15 @@ class LearnerCore:
                 sums["ewma_n"] += float(mask.sum())
         return int(ewma_lp is not None)
 
-    def _fold_into_ewma(self, batch: Batch, kept: float, steps_per_version: int) -> bool:
+    def _fold_into_ewma(self, batch: Batch, kept: float) -> bool:
         """After an applied optimizer step: the EWMA folds the new weights in, then resets when the
         discrepancy mask on pi_ewma/mu kept less than ``ewma.reset_tau`` (``kept``). Returns whether it
         reset (False without an EWMA)."""
         if self.ewma is None:
             return False
         if self.ewma.config.beta_source == "lag" and bool(batch.sampled_mask.any()):
-            # measured mean lag of the consumed tokens, in optimizer steps (same batch on every rank)
-            self.ewma.observe_lag(float(batch.staleness[batch.sampled_mask].float().mean()) * steps_per_version)
+            # measured mean version lag of the consumed tokens (same batch on every rank)
+            self.ewma.observe_lag(float(batch.staleness[batch.sampled_mask].float().mean()))
         with self._full_params():
             self.ewma.update(self.engine.module)
             return self.ewma.maybe_reset(kept, self.engine.module)
