@@ -43,7 +43,8 @@ class ExportRecord(BaseModel):
 
     run_dir: str
     version: int
-    """The policy version exported (the learner's optimizer-step count, see docs/architecture.md)."""
+    """The policy version exported: the number of rollout batches the learner has trained on with at
+    least one applied optimizer step (one version per batch, whatever its number of optimizer steps)."""
     kind: Literal["full", "adapter", "merged"]
     out: str
     dtype: str

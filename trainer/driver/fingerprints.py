@@ -23,8 +23,8 @@ driver keeps what each version should serve (:func:`expected_entries`): ``manife
 under the version for full weights, known when the version is published; with adapters each
 worker's own ``applied`` merge under ``(worker id, version)``, known when that worker's report is
 checked. A trajectory whose fingerprint differs is dropped as ``fingerprint_mismatch``; one
-without a fingerprint (gateway sessions, engines that cannot read back) or of a version with no
-expected value (the model folder's version 0, versions before a resume) is not judged.
+without a fingerprint (an engine that cannot read its weights back, a gateway session segment that
+no call reached) or of a version with no expected value (the model folder's version 0, versions before a resume) is not judged.
 """
 
 from __future__ import annotations

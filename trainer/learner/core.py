@@ -58,7 +58,12 @@ import numpy as np
 import torch
 
 from modelkit.cores import torch_threads
-from modelkit.scoring import enable_gradient_checkpointing, sequence_logprobs, sequence_logprobs_and_entropy
+from modelkit.scoring import (
+    enable_gradient_checkpointing,
+    scoring_mode,
+    sequence_logprobs,
+    sequence_logprobs_and_entropy,
+)
 from modelkit.weights import Transport
 from protocol import OldLogitAnswer, Trajectory, WeightManifest
 from trainer.algorithm.batch import Batch, collate, first_loss_position, shuffled_rows
@@ -193,15 +198,10 @@ class LearnerCore:
         and the trained adapter is put back bit for bit."""
         assert self.ewma is not None
         model = self._scorer if self._scorer is not None else self.engine.module
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad(), self.ewma.swapped_into(model):
-                return sequence_logprobs(
-                    model, mb.token_ids, mb.attention_mask, mb.temperature, first, self.settings.logprob_chunk_bytes
-                )
-        finally:
-            model.train(was_training)
+        with scoring_mode(model), self.ewma.swapped_into(model):
+            return sequence_logprobs(
+                model, mb.token_ids, mb.attention_mask, mb.temperature, first, self.settings.logprob_chunk_bytes
+            )
 
     # -- training -------------------------------------------------------------------------------
 
@@ -320,7 +320,6 @@ class LearnerCore:
         rows_per_rank = -(-batch.size // self.world_size)
         return max(1, -(-rows_per_rank // self.settings.micro_batch_size))
 
-    @torch.no_grad()
     def _with_recompute(self, batch: Batch) -> Batch:
         """``batch`` with ``recompute_logprobs`` filled on this rank's rows: the current weights'
         log-probs (eval mode, learner numerics), micro-batch by micro-batch; other ranks' rows stay NaN.
@@ -332,10 +331,8 @@ class LearnerCore:
         n_micro = self._micro_count(batch)
         first = first_loss_position(local)
         ref = torch.full_like(batch.behav_logprobs, float("nan"))
-        model = self.engine.module
-        was_training = model.training
-        model.eval()
-        try:  # the first ceil(rows / mbs) micro-batches are this rank's rows in order, the rest padding
+        with scoring_mode(self.engine.module) as model:
+            # the first ceil(rows / mbs) micro-batches are this rank's rows in order, the rest padding
             for k, mb in enumerate(local.micro_batches(mbs, n_micro)):
                 mb = mb.to(self.engine.device)
                 lp = sequence_logprobs(
@@ -343,8 +340,6 @@ class LearnerCore:
                 )
                 rows = local_rows[k * mbs : k * mbs + mb.size] if k * mbs < local.size else local_rows[:0]
                 ref[rows, : lp.shape[1]] = lp[: len(rows)].to(ref.device)
-        finally:
-            model.train(was_training)
         return replace(batch, recompute_logprobs=self._gather_rows(ref))
 
     def _gather_rows(self, values: torch.Tensor) -> torch.Tensor:
@@ -527,23 +522,18 @@ class LearnerCore:
 
     # -- inspection and publication -------------------------------------------------------------
 
-    @torch.no_grad()
     def logprobs(self, batch: Batch) -> torch.Tensor:
         """``[batch, seq]`` fp32 log-probs (nats) of ``batch`` under the current weights (no grad),
         computed on the engine's device and returned on the CPU.
 
         Under ZeRO-3 with several ranks every rank must call it (the forward gathers parameters).
         """
-        was_training = self.engine.module.training
-        self.engine.module.eval()
-        try:
+        with scoring_mode(self.engine.module) as model:
             on_device = batch.to(self.engine.device)
             return sequence_logprobs(
-                self.engine.module, on_device.token_ids, on_device.attention_mask, batch.temperature,
+                model, on_device.token_ids, on_device.attention_mask, batch.temperature,
                 chunk_bytes=self.settings.logprob_chunk_bytes,
             ).float().cpu()  # fmt: skip
-        finally:
-            self.engine.module.train(was_training)
 
     def state_dict_full(self) -> dict[str, torch.Tensor]:
         """See :func:`trainer.learner.publication.state_dict_full`."""
