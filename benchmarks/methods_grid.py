@@ -3,7 +3,7 @@
 The grid itself runs in :mod:`benchmarks.methods`; its tables and plots are made by
 :mod:`benchmarks.methods_report`. What follows describes the whole benchmark.
 
-Every cell is one real job (``trainer.driver.job.run_job``: vLLM rollout worker, DeepSpeed learner, the
+Every cell is one real job (``trainer.driver.loop.job.run_job``: vLLM rollout worker, DeepSpeed learner, the
 old-logit service, the EWMA, the async controller) on the tiny random model and the procedural
 ``rollout.envs.toy:AlphabetEnv`` task (reward = fraction of reply characters in ``a``-``m``; the
 random model starts at ~0.42, the optimum is 1.0). One Ray session serves the whole grid.

@@ -22,9 +22,9 @@ import httpx
 import psutil
 import pytest
 
-from trainer.driver.config import load_config
-from trainer.driver.job import run_job
-from trainer.driver.metrics_log import read_metrics
+from trainer.driver.config.schema import load_config
+from trainer.driver.loop.job import run_job
+from trainer.driver.records.metrics_log import read_metrics
 from trainer.learner.checkpoint import latest_tag
 
 pytestmark = pytest.mark.integration
@@ -160,8 +160,8 @@ def test_resume_after_a_killed_learner_trains_every_finished_trajectory_exactly_
     trajectory of the last complete checkpoint (``trajectories.jsonl``), loses only what was in
     flight then, and the ledger closes by trajectory id: over the lineage of the final weights
     every id that arrived is consumed exactly once, dropped with a reason, or buffered at the end."""
-    from trainer.driver.ledger import fates, lineage, read_ledger
-    from trainer.driver.resume import read_trajectories
+    from trainer.driver.records.ledger import fates, lineage, read_ledger
+    from trainer.driver.sources.resume import read_trajectories
     from trainer.learner.checkpoint import read_state
 
     overrides = [

@@ -15,16 +15,15 @@ import pytest
 from rich.console import Console
 
 from protocol import JobStatus, Trajectory
-from trainer.driver.buffer import TrajectoryBuffer, admission_capacity
-from trainer.driver.config import load_config
-from trainer.driver.fingerprint_check import FingerprintCheck
-from trainer.driver.job import Job
-from trainer.driver.ledger import fates
-from trainer.driver.parts import filter_bound
-from trainer.driver.report import status_fields
-from trainer.driver.routes import NoRoute
-from trainer.driver.server import ApiServer, StatusBoard
-from trainer.driver.sources import EnvSource
+from trainer.driver.cluster.server import ApiServer, StatusBoard
+from trainer.driver.config.schema import load_config
+from trainer.driver.loop.parts import Job, filter_bound
+from trainer.driver.loop.report import status_fields
+from trainer.driver.publication.fingerprint_check import FingerprintCheck
+from trainer.driver.publication.routes import NoRoute
+from trainer.driver.records.ledger import fates
+from trainer.driver.sources.buffer import TrajectoryBuffer, admission_capacity
+from trainer.driver.sources.source import EnvSource
 
 
 def traj(tid, group, reward, version=0, **kw):

@@ -10,10 +10,10 @@ from collections import Counter
 import pytest
 from rich.console import Console
 
-from trainer.driver.config import load_config
-from trainer.driver.fingerprint_check import FingerprintCheck
-from trainer.driver.job import Job
-from trainer.driver.routes import NoRoute, ScorerRoute
+from trainer.driver.config.schema import load_config
+from trainer.driver.loop.parts import Job
+from trainer.driver.publication.fingerprint_check import FingerprintCheck
+from trainer.driver.publication.routes import NoRoute, ScorerRoute
 
 
 class Learner:

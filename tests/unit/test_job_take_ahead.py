@@ -11,12 +11,12 @@ import numpy as np
 from rich.console import Console
 
 from protocol import Trajectory
-from trainer.driver.buffer import TrajectoryBuffer
-from trainer.driver.config import load_config
-from trainer.driver.fingerprint_check import FingerprintCheck
-from trainer.driver.job import Job
-from trainer.driver.routes import NoRoute
-from trainer.driver.sources import EnvSource
+from trainer.driver.config.schema import load_config
+from trainer.driver.loop.parts import Job
+from trainer.driver.publication.fingerprint_check import FingerprintCheck
+from trainer.driver.publication.routes import NoRoute
+from trainer.driver.sources.buffer import TrajectoryBuffer
+from trainer.driver.sources.source import EnvSource
 
 
 def traj(tid, group, versions):
@@ -116,7 +116,7 @@ def test_no_batch_ahead_when_synchronous_or_at_the_last_version():
 
 
 def test_loop_per_step_and_ratio_to_the_learner():
-    from trainer.driver.job import loop_per_step
+    from trainer.driver.loop.report import loop_per_step
 
     assert loop_per_step(90.0, 75.0, 3) == {"loop_s_per_step": 30.0, "train_s_per_step": 25.0, "loop_over_learner": 1.2}
     assert loop_per_step(0.0, 0.0, 0) == {"loop_s_per_step": None, "train_s_per_step": None, "loop_over_learner": None}

@@ -117,7 +117,7 @@ def test_a_cell_interrupted_before_its_last_step_is_not_complete():
 
 
 def test_the_agent_grid_runs_the_retail_agent_through_the_gateway_on_smollm2():
-    from trainer.driver.config import load_config
+    from trainer.driver.config.schema import load_config
 
     cells = grid("paper_agent")
     assert len(cells) == 15 and cells[0].name == "smollm2-recompute-W2-bf16-s0-agent-mb2"

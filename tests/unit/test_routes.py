@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trainer.driver.routes import NoRoute, ScorerRoute, SnapshotRoute, make_route
+from trainer.driver.publication.routes import NoRoute, ScorerRoute, SnapshotRoute, make_route
 
 SERVICE = object()  # stands in for the old-logit service's actor handle
 

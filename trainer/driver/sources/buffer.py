@@ -20,7 +20,7 @@ Invariants (checked by :meth:`TrajectoryBuffer.accounting_ok` and the tests):
 * a buffered or held trajectory found unfit after it arrived (its worker served other weights than
   its version's, :meth:`TrajectoryBuffer.drop_if`) is dropped with the reason, never consumed;
 * every finished trajectory's fate is reported by id to the buffer's ``ledger`` (``buffered`` on
-  arrival, ``consumed``, ``dropped`` with its reason), :class:`trainer.driver.ledger.Ledger`;
+  arrival, ``consumed``, ``dropped`` with its reason), :class:`trainer.driver.records.ledger.Ledger`;
 * with dynamic sampling (:meth:`TrajectoryBuffer.filter_groups`) a whole group whose rewards are all
   equal is dropped as ``dropped["filtered"]`` (one count per trajectory, ``filtered_groups`` per
   group) as soon as it is whole, at most ``bound`` groups per learner version; past the bound such
@@ -353,7 +353,7 @@ class TrajectoryBuffer:
     def state_dict(self) -> dict:
         """Counters for checkpoints (dynamic sampling's too: ``filtered_groups``,
         ``zero_variance_admitted``, ``filter_step``) and ``buffered_ids``, the ids of :meth:`saved` in
-        its order (the trajectories themselves go to a file beside it, :mod:`trainer.driver.resume`)."""
+        its order (the trajectories themselves go to a file beside it, :mod:`trainer.driver.sources.resume`)."""
         return {
             "submitted": self.submitted,
             "consumed": self.consumed,

@@ -1,7 +1,7 @@
-"""What a job reports: each step's row and line, the ``/v1/status`` fields, the rollout workers'
-notes and the run's summary.
+"""What a job reports: each step's row and line, the ``/v1/status`` fields and the run's summary
+(the rollout workers' notes are :mod:`trainer.driver.loop.worker_notes`).
 
-The functions here read the job's parts (:class:`trainer.driver.parts.Job`); only
+The functions here read the job's parts (:class:`trainer.driver.loop.parts.Job`); only
 :func:`step_report` changes anything: it adds to the job's exact-token totals, and reading the
 old-logit service's status counts a restart of the service. The loop decides where each report
 goes (``metrics.jsonl`` and TensorBoard, the status board, the console, ``summary.json``), except
@@ -19,13 +19,12 @@ import numpy as np
 import ray
 
 from protocol import EwmaStatus, OldLogitServiceStatus, Trajectory
-from trainer.driver.buffer import spanning_sequences, token_staleness_histogram
-from trainer.driver.fingerprints import FINGERPRINT_MISMATCH
-from trainer.driver.metrics_log import StepMetrics
+from trainer.driver.records.metrics_log import StepMetrics
+from trainer.driver.sources.buffer import spanning_sequences, token_staleness_histogram
 
 if TYPE_CHECKING:
-    from trainer.driver.heldout import BestEval
-    from trainer.driver.parts import Job
+    from trainer.driver.loop.parts import Job
+    from trainer.driver.records.heldout import BestEval
 
 
 def _finite_or_none(x: float | None) -> float | None:
@@ -150,48 +149,8 @@ def status_fields(job: Job, oldlogit: OldLogitServiceStatus | None, m: StepMetri
     return f
 
 
-# -- the rollout workers' notes (printed, and ``/v1/status`` ``scale_note``) ---------------------
-
-
-def workers_line(job: Job) -> str:
-    """``"<running> of <wanted> running[, <n> starting]"``: the rollout workers now."""
-    starting = len(job.pool.starting)
-    return f"{len(job.pool)} of {job.workers_wanted} running" + (f", {starting} starting" if starting else "")
-
-
-def lost_workers_note(job: Job, deaths: dict[str, tuple[int, str]]) -> str:
-    """The note on workers that died or hung (``deaths``: ``{worker id: (samples lost, reason)}``),
-    with the workers and the restarts used after their replacements were asked for."""
-    what = {
-        "worker_died": "died",
-        "worker_hung": f"hung (no finished trajectory in {job.pool.hang_timeout_s or 0:g} s)",
-        FINGERPRINT_MISMATCH: "served other weights than its version's (fingerprint mismatch)",
-    }
-    return (
-        f"rollout worker(s) {', '.join(f'{w} {what[r]}' for w, (_, r) in sorted(deaths.items()))} "
-        f"({sum(lost for lost, _ in deaths.values())} samples lost); "
-        f"{workers_line(job)}, {job.restarts} of {job.cfg.rollout.max_restarts} restarts used"
-    )
-
-
-def scaled_note(job: Job, want: int, removed: int) -> str:
-    """The note on a scale request to ``want`` workers that removed ``removed`` of them."""
-    return f"scaling rollout workers to {want}: {workers_line(job)}" + (f", {removed} removed" if removed else "")
-
-
-def started_note(job: Job, joined: list[str], gave_up: list[str]) -> str:
-    """The note on workers started in the background: those that joined, those given up."""
-    parts = [f"rollout worker(s) {', '.join(joined)} started"] if joined else []
-    if gave_up:
-        parts.append(
-            f"{', '.join(gave_up)} not placed and started within rollout.start_timeout_s = "
-            f"{job.cfg.rollout.start_timeout_s:g} s, given up"
-        )
-    return f"{'; '.join(parts)}; {workers_line(job)}"
-
-
 def _best(job: Job) -> BestEval | None:
-    """The job's best pinned held-out evaluation so far (:attr:`trainer.driver.keeper.CheckpointKeeper.best`);
+    """The job's best pinned held-out evaluation so far (:attr:`trainer.driver.records.keeper.CheckpointKeeper.best`);
     None without one, or for a job without a ``keeper``."""
     return getattr(getattr(job, "keeper", None), "best", None)
 

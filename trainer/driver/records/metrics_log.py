@@ -1,5 +1,5 @@
 """Per-step metrics to ``metrics.jsonl`` (always) and the trackers of ``logging.trackers``
-(TensorBoard, Weights & Biases, MLflow: :mod:`trainer.driver.trackers`), plus plots after a run.
+(TensorBoard, Weights & Biases, MLflow: :mod:`trainer.driver.records.trackers`), plus plots after a run.
 
 ``metrics.jsonl`` holds two kinds of rows: one per learner step (no ``kind`` field) and one per
 held-out evaluation (``kind = "eval"``, :meth:`MetricsLog.log_eval`); :func:`read_metrics` reads
@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainer.driver.trackers import Tracker, scalars
+from trainer.driver.records.trackers import Tracker, scalars
 
 
 class StepMetrics(BaseModel):
@@ -105,7 +105,7 @@ class StepMetrics(BaseModel):
 
 class MetricsLog:
     """Append one JSON object per step to ``metrics.jsonl``; its finite numbers also go to each tracker
-    (:mod:`trainer.driver.trackers`) under the same names."""
+    (:mod:`trainer.driver.records.trackers`) under the same names."""
 
     def __init__(self, run_dir: Path, trackers: Sequence[Tracker] = ()):
         self.run_dir = Path(run_dir)
@@ -126,7 +126,7 @@ class MetricsLog:
 
     def log_eval(self, record: dict[str, Any]) -> None:
         """Append one held-out evaluation's record (``kind = "eval"``,
-        :func:`trainer.driver.heldout.eval_record`) as a row at ``step = record["version"]``; its
+        :func:`trainer.driver.records.heldout.eval_record`) as a row at ``step = record["version"]``; its
         numbers go to the trackers as ``eval/<field>`` (``eval/held_out``, ``eval/success_rate``,
         ``eval/n``, ``eval/seconds``, ``eval/waited_s``) at that step."""
         step = int(record["version"])

@@ -17,7 +17,7 @@ every run segment of the run folder::
 :func:`lineage` keeps nothing from before its last ``started`` line. A ``published`` line gives the learner's
 fingerprint of each published version (``manifest.fingerprint``, :mod:`modelkit.fingerprint`); a
 ``dropped`` line with reason ``filtered`` names one whole group of equal rewards that dynamic
-sampling dropped after it arrived (:meth:`trainer.driver.buffer.TrajectoryBuffer.filter_groups`). A
+sampling dropped after it arrived (:meth:`trainer.driver.sources.buffer.TrajectoryBuffer.filter_groups`). A
 ``buffered`` line gives, per id, the version the trajectory was sampled at and the fingerprint its
 worker read back from the weights it served (``Trajectory.policy_version``, ``served_fingerprint``),
 so a reader can check that no trained trajectory came from weights other than its version's. A resume goes back to a checkpoint: what the

@@ -21,13 +21,13 @@ operation                   :class:`EnvSource` (the built-in     :class:`AgentSo
 ==========================  ===================================  ==================================
 
 Invariants: admission follows the staleness rule
-(:func:`trainer.driver.buffer.admission_capacity`) over trajectories submitted and not dropped, so
+(:func:`trainer.driver.sources.buffer.admission_capacity`) over trajectories submitted and not dropped, so
 the places of a group dropped by dynamic sampling (``controller.dynamic_sampling``, drop reason
 ``filtered``) go to new prompts (new env seeds, new agent tasks) at the next admission; every trajectory a source admits is noted
 submitted on the job's buffer and ends polled, dropped with a reason, or in flight (the buffer's
 accounting, :meth:`TrajectoryBuffer.accounting_ok`); ``poll`` never returns an evaluation
 trajectory, and evaluation samples are never in the buffer's accounting: a held-out request lost
-with its rollout worker is submitted again (at most :data:`trainer.driver.heldout.EVAL_RESUBMITS`
+with its rollout worker is submitted again (at most :data:`trainer.driver.records.heldout.EVAL_RESUBMITS`
 times, counted in ``eval_resubmitted``), never dropped as a training sample. The driver loop is the
 only caller.
 """
@@ -39,13 +39,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from protocol import EnvRef, GatewayStatus, RolloutRequest, Trajectory
-from trainer.driver.buffer import TrajectoryBuffer, admission_capacity
-from trainer.driver.config import JobConfig
-from trainer.driver.heldout import PendingEval, held_out_requests, held_out_scores
+from trainer.driver.config.schema import JobConfig
+from trainer.driver.records.heldout import PendingEval, held_out_requests, held_out_scores
+from trainer.driver.sources.buffer import TrajectoryBuffer, admission_capacity
 
 if TYPE_CHECKING:
-    from trainer.driver.agent_runner import AgentRunner
-    from trainer.driver.pool import WorkerPool
+    from trainer.driver.sources.agent_runner import AgentRunner
+    from trainer.driver.workers.pool import WorkerPool
 
 
 class TrajectorySource(Protocol):
@@ -129,7 +129,7 @@ class EnvSource:
     one per group a worker took (a group no worker took keeps its seed for the next submission), and
     a checkpoint saves it, so a resumed job repeats and skips no seed (a checkpoint without one goes
     on from its submission count). Held-out seeds are the ``env.eval_prompts`` after them
-    (:mod:`trainer.driver.heldout`). An evaluation either runs beside training (:meth:`start_eval`:
+    (:mod:`trainer.driver.records.heldout`). An evaluation either runs beside training (:meth:`start_eval`:
     its episodes are picked out of each :meth:`poll`, and :meth:`finish_eval` waits for the rest) or
     blocks (:meth:`evaluate`); its requests held by a rollout worker that is lost are submitted
     again (:meth:`_send_eval`); training trajectories that finish while :meth:`finish_eval` waits are
@@ -195,7 +195,7 @@ class EnvSource:
         return got
 
     def start_eval(self, tag: str) -> bool:
-        """Submit the held-out requests at the current version (:func:`trainer.driver.heldout.held_out_requests`)
+        """Submit the held-out requests at the current version (:func:`trainer.driver.records.heldout.held_out_requests`)
         and return without waiting; False (nothing started) without held-out seeds or workers.
 
         Raises:
@@ -216,7 +216,7 @@ class EnvSource:
         return self._eval is not None
 
     def finish_eval(self) -> dict[str, float]:
-        """Wait for the running evaluation's episodes and score them (:func:`trainer.driver.heldout.held_out_scores`:
+        """Wait for the running evaluation's episodes and score them (:func:`trainer.driver.records.heldout.held_out_scores`:
         mean reward, success rate (reward > 0.5), count, the version every sampled token carries),
         plus ``resubmitted`` (its requests submitted again after their worker was lost); ``{}`` when
         none runs. Training trajectories that finish meanwhile are held back for the next
@@ -226,9 +226,9 @@ class EnvSource:
         Raises:
             TimeoutError: not every evaluation episode finished within ``env.eval_timeout_s`` of its
                 start (a rollout worker failed or hung); the message names the field and the count received.
-            trainer.driver.heldout.OffVersionError: an episode holds a token of another version.
-            trainer.driver.heldout.EvalLostError: a request was lost with its worker once more after
-                :data:`trainer.driver.heldout.EVAL_RESUBMITS` resubmissions.
+            trainer.driver.records.heldout.OffVersionError: an episode holds a token of another version.
+            trainer.driver.records.heldout.EvalLostError: a request was lost with its worker once more after
+                :data:`trainer.driver.records.heldout.EVAL_RESUBMITS` resubmissions.
         """
         e = self._eval
         if e is None:
@@ -267,8 +267,8 @@ class EnvSource:
         an evaluation ends with every episode back.
 
         Raises:
-            trainer.driver.heldout.EvalLostError: a request was lost once more after
-                :data:`trainer.driver.heldout.EVAL_RESUBMITS` resubmissions.
+            trainer.driver.records.heldout.EvalLostError: a request was lost once more after
+                :data:`trainer.driver.records.heldout.EVAL_RESUBMITS` resubmissions.
         """
         e = self._eval
         if e is None:
@@ -319,7 +319,7 @@ class EnvSource:
 
 
 class AgentSource:
-    """Agents through the OpenAI-compatible gateway: the :class:`trainer.driver.agent_runner.AgentRunner`
+    """Agents through the OpenAI-compatible gateway: the :class:`trainer.driver.sources.agent_runner.AgentRunner`
     of the job's ``[agent]`` section admits, collects and evaluates (see its module docstring).
 
     The buffer counts sessions (a split session's segments too), not samples: a sample lost with its

@@ -1,8 +1,8 @@
 """The parts of one running job and what each line of the driver loop does with them.
 
 :class:`Job` holds the learner, the old-logit route, the rollout worker pool, the trajectory buffer
-and the trajectory source, started by :func:`trainer.driver.assembly.start_job`; the loop
-(:func:`trainer.driver.job._loop`) calls its operations in order: admit (:meth:`Job.top_up`),
+and the trajectory source, started by :func:`trainer.driver.loop.assembly.start_job`; the loop
+(:func:`trainer.driver.loop.job._loop`) calls its operations in order: admit (:meth:`Job.top_up`),
 collect, take, train, take ahead, wait, publish, checkpoint, and between iterations the worker
 controls (scale, replace dead or hung workers, admit started ones).
 
@@ -11,14 +11,14 @@ every consumer before the next version is published (one publication is applied 
 batch stays held in the buffer until its step starts, and a batch taken ahead whose step never
 started goes back unconsumed; every trajectory that reaches :meth:`Job.collect` enters the buffer
 or is refused with a reason (:func:`intake_refusal`), and its fate is in the ledger by id
-(:mod:`trainer.driver.ledger`); with ``controller.dynamic_sampling`` a whole group of equal rewards is
+(:mod:`trainer.driver.records.ledger`); with ``controller.dynamic_sampling`` a whole group of equal rewards is
 dropped as ``filtered`` right after the intake that completed it, within :func:`filter_bound` per
 version (:meth:`TrajectoryBuffer.filter_groups`); a checkpoint keeps every finished trajectory not yet consumed
 (:meth:`Job.checkpoint`); with ``controller.keep_best`` the version of the best pinned held-out
 evaluation stays checkpointed, and keep_checkpoints never prunes it (the job's checkpoints are its
-:attr:`Job.keeper`, :class:`trainer.driver.keeper.CheckpointKeeper`); every consumer found serving
+:attr:`Job.keeper`, :class:`trainer.driver.records.keeper.CheckpointKeeper`); every consumer found serving
 other weights than published to it is restarted and counted (:attr:`Job.fingerprints`,
-:class:`trainer.driver.fingerprint_check.FingerprintCheck`).
+:class:`trainer.driver.publication.fingerprint_check.FingerprintCheck`).
 """
 
 from __future__ import annotations
@@ -37,21 +37,21 @@ from rich.console import Console
 
 from oldlogit_service.calls import PendingCall
 from protocol import OldLogitAnswer, OldLogitServiceStatus, Trajectory
-from trainer.driver import report
-from trainer.driver.buffer import TrajectoryBuffer
-from trainer.driver.config import JobConfig
-from trainer.driver.fingerprint_check import FingerprintCheck
-from trainer.driver.fingerprints import FINGERPRINT_MISMATCH, ExpectedFingerprints, trajectory_mismatch
-from trainer.driver.keeper import CheckpointKeeper
-from trainer.driver.ledger import Ledger
-from trainer.driver.pool import WORKER_REMOVED
-from trainer.driver.resume import write_driver_state
-from trainer.driver.routes import NoRoute
-from trainer.driver.server import StatusBoard
-from trainer.driver.sources import TrajectorySource
+from trainer.driver.cluster.server import StatusBoard
+from trainer.driver.config.schema import JobConfig
+from trainer.driver.loop import worker_notes
+from trainer.driver.publication.fingerprint_check import FingerprintCheck
+from trainer.driver.publication.fingerprints import FINGERPRINT_MISMATCH, ExpectedFingerprints, trajectory_mismatch
+from trainer.driver.publication.routes import NoRoute
+from trainer.driver.records.keeper import CheckpointKeeper
+from trainer.driver.records.ledger import Ledger
+from trainer.driver.sources.buffer import TrajectoryBuffer
+from trainer.driver.sources.resume import write_driver_state
+from trainer.driver.sources.source import TrajectorySource
+from trainer.driver.workers.pool import WORKER_REMOVED
 
 if TYPE_CHECKING:
-    from trainer.driver.pool import WorkerPool
+    from trainer.driver.workers.pool import WorkerPool
     from trainer.learner import LearnerGroup
 
 
@@ -61,7 +61,7 @@ def intake_refusal(t: Trajectory, vocab_size: int, expected: ExpectedFingerprint
     ``aborted``: its generation was aborted; ``token_id_out_of_vocab``: a token id is ``>= vocab_size``
     (the model config's ``vocab_size``, rows of the learner's embedding), which no forward can score;
     ``fingerprint_mismatch``: its worker served other weights than its version's (``expected``,
-    :func:`trainer.driver.fingerprints.trajectory_mismatch`).
+    :func:`trainer.driver.publication.fingerprints.trajectory_mismatch`).
     """
     if t.finish_reason == "abort":
         return "aborted"
@@ -126,8 +126,8 @@ class Job:
         model_path: the HF model folder every consumer starts from (version 0).
         vocab_size: the model config's ``vocab_size`` (rows of the learner's embedding).
         learner: the learner ranks (:class:`trainer.learner.LearnerGroup`).
-        route: the old-logit route (:mod:`trainer.driver.routes`).
-        pool: the rollout workers (:class:`trainer.driver.pool.WorkerPool`).
+        route: the old-logit route (:mod:`trainer.driver.publication.routes`).
+        pool: the rollout workers (:class:`trainer.driver.workers.pool.WorkerPool`).
         buffer: the trajectory buffer (resumed state loaded).
         version: the learner's version at the start (the resumed one, else 0).
         run_segment: 0 for a fresh run, +1 at every resume.
@@ -170,7 +170,7 @@ class Job:
             cfg, self.run_dir, learner, ledger, version=version, run_segment=run_segment,
             driver_state=lambda folder: write_driver_state(folder, self.buffer, self.source),
         )  # fmt: skip
-        """The run's checkpoints and the best version's (:mod:`trainer.driver.keeper`)."""
+        """The run's checkpoints and the best version's (:mod:`trainer.driver.records.keeper`)."""
         self.run_segment = run_segment
         """0 for a fresh run, +1 at every resume: (segment, version) names one set of weights even
         when a resumed run re-reaches a version number it had passed before the resume point."""
@@ -182,12 +182,12 @@ class Job:
         self.last_publish: dict[str, float] = {}
         self.fingerprints = FingerprintCheck(cfg, console, pool, route)
         """What each consumer serves, checked after each publication; what each version should serve
-        (:mod:`trainer.driver.fingerprint_check`)."""
+        (:mod:`trainer.driver.publication.fingerprint_check`)."""
         self.ledger = ledger
         self.source: TrajectorySource = source(self)
-        """Where training trajectories come from (:mod:`trainer.driver.sources`): it admits, collects and evaluates."""
+        """Where training trajectories come from (:mod:`trainer.driver.sources.source`): it admits, collects and evaluates."""
 
-    # -- the parts of one iteration (the loop in :func:`trainer.driver.job._loop` calls them in order) --
+    # -- the parts of one iteration (the loop in :func:`trainer.driver.loop.job._loop` calls them in order) --
 
     def top_up(self) -> None:
         """Admit: the source submits as much new work as the staleness admission rule allows."""
@@ -332,7 +332,7 @@ class Job:
 
         The learner packs the version into the object store and is free again (the driver handles
         manifests and references only). The consumers then take it in the order the route decides
-        (:mod:`trainer.driver.routes`): on the ``none`` and ``snapshot`` routes in the background, so the
+        (:mod:`trainer.driver.publication.routes`): on the ``none`` and ``snapshot`` routes in the background, so the
         loop and the learner go on while each worker switches between two tokens; scorer routes
         keep the scorer in lockstep with the workers, so this call waits for them. One publication
         is applied at a time: this call, :meth:`evaluate` and :meth:`shutdown` first wait for the
@@ -433,9 +433,9 @@ class Job:
 
         Raises:
             TimeoutError: its episodes did not all finish within ``env.eval_timeout_s`` of its start.
-            trainer.driver.heldout.OffVersionError: an episode holds a token of another version.
-            trainer.driver.heldout.EvalLostError: a request was lost with its rollout worker once
-                more after :data:`trainer.driver.heldout.EVAL_RESUBMITS` resubmissions.
+            trainer.driver.records.heldout.OffVersionError: an episode holds a token of another version.
+            trainer.driver.records.heldout.EvalLostError: a request was lost with its rollout worker once
+                more after :data:`trainer.driver.records.heldout.EVAL_RESUBMITS` resubmissions.
         """
         if not self.source.eval_running:
             return {}
@@ -454,7 +454,7 @@ class Job:
     def checkpoint(self) -> str:
         """Save the current version's checkpoint and return its folder
         (:meth:`CheckpointKeeper.checkpoint`: the learner's state, every finished trajectory not yet
-        consumed (:func:`trainer.driver.resume.write_driver_state`), the best so far; older ones
+        consumed (:func:`trainer.driver.sources.resume.write_driver_state`), the best so far; older ones
         pruned)."""
         return self.keeper.checkpoint(self.version)
 
@@ -483,7 +483,12 @@ class Job:
         if add > 0:
             self.pool.request(have + add)  # started in the background: admit_started_workers
             self.restarts += add
-        self.report_workers(board, report.lost_workers_note(self, deaths))
+        self.report_workers(
+            board,
+            worker_notes.lost_workers_note(
+                self.pool, self.workers_wanted, deaths, self.restarts, self.cfg.rollout.max_restarts
+            ),
+        )
 
     def apply_controls(self, board: StatusBoard) -> None:
         """Apply the latest scale request (one that arrives meanwhile stays pending for the next call).
@@ -498,7 +503,7 @@ class Job:
         removed = self.pool.request(want)
         for _wid, lost in removed.items():
             self.source.note_worker_loss(lost, WORKER_REMOVED)
-        self.report_workers(board, report.scaled_note(self, want, len(removed)))
+        self.report_workers(board, worker_notes.scaled_note(self.pool, want, len(removed)))
 
     def admit_started_workers(self, board: StatusBoard) -> None:
         """Rollout workers started in the background that are ready join at the current version;
@@ -509,7 +514,12 @@ class Job:
         self.fingerprints.check_joined_workers()
         if not joined and not gave_up:
             return
-        self.report_workers(board, report.started_note(self, joined, gave_up))
+        self.report_workers(
+            board,
+            worker_notes.started_note(
+                self.pool, self.workers_wanted, joined, gave_up, self.cfg.rollout.start_timeout_s
+            ),
+        )
 
     def report_workers(self, board: StatusBoard, note: str) -> None:
         """Print ``note`` and show it as ``/v1/status`` ``scale_note`` with the workers now."""

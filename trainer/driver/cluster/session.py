@@ -6,7 +6,7 @@ session connects to ``ray.address`` or starts a private local cluster, and disco
 (which stops a private cluster); a private cluster's processes (those ``ray.init`` started, and
 theirs) are also stopped when the process ends any other way: SIGTERM, SIGINT or SIGHUP outside the
 loop's own handling, a second signal during it, or an exit that skipped the session's end
-(:mod:`trainer.driver.owned`); the process's own signal handlers are back once the job ends.
+(:mod:`trainer.driver.cluster.owned`); the process's own signal handlers are back once the job ends.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import psutil
 import ray
 from rich.console import Console
 
-from trainer.driver import owned
-from trainer.driver.config import JobConfig, write_private
-from trainer.driver.environment import ENV_VARS
-from trainer.driver.server import ApiServer, StatusBoard
+from trainer.driver.cluster import owned
+from trainer.driver.cluster.environment import ENV_VARS
+from trainer.driver.cluster.server import ApiServer, StatusBoard
+from trainer.driver.config.schema import JobConfig, write_private
 
 
 @contextlib.contextmanager
@@ -41,11 +41,11 @@ def ray_session(cfg: JobConfig):
     The local cluster gets its own temp dir; Ray's memory monitor is off (it killed actors on a
     24 GiB box running several model copies) - size the job instead. With ``ray.loopback_only``
     every process it starts listens on loopback only, with token authentication
-    (:func:`trainer.driver.netguard.private_cluster_env`); the driver's own port is covered when the
+    (:func:`trainer.driver.cluster.netguard.private_cluster_env`); the driver's own port is covered when the
     process was started with that environment (``vintage run`` re-executes itself so).
 
     Raises:
-        trainer.driver.netguard.LoopbackUnavailable: ``ray.loopback_only`` and no C compiler to build the
+        trainer.driver.cluster.netguard.LoopbackUnavailable: ``ray.loopback_only`` and no C compiler to build the
             bind interposer.
     """
     if ray.is_initialized():
@@ -73,7 +73,7 @@ _SESSION_KEY = ("ray_session", "private_cluster")
 
 def _start_private_cluster(cfg: JobConfig, env: dict[str, Any]) -> list[psutil.Process]:
     """``ray.init`` of the private local cluster; returns the processes it started (this process's
-    new children), which are owned (:mod:`trainer.driver.owned`) from before the call: a signal
+    new children), which are owned (:mod:`trainer.driver.cluster.owned`) from before the call: a signal
     during the start, or a start that fails, stops what it had started."""
     before = {p.pid for p in psutil.Process().children()}
 
@@ -115,7 +115,7 @@ def _start_private_cluster(cfg: JobConfig, env: dict[str, Any]) -> list[psutil.P
 
 def _loopback_private_cluster() -> None:
     """Give the processes the private cluster will start the loopback-only environment."""
-    from trainer.driver import netguard
+    from trainer.driver.cluster import netguard
 
     bound = netguard.active()  # this process itself was started with the interposer
     os.environ.update(netguard.private_cluster_env())
@@ -140,7 +140,7 @@ class StopSignal:
 
     The first signal sets :attr:`requested`: the loop leaves after the current step, the job
     checkpoints, stops every actor and writes ``summary.json`` (``end_reason = "interrupted"``).
-    A second signal stops what this process owns (a private cluster: :mod:`trainer.driver.owned`)
+    A second signal stops what this process owns (a private cluster: :mod:`trainer.driver.cluster.owned`)
     and ends the process immediately with status 130. Handlers are installed only in the main
     thread (a job run from another thread keeps the process's handlers).
     """

@@ -4,12 +4,12 @@ The held-out env seeds are ``[env.train_seeds, env.train_seeds + env.eval_prompt
 training; each is sampled once (``n = 1``) with the training sampling and, on the transformers
 engine, a per-prompt seed (:func:`eval_seed`, :func:`seeds_requests`), so two evaluations of the
 same weights sample the same tokens and two versions are compared on the same random numbers. The same requests and the same scoring serve the job's
-evaluations (:class:`trainer.driver.sources.EnvSource`) and ``vintage eval env``
-(:mod:`trainer.driver.eval_env`).
+evaluations (:class:`trainer.driver.sources.source.EnvSource`) and ``vintage eval env``
+(:mod:`trainer.driver.loop.eval_env`).
 
 An evaluation is pinned to one published version: every sampled token of every episode must carry
 that version (:func:`held_out_scores` checks it). The job guarantees it by publishing nothing while
-an evaluation runs (:meth:`trainer.driver.parts.Job.finish_eval`).
+an evaluation runs (:meth:`trainer.driver.loop.parts.Job.finish_eval`).
 
 A held-out request held by a rollout worker that is lost (died, hung, removed by a scale request,
 killed for a fingerprint mismatch) is submitted again (:meth:`PendingEval.put_back`), at most
@@ -19,7 +19,7 @@ accounting, and the resubmissions are counted apart (``eval_resubmitted``).
 
 The best pinned evaluation of a run (:class:`BestEval`, :func:`beats`: the highest mean reward, ties
 to the earlier version) keeps its version's checkpoint (``controller.keep_best``,
-:meth:`trainer.driver.keeper.CheckpointKeeper.note_best`).
+:meth:`trainer.driver.records.keeper.CheckpointKeeper.note_best`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protocol import EnvRef, RolloutRequest, Trajectory
-from trainer.driver.config import JobConfig
+from trainer.driver.config.schema import JobConfig
 
 SUCCESS_THRESHOLD = 0.5
 """An episode succeeds when its reward is above this."""

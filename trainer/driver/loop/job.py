@@ -1,7 +1,7 @@
 """The driver: one async RL job, top to bottom.
 
-    start the Ray session and the HTTP status server (:mod:`trainer.driver.session`)
-    start the parts (:func:`trainer.driver.assembly.start_job`): the learner, the old-logit service,
+    start the Ray session and the HTTP status server (:mod:`trainer.driver.cluster.session`)
+    start the parts (:func:`trainer.driver.loop.assembly.start_job`): the learner, the old-logit service,
     the rollout workers (every consumer starts from the model folder, version 0), the trajectory
     source; score held-out episodes (reward before)
     loop until total_steps (``_loop``, one line per part):
@@ -29,19 +29,19 @@
                       the next batch before it takes the new version: one call at a time),
                       ``route.before_publish`` (scorer routes collect first), then ``Job.publish``
         log           ``step_report`` -> ``metrics.jsonl``, the trackers, ``/v1/status``, the step
-                      line (:mod:`trainer.driver.report`); a few of the batch's trajectories ->
-                      ``samples.jsonl`` (:mod:`trainer.driver.samples`)
+                      line (:mod:`trainer.driver.loop.report`); a few of the batch's trajectories ->
+                      ``samples.jsonl`` (:mod:`trainer.driver.records.samples`)
         checkpoint    every ``controller.checkpoint_every`` versions: the learner's state and every
                       finished trajectory not yet consumed (``Job.checkpoint``)
         evaluate      every ``controller.eval_every`` versions: ``Job.start_eval`` sends the held-out
                       requests at the version just published and returns; the learner trains the
-                      next step while they run (:mod:`trainer.driver.heldout`)
+                      next step while they run (:mod:`trainer.driver.records.heldout`)
     score held-out episodes (reward after), write summary, plots, checkpoint
 
 What varies between runs is an object chosen once at assembly: the old-logit route
-(:mod:`trainer.driver.routes`) and the trajectory source (:mod:`trainer.driver.sources`); the loop
+(:mod:`trainer.driver.publication.routes`) and the trajectory source (:mod:`trainer.driver.sources.source`); the loop
 never asks which kind it holds. The parts and the operations of one iteration are
-:class:`trainer.driver.parts.Job`.
+:class:`trainer.driver.loop.parts.Job`.
 
 Invariants: the learner's version rises by exactly one per applied step and is published whole to
 every consumer before the next version is published (consumers apply it in the background; the
@@ -71,32 +71,19 @@ from typing import Any
 
 from rich.console import Console
 
-from trainer.driver.assembly import learner_settings, resolve_model, start_job
-from trainer.driver.config import JobConfig, one_line, write_resolved
-from trainer.driver.environment import defaults_env
-from trainer.driver.heldout import eval_due, eval_record
-from trainer.driver.metrics_log import MetricsLog, plot_run
-from trainer.driver.parts import Job, TakenBatch, intake_refusal
-from trainer.driver.report import failed_part, loop_per_step, run_summary, status_fields, step_line, step_report
-from trainer.driver.samples import SamplesLog
-from trainer.driver.server import StatusBoard
-from trainer.driver.session import StopSignal, ray_session, start_status_server
-from trainer.driver.trackers import start_trackers
+from trainer.driver.cluster.environment import defaults_env
+from trainer.driver.cluster.server import StatusBoard
+from trainer.driver.cluster.session import StopSignal, ray_session, start_status_server
+from trainer.driver.config.schema import JobConfig, one_line, write_resolved
+from trainer.driver.loop.assembly import start_job
+from trainer.driver.loop.parts import Job, TakenBatch
+from trainer.driver.loop.report import failed_part, run_summary, status_fields, step_line, step_report
+from trainer.driver.records.heldout import eval_due, eval_record
+from trainer.driver.records.metrics_log import MetricsLog, plot_run
+from trainer.driver.records.samples import SamplesLog
+from trainer.driver.records.trackers import start_trackers
 
-__all__ = [
-    "Job",
-    "StopSignal",
-    "TakenBatch",
-    "end_reason",
-    "failed_part",
-    "held_by_pause",
-    "intake_refusal",
-    "learner_settings",
-    "loop_per_step",
-    "ray_session",
-    "resolve_model",
-    "run_job",
-]
+__all__ = ["end_reason", "evaluate_reported", "held_by_pause", "run_job"]
 
 
 def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
@@ -227,7 +214,7 @@ def _loop(
 
 
 def log_eval(log: MetricsLog, board: StatusBoard, scores: dict[str, Any]) -> None:
-    """One evaluation's record (:func:`trainer.driver.heldout.eval_record`) to ``metrics.jsonl`` and the
+    """One evaluation's record (:func:`trainer.driver.records.heldout.eval_record`) to ``metrics.jsonl`` and the
     trackers (``eval/held_out``, ...), and its figure to ``/v1/status``; nothing for ``{}``."""
     if not scores:
         return
@@ -239,7 +226,7 @@ def log_eval(log: MetricsLog, board: StatusBoard, scores: dict[str, Any]) -> Non
 
 def evaluate_reported(job: Job, board: StatusBoard, evaluate: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """``evaluate()`` (a held-out evaluation of ``job``) with ``/v1/status`` saying ``state =
-    "evaluating"`` and the job's fields (:func:`trainer.driver.report.status_fields`) meanwhile; the
+    "evaluating"`` and the job's fields (:func:`trainer.driver.loop.report.status_fields`) meanwhile; the
     state it had is back after."""
     previous = board.status().state
     board.update(state="evaluating", **status_fields(job, job.oldlogit_status()))

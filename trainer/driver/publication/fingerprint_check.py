@@ -1,13 +1,13 @@
 """A job's check that its consumers serve the weights published to them, and what each version should serve.
 
-:class:`FingerprintCheck` is the job's (:attr:`trainer.driver.parts.Job.fingerprints`): the job tells
+:class:`FingerprintCheck` is the job's (:attr:`trainer.driver.loop.parts.Job.fingerprints`): the job tells
 it of each publication (:meth:`FingerprintCheck.published`), the publication's apply asks it to
 check every consumer (:meth:`FingerprintCheck.check_fingerprints`), the worker controls to check
 the workers that applied a publication on their own (:meth:`FingerprintCheck.check_joined_workers`),
 and the intake and the buffer judge trajectories against :attr:`FingerprintCheck.expected`
-(:func:`trainer.driver.parts.intake_refusal`, :meth:`FingerprintCheck.drop_mismatched`). The
+(:func:`trainer.driver.loop.parts.intake_refusal`, :meth:`FingerprintCheck.drop_mismatched`). The
 rules (what a report should say, which reports cannot be judged) are
-:mod:`trainer.driver.fingerprints`'; this object applies them to the job's rollout pool and
+:mod:`trainer.driver.publication.fingerprints`'; this object applies them to the job's rollout pool and
 old-logit route, restarts what differs and counts it.
 
 Invariants: every consumer found serving other weights than the version published to it is
@@ -29,8 +29,8 @@ import ray
 from rich.console import Console
 
 from protocol import WeightManifest
-from trainer.driver.config import JobConfig
-from trainer.driver.fingerprints import (
+from trainer.driver.config.schema import JobConfig
+from trainer.driver.publication.fingerprints import (
     FINGERPRINT_MISMATCH,
     expected_entries,
     is_mismatch,
@@ -40,11 +40,11 @@ from trainer.driver.fingerprints import (
     trajectory_mismatch,
     unverified_workers,
 )
-from trainer.driver.routes import NoRoute, ScorerWeights
+from trainer.driver.publication.routes import NoRoute, ScorerWeights
 
 if TYPE_CHECKING:
-    from trainer.driver.buffer import TrajectoryBuffer
-    from trainer.driver.pool import WorkerPool
+    from trainer.driver.sources.buffer import TrajectoryBuffer
+    from trainer.driver.workers.pool import WorkerPool
 
 
 class FingerprintCheck:
@@ -54,9 +54,9 @@ class FingerprintCheck:
         cfg: the job config (``rollout.unverified_fingerprint``, ``oldlogit.max_restarts``,
             ``controller.max_staleness``).
         console: where restarts and unjudged reports are named.
-        pool: the rollout workers (:class:`trainer.driver.pool.WorkerPool`): their reports, and
+        pool: the rollout workers (:class:`trainer.driver.workers.pool.WorkerPool`): their reports, and
             ``kill`` for a mismatched one.
-        route: the old-logit route (:mod:`trainer.driver.routes`): the service's calls and handle.
+        route: the old-logit route (:mod:`trainer.driver.publication.routes`): the service's calls and handle.
     """
 
     def __init__(self, cfg: JobConfig, console: Console, pool: WorkerPool, route: NoRoute):
@@ -65,10 +65,10 @@ class FingerprintCheck:
         """Consumers found serving other weights than the version published to them, restarted."""
         self.unverified = 0
         """Consumer reports, after a publication was applied, whose served fingerprint could not be
-        judged (:func:`trainer.driver.fingerprints.is_unverified`), one per report: restarted as
+        judged (:func:`trainer.driver.publication.fingerprints.is_unverified`), one per report: restarted as
         mismatches too with ``rollout.unverified_fingerprint = "mismatch"``."""
         self.expected: dict = {}
-        """What each published version should serve (:data:`trainer.driver.fingerprints.ExpectedFingerprints`):
+        """What each published version should serve (:data:`trainer.driver.publication.fingerprints.ExpectedFingerprints`):
         trajectories served otherwise are dropped as ``fingerprint_mismatch``. Versions older than
         ``controller.max_staleness`` behind are pruned at each publication (:meth:`published`)."""
 
@@ -91,8 +91,8 @@ class FingerprintCheck:
 
     def check_fingerprints(self, manifest: WeightManifest, scorer_weights: ScorerWeights | None) -> None:
         """After a publication is applied, restart every consumer that serves other weights than
-        it (:mod:`trainer.driver.fingerprints`) and count each in :attr:`mismatches`: a rollout
-        worker is killed and replaced like a dead one (:meth:`trainer.driver.parts.Job.replace_dead_workers`,
+        it (:mod:`trainer.driver.publication.fingerprints`) and count each in :attr:`mismatches`: a rollout
+        worker is killed and replaced like a dead one (:meth:`trainer.driver.loop.parts.Job.replace_dead_workers`,
         its in-flight samples dropped as ``fingerprint_mismatch``); the old-logit service is killed
         for Ray to restart it (only while ``oldlogit.max_restarts`` > 0; otherwise it is counted and
         named on the console) and given the publication again. A worker that did not answer is
@@ -129,7 +129,7 @@ class FingerprintCheck:
 
     def restart_mismatched(self, manifest: WeightManifest, reports: dict[str, dict[str, Any]]) -> list[str]:
         """Kill the workers of ``reports`` (their fingerprint reports after applying ``manifest``)
-        that serve other weights (:func:`trainer.driver.fingerprints.mismatched_workers`), to be
+        that serve other weights (:func:`trainer.driver.publication.fingerprints.mismatched_workers`), to be
         replaced like dead ones, count them in :attr:`mismatches`, and note what the others vouch
         for in :attr:`expected`. Those whose report cannot be judged are counted in
         :attr:`unverified`, and with ``rollout.unverified_fingerprint = "mismatch"`` killed and
@@ -157,7 +157,7 @@ class FingerprintCheck:
         """Check the rollout workers that applied a publication outside a publish (a joiner's
         catch-up, a late worker's update taken in later: :meth:`WorkerPool.take_unverified`) as
         :meth:`check_fingerprints` checks a publication's: a mismatched one is killed, replaced like
-        a dead one (:meth:`trainer.driver.parts.Job.replace_dead_workers`) and counted. One that
+        a dead one (:meth:`trainer.driver.loop.parts.Job.replace_dead_workers`) and counted. One that
         does not answer is asked again next time. Returns the killed ids."""
         pending = self.pool.take_unverified()
         if not pending:

@@ -43,7 +43,7 @@ from oldlogit_service.calls import PendingCall, RestartWait, ServiceCalls
 from protocol import OLDLOGIT_ROUTES, OldLogitRequest, Trajectory, WeightManifest
 
 if TYPE_CHECKING:
-    from trainer.driver.config import JobConfig
+    from trainer.driver.config.schema import JobConfig
 
 ScorerWeights = tuple[WeightManifest, Any]
 """``(manifest, payload ObjectRef)`` of the publication the old-logit service installs (learner dtype)."""
@@ -167,7 +167,7 @@ def make_route(
     """The route object for ``loss.oldlogit_route`` ``name`` around the service handle ``oldlogit``;
     its calls wait at most ``restart_timeout_s`` seconds for a restarting service (:class:`RestartWait`);
     ``current_from_learner``: the learner gives its own version's pi_old, so the snapshot route asks
-    the service only for older tokens (:attr:`trainer.driver.config.JobConfig.current_from_learner`);
+    the service only for older tokens (:attr:`trainer.driver.config.schema.JobConfig.current_from_learner`);
     ``scorer_dtype``: the learner's dtype, the one the service is fed and scores in.
 
     Raises:

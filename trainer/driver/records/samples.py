@@ -42,7 +42,7 @@ from protocol import OldLogitAnswer, Trajectory
 from trainer.algorithm.batch import Batch, collate
 
 if TYPE_CHECKING:
-    from trainer.driver.config import JobConfig
+    from trainer.driver.config.schema import JobConfig
 
 SAMPLES_FILE = "samples.jsonl"
 

@@ -14,7 +14,7 @@ they come back bit for bit)::
 Rules:
 
 * the file is written before the learner saves (:func:`write_driver_state`, called by
-  :meth:`trainer.driver.keeper.CheckpointKeeper.checkpoint`), to a temporary name then renamed, so
+  :meth:`trainer.driver.records.keeper.CheckpointKeeper.checkpoint`), to a temporary name then renamed, so
   a checkpoint that ``vintage_latest`` names always has it whole;
 * the checkpoint's state lists the ids the file must hold (``buffer.buffered_ids``,
   ``source.held_back_ids``); reading checks them, line count and every message strictly (pydantic's
@@ -35,8 +35,8 @@ from pydantic import ValidationError
 from protocol import Trajectory
 
 if TYPE_CHECKING:
-    from trainer.driver.buffer import TrajectoryBuffer
-    from trainer.driver.sources import TrajectorySource
+    from trainer.driver.sources.buffer import TrajectoryBuffer
+    from trainer.driver.sources.source import TrajectorySource
 
 TRAJECTORIES_FILE = "trajectories.jsonl"
 FORMAT = 1
@@ -47,7 +47,7 @@ class SavedTrajectories:
     """The trajectories of one checkpoint, in their saved order."""
 
     buffered: list[Trajectory]
-    """The buffer's (:meth:`trainer.driver.buffer.TrajectoryBuffer.saved`)."""
+    """The buffer's (:meth:`trainer.driver.sources.buffer.TrajectoryBuffer.saved`)."""
     held_back: list[Trajectory]
     """The source's, polled from the workers but not yet returned by its ``poll``."""
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from trainer.driver.config import LoggingConfig
+    from trainer.driver.config.schema import LoggingConfig
 
 
 class Tracker(Protocol):

@@ -1,6 +1,6 @@
 """Runs OpenAI-API agents against the gateway and hands their sessions to the training loop.
 
-The job holds it as its trajectory source under ``[agent]`` (:class:`trainer.driver.sources.AgentSource`);
+The job holds it as its trajectory source under ``[agent]`` (:class:`trainer.driver.sources.source.AgentSource`);
 the loop reaches three things through it:
 
 * :meth:`AgentRunner.top_up` - admit new episodes under the staleness admission rule (whole groups
@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from protocol import RolloutRequest, Trajectory
-from trainer.driver.buffer import TrajectoryBuffer, admission_capacity
-from trainer.driver.config import JobConfig
+from trainer.driver.config.schema import JobConfig
+from trainer.driver.sources.buffer import TrajectoryBuffer, admission_capacity
 
 
 def load_agent(path: str) -> Callable[..., Any]:
@@ -183,7 +183,7 @@ class AgentRunner:
 
     @classmethod
     def for_job(cls, job: Any) -> AgentRunner:
-        """The runner of a :class:`trainer.driver.parts.Job` (its pool, buffer, version and model)."""
+        """The runner of a :class:`trainer.driver.loop.parts.Job` (its pool, buffer, version and model)."""
         return cls(
             job.cfg,
             job.pool.submit,
@@ -205,7 +205,7 @@ class AgentRunner:
     def admit(self, n: int) -> bool:
         """Admit ``n`` new training sessions if the staleness rule allows them now (thread-safe).
 
-        The rule is :func:`trainer.driver.buffer.admission_capacity` over admitted sessions not dropped: a
+        The rule is :func:`trainer.driver.sources.buffer.admission_capacity` over admitted sessions not dropped: a
         session admitted at learner version ``V`` is consumed at most ``max_staleness`` versions later.
         """
         with self._lock:

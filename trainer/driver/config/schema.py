@@ -226,7 +226,7 @@ class ControllerConfig(_Section):
     resume_from: str | None = None
     """Checkpoint directory to resume from: weights, optimizer, version counter, EWMA state, buffer
     accounting, the finished trajectories not yet consumed and the env seed cursor continue
-    (:mod:`trainer.driver.resume`); ``total_steps`` counts versions, so a resumed run stops at the
+    (:mod:`trainer.driver.sources.resume`); ``total_steps`` counts versions, so a resumed run stops at the
     same final version."""
     seed: int = 0
 
@@ -294,7 +294,7 @@ class RayConfig(_Section):
     """Logical CPUs of the local cluster (``None``: enough for all actors)."""
     loopback_only: bool = True
     """Private cluster only: every Ray process (GCS, raylet, workers, the driver) listens on
-    loopback, with Ray token authentication (``trainer.driver.netguard``). ``vintage run`` re-executes
+    loopback, with Ray token authentication (``trainer.driver.cluster.netguard``). ``vintage run`` re-executes
     itself once to load the bind interposer into the driver too. Needs a C compiler the first time."""
 
 

@@ -1,7 +1,7 @@
 """A job's checkpoints: saving one, exporting one, and which ones stay (retention and the best version).
 
-:class:`CheckpointKeeper` is the job's (:attr:`trainer.driver.parts.Job.keeper`); the loop saves
-through :meth:`trainer.driver.parts.Job.checkpoint` / :meth:`~trainer.driver.parts.Job.export`, and the
+:class:`CheckpointKeeper` is the job's (:attr:`trainer.driver.loop.parts.Job.keeper`); the loop saves
+through :meth:`trainer.driver.loop.parts.Job.checkpoint` / :meth:`~trainer.driver.loop.parts.Job.export`, and the
 job's evaluations tell it when an evaluation starts (:meth:`CheckpointKeeper.save_for_eval`) and
 what it scored (:meth:`CheckpointKeeper.note_best`). It is given what it needs, not the job: the
 learner (whose ``save_checkpoint`` writes the folder), the config, the run folder, the ledger and
@@ -25,11 +25,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.driver.config import JobConfig
-from trainer.driver.heldout import BestEval, beats
+from trainer.driver.config.schema import JobConfig
+from trainer.driver.records.heldout import BestEval, beats
 
 if TYPE_CHECKING:
-    from trainer.driver.ledger import Ledger
+    from trainer.driver.records.ledger import Ledger
     from trainer.learner import LearnerGroup
 
 
@@ -40,12 +40,12 @@ class CheckpointKeeper:
         cfg: the job config (``controller.resume_from``, ``keep_best``, ``eval_every``, ``keep_checkpoints``).
         run_dir: the run folder (``logging.run_dir``); checkpoints go to ``<run_dir>/checkpoints``.
         learner: saves a checkpoint folder (``save_checkpoint(directory, extra) -> folder``).
-        ledger: where each save's ``checkpoint`` line goes (:class:`trainer.driver.ledger.Ledger`).
+        ledger: where each save's ``checkpoint`` line goes (:class:`trainer.driver.records.ledger.Ledger`).
         version: the learner's version at the start (the resumed one, else 0).
         run_segment: 0 for a fresh run, +1 at every resume.
         driver_state: given a checkpoint's folder, writes the finished trajectories not yet consumed
             there and returns the driver's state to save (``{"buffer": {..., "buffered_ids"},
-            "source": {..., "held_back_ids"}}``, :func:`trainer.driver.resume.write_driver_state`).
+            "source": {..., "held_back_ids"}}``, :func:`trainer.driver.sources.resume.write_driver_state`).
     """
 
     def __init__(
@@ -92,7 +92,7 @@ class CheckpointKeeper:
         (``driver_state``: the buffer's accounting, the source's cursor, and every finished
         trajectory not yet consumed - buffered, held in a batch taken ahead (saved as buffered, at
         the front: the resumed job takes it again) or held back by the source - in
-        :data:`trainer.driver.resume.TRAJECTORIES_FILE`, written before the learner moves the
+        :data:`trainer.driver.sources.resume.TRAJECTORIES_FILE`, written before the learner moves the
         checkpoint pointer), ``run_segment`` and the best pinned evaluation so far (``best``,
         :attr:`best` as a dict, or None). The ledger gets a ``checkpoint`` line naming the saved
         ids. Older checkpoints are then removed by the retention rule (:meth:`prune`).
@@ -131,8 +131,8 @@ class CheckpointKeeper:
 
     def export(self, version: int) -> Path:
         """A Hugging Face folder of ``version`` (the learner's now) at ``<run_dir>/exports/v{version}``
-        (:func:`trainer.driver.export.export_run`), checkpointing the version first if needed."""
-        from trainer.driver.export import export_run
+        (:func:`trainer.driver.records.export.export_run`), checkpointing the version first if needed."""
+        from trainer.driver.records.export import export_run
 
         if self.checkpointed_version != version:
             self.checkpoint(version)
@@ -188,10 +188,10 @@ class CheckpointKeeper:
 
     def note_best(self, scores: dict[str, Any]) -> None:
         """Keep the checkpoint of the best pinned held-out evaluation (:attr:`keeps_best`), given one
-        evaluation's result ``scores`` (:meth:`trainer.driver.parts.Job.finish_eval`: ``version``,
+        evaluation's result ``scores`` (:meth:`trainer.driver.loop.parts.Job.finish_eval`: ``version``,
         ``reward``, ``tag``).
 
-        Rule: an evaluation whose mean reward beats the best so far (:func:`trainer.driver.heldout.beats`:
+        Rule: an evaluation whose mean reward beats the best so far (:func:`trainer.driver.records.heldout.beats`:
         higher and finite; ties keep the earlier version) becomes the best. A checkpoint saved only
         for an evaluation (:meth:`save_for_eval`) goes again when that evaluation is not the best, and
         a best's such checkpoint goes when another version beats it; regular checkpoints
