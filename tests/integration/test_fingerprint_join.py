@@ -24,7 +24,7 @@ from trainer.driver.config.schema import load_config
 from trainer.driver.loop.parts import Job
 from trainer.driver.publication.fingerprint_check import FingerprintCheck
 from trainer.driver.publication.fingerprints import FINGERPRINT_MISMATCH
-from trainer.driver.publication.routes import NoRoute
+from trainer.driver.publication.routes import Route
 from trainer.driver.sources.buffer import TrajectoryBuffer
 from trainer.driver.sources.source import EnvSource
 
@@ -49,7 +49,7 @@ def test_a_joiner_that_skips_its_catch_up_load_is_killed_replaced_and_counted(ra
     j = Job.__new__(Job)  # the parts the worker controls use; the pool and its workers are real
     j.cfg = load_config(None, ["rollout.num_workers=2", "rollout.max_restarts=2"])
     j.console, j.pool = Console(quiet=True), pool
-    j.workers_wanted, j.restarts, j.route = 2, 0, NoRoute()
+    j.workers_wanted, j.restarts, j.route = 2, 0, Route()
     j.fingerprints = FingerprintCheck(j.cfg, j.console, pool, j.route)
     j.buffer = TrajectoryBuffer(capacity=16, max_staleness=1)
     j.source = EnvSource(j.cfg, pool, j.buffer, lambda: 1)

@@ -14,7 +14,7 @@ from protocol import Trajectory
 from trainer.driver.config.schema import load_config
 from trainer.driver.loop.parts import Job
 from trainer.driver.publication.fingerprint_check import FingerprintCheck
-from trainer.driver.publication.routes import NoRoute
+from trainer.driver.publication.routes import Route
 from trainer.driver.sources.buffer import TrajectoryBuffer
 from trainer.driver.sources.source import EnvSource
 
@@ -55,7 +55,7 @@ class Step:
         return self.checks >= self.finish_after
 
 
-class Route(NoRoute):
+class RecordingRoute(Route):
     """Records the consuming version each batch's answer is asked for."""
 
     def __init__(self):
@@ -70,7 +70,7 @@ class Route(NoRoute):
 def job(polls, *overrides, version=3):
     j = Job.__new__(Job)  # only the buffer, pool and route parts are needed
     j.cfg = load_config(None, ["controller.max_staleness=1", "controller.total_steps=10", *overrides])
-    j.pool, j.route, j.version, j.times, j._held_back = Pool(polls), Route(), version, Counter(), []
+    j.pool, j.route, j.version, j.times, j._held_back = Pool(polls), RecordingRoute(), version, Counter(), []
     j.buffer = TrajectoryBuffer(capacity=16, max_staleness=j.cfg.controller.max_staleness)
     j.source = EnvSource(j.cfg, j.pool, j.buffer, lambda: j.version)
     j.batch_size, j.group_size, j.vocab_size, j.taken_ahead = 4, 2, 1000, 0

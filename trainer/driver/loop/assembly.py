@@ -29,7 +29,7 @@ from rich.console import Console
 from modelkit.cores import shared_box_warning
 from trainer.driver.config.schema import JobConfig, write_private
 from trainer.driver.loop.parts import Job
-from trainer.driver.publication.routes import NoRoute, make_route, start_service
+from trainer.driver.publication.routes import Route, make_route, start_service
 from trainer.driver.records.ledger import Ledger
 from trainer.driver.sources.buffer import TrajectoryBuffer
 from trainer.driver.sources.resume import SavedTrajectories, read_trajectories
@@ -219,7 +219,7 @@ def engine_config(cfg: JobConfig, model_path: Path | str) -> EngineConfig:
     )
 
 
-def start_workers(cfg: JobConfig, model_path: Path, route: NoRoute, console: Console) -> WorkerPool:
+def start_workers(cfg: JobConfig, model_path: Path, route: Route, console: Console) -> WorkerPool:
     """The rollout worker pool at ``rollout.num_workers`` workers, each serving the model folder
     (version 0) with the job's rollout threads and CPU priority (:meth:`JobConfig.thread_plan`);
     on ``interrupt_sync`` the workers score their prefixes with the route's service.

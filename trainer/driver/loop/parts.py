@@ -42,7 +42,7 @@ from trainer.driver.config.schema import JobConfig
 from trainer.driver.loop import worker_notes
 from trainer.driver.publication.fingerprint_check import FingerprintCheck
 from trainer.driver.publication.fingerprints import FINGERPRINT_MISMATCH, ExpectedFingerprints, trajectory_mismatch
-from trainer.driver.publication.routes import NoRoute
+from trainer.driver.publication.routes import Route
 from trainer.driver.records.keeper import CheckpointKeeper
 from trainer.driver.records.ledger import Ledger
 from trainer.driver.sources.buffer import TrajectoryBuffer
@@ -150,7 +150,7 @@ class Job:
         model_path: Path,
         vocab_size: int,
         learner: LearnerGroup,
-        route: NoRoute,
+        route: Route,
         pool: WorkerPool,
         buffer: TrajectoryBuffer,
         version: int,

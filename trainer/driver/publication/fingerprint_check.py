@@ -40,7 +40,7 @@ from trainer.driver.publication.fingerprints import (
     trajectory_mismatch,
     unverified_workers,
 )
-from trainer.driver.publication.routes import NoRoute, ScorerWeights
+from trainer.driver.publication.routes import Route, ScorerWeights
 
 if TYPE_CHECKING:
     from trainer.driver.sources.buffer import TrajectoryBuffer
@@ -59,7 +59,7 @@ class FingerprintCheck:
         route: the old-logit route (:mod:`trainer.driver.publication.routes`): the service's calls and handle.
     """
 
-    def __init__(self, cfg: JobConfig, console: Console, pool: WorkerPool, route: NoRoute):
+    def __init__(self, cfg: JobConfig, console: Console, pool: WorkerPool, route: Route):
         self.cfg, self.console, self.pool, self.route = cfg, console, pool, route
         self.mismatches = 0
         """Consumers found serving other weights than the version published to them, restarted."""

@@ -27,7 +27,7 @@ A route holds the old-logit service's Ray handle (None on ``none``) and makes ev
 through :class:`oldlogit_service.calls.ServiceCalls` (``calls``), which waits out a restart of the
 service; it never owns the buffer or the workers - the loop passes what a hook needs. The route
 module also starts the service with its settings (:func:`start_service`) and decides what of a
-publication the service installs (:meth:`NoRoute.scorer_publication`, in the learner's dtype).
+publication the service installs (:meth:`Route.scorer_publication`, in the learner's dtype).
 """
 
 from __future__ import annotations
@@ -49,8 +49,10 @@ ScorerWeights = tuple[WeightManifest, Any]
 """``(manifest, payload ObjectRef)`` of the publication the old-logit service installs (learner dtype)."""
 
 
-class NoRoute:
-    """Route ``none``: no old-logit service; the learner uses its configured proxy for every token."""
+class Route:
+    """An old-logit route: the hooks the loop calls at collect, take, train and publish. This base
+    is route ``none`` itself (every hook does nothing: no old-logit service, the learner uses its
+    configured proxy for every token); the other routes override what they need."""
 
     name = "none"
     scorer_dtype = "float32"
@@ -100,7 +102,7 @@ class NoRoute:
         update_workers()
 
 
-class SnapshotRoute(NoRoute):
+class SnapshotRoute(Route):
     """Route ``snapshot``: the service keeps every version in ``[V - W, V]`` and answers per batch."""
 
     name = "snapshot"
@@ -126,7 +128,7 @@ class SnapshotRoute(NoRoute):
         pending.result()
 
 
-class ScorerRoute(NoRoute):
+class ScorerRoute(Route):
     """Routes ``old_logit_model`` and ``interrupt_sync``: one scorer replica at the newest version.
 
     Finished trajectories are scored on collect, so they must be collected before the scorer moves
@@ -163,7 +165,7 @@ def make_route(
     restart_timeout_s: float = 600.0,
     current_from_learner: bool = False,
     scorer_dtype: str = "float32",
-) -> NoRoute:
+) -> Route:
     """The route object for ``loss.oldlogit_route`` ``name`` around the service handle ``oldlogit``;
     its calls wait at most ``restart_timeout_s`` seconds for a restarting service (:class:`RestartWait`);
     ``current_from_learner``: the learner gives its own version's pi_old, so the snapshot route asks
@@ -174,7 +176,7 @@ def make_route(
         ValueError: an unknown route name, or a route other than ``none`` without a service handle.
     """
     if name == "none":
-        route = NoRoute(oldlogit, restart_timeout_s)
+        route = Route(oldlogit, restart_timeout_s)
     elif oldlogit is None:
         raise ValueError(f"oldlogit_route: {name!r} needs a running old-logit service")
     elif name == "snapshot":
