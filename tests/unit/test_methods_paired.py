@@ -223,3 +223,13 @@ def test_paper_real_stable_is_paper_real_with_the_demos_stabilisers():
     for section, field in [("loss", "eps_high"), ("learner", "lr_schedule"), ("learner", "lr_warmup_steps"),
                            ("learner", "lr_min_ratio"), ("controller", "dynamic_sampling")]:  # fmt: skip
         assert getattr(getattr(cfg, section), field) == getattr(getattr(demo, section), field), field
+
+
+def test_spanning_grid_runs_long_replies_with_the_interruption_route():
+    from trainer.driver.config.schema import load_config
+
+    cells = grid("spanning")
+    assert [(c.method, c.seed) for c in cells][:3] == [("recompute", 0), ("interrupt_sync", 0), ("ppo_ewma", 0)]
+    cfg = load_config(None, cells[1].overrides(Path("/tmp/x")))
+    assert (cfg.loss.method, cfg.loss.oldlogit_route) == ("interrupt_sync", "interrupt_sync")
+    assert (cfg.rollout.sampling.max_tokens, cfg.controller.max_staleness, cfg.controller.total_steps) == (128, 2, 24)
