@@ -55,6 +55,7 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 
 from modelkit.cores import torch_threads
@@ -301,6 +302,7 @@ class LearnerCore:
             applied=float(applied), version=float(self.version), skipped_steps=float(self.skipped_steps),
             nonfinite_weight_steps=float(self.nonfinite_weight_steps), tokens=n_tok, sequences=float(batch.size),
             step_s=step_s, tokens_per_s=n_tok / step_s if step_s > 0 else 0.0, recompute_forward_s=recompute_s,
+            rss_bytes=float(psutil.Process().memory_info().rss),
         )  # fmt: skip
         if self.ewma is not None:
             out.update({f"ewma_{k}": float(v) for k, v in self.ewma.status().items()})

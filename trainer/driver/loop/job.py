@@ -72,6 +72,7 @@ from typing import Any
 from rich.console import Console
 
 from trainer.driver.cluster.environment import defaults_env
+from trainer.driver.cluster.memory import KilledForMemory, killed_for_memory, oom_kill_count, total_memory_bytes
 from trainer.driver.cluster.server import StatusBoard
 from trainer.driver.cluster.session import StopSignal, ray_session, start_status_server
 from trainer.driver.config.schema import JobConfig, one_line, write_resolved
@@ -106,6 +107,7 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
     log = MetricsLog(run_dir, start_trackers(cfg.logging, cfg.model_dump(mode="json")))
     summary: dict[str, Any] = {"state": "failed", "end_reason": "failed: start-up"}
     stop = StopSignal()
+    kills_before = oom_kill_count()  # a rise when a part dies says the kernel killed it for memory
     try:
         with ray_session(cfg), stop.installed():  # after ray.init: Ray installs its own SIGTERM handler
             job = start_job(cfg, console)
@@ -114,7 +116,13 @@ def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
                 samples = SamplesLog(run_dir, cfg.logging.samples_per_step, cfg.logging.max_samples, job.model_path)
                 summary = _loop(job, board, log, samples, t_start, stop)
             except Exception as e:
-                summary = {"state": "failed", "end_reason": f"failed: {failed_part(e)}", "error": one_line(e)}
+                part = failed_part(e)
+                held = job.learner_rss_bytes if part == "learner" else None
+                note = killed_for_memory(part, kills_before, oom_kill_count(), held, total_memory_bytes())
+                reason = f"failed: {part}" + (" (out of memory)" if note else "")
+                summary = {"state": "failed", "end_reason": reason, "error": note or one_line(e)}
+                if note:
+                    raise KilledForMemory(note) from e
                 raise
             finally:
                 board.follow_gateway(None)  # its last figures stay served once it stops
@@ -183,6 +191,7 @@ def _loop(
             job.publish()  # the new version to every consumer
         report = step_report(job, taken.trajectories, learned)  # the row, and the service's status for it
         m = report.metrics
+        job.learner_rss_bytes = (m.model_extra or {}).get("rss_bytes")  # named if the kernel kills it
         log.log(job.version, m)
         samples.write(cfg, taken.trajectories, learned, taken.answer, job.version)  # a few, decoded
         if cfg.controller.checkpoint_every and job.version % cfg.controller.checkpoint_every == 0:

@@ -179,6 +179,8 @@ class Job:
         self.train_steps = self.taken_ahead = 0
         self.first_launch: float | None = None  # perf_counter at the first learner step's launch
         self.tokens_exact = self.tokens_total = 0
+        self.learner_rss_bytes: float | None = None
+        """The learner's resident bytes at its last step (rank 0), for the report of a kill for memory."""
         self.last_publish: dict[str, float] = {}
         self.fingerprints = FingerprintCheck(cfg, console, pool, route)
         """What each consumer serves, checked after each publication; what each version should serve
