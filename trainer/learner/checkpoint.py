@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -90,6 +91,8 @@ def save_checkpoint(
             "version": core.version,
             "skipped_steps": core.skipped_steps,
             "optimizer_steps": core.optimizer_steps,
+            "entropy_coef": core.entropy_coef,
+            "last_entropy": core.last_entropy,
             "ewma": core.ewma.state_dict() if core.ewma is not None else None,
             "settings": core.settings.model_dump(mode="json"),
             "extra": extra or {},
@@ -322,7 +325,8 @@ def load_checkpoint(core: CheckpointedLearner, directory: str | Path, *, tag: st
     """Restore ``core`` from ``directory`` (the newest complete checkpoint unless ``tag``).
 
     Restores weights and optimizer state (DeepSpeed), ``version``, ``skipped_steps``,
-    ``optimizer_steps`` (the learning-rate schedule's position) and the EWMA state, and returns the ``extra`` dict saved with it.
+    ``optimizer_steps`` (the learning-rate schedule's position), the adaptive entropy coefficient
+    and last entropy, and the EWMA state, and returns the ``extra`` dict saved with it.
 
     Raises:
         FileNotFoundError: no complete checkpoint.
@@ -352,6 +356,8 @@ def load_checkpoint(core: CheckpointedLearner, directory: str | Path, *, tag: st
     # version's optimizer steps as applied
     s = core.settings
     core.optimizer_steps = int(state.get("optimizer_steps", core.version * s.ppo_epochs * s.ppo_mini_batches))
+    core.entropy_coef = float(state.get("entropy_coef", s.loss.entropy_coef))  # adaptive entropy control
+    core.last_entropy = float(state.get("last_entropy", math.nan))
     _barrier(core)
     return dict(state["extra"])
 

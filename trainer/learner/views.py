@@ -24,6 +24,8 @@ class CheckpointedLearner(Protocol):
     version: int
     optimizer_steps: int
     skipped_steps: int
+    entropy_coef: float
+    last_entropy: float
     rank: int
     world_size: int
 
