@@ -1,6 +1,6 @@
 """The driver's handle on the rollout workers: create, scale, feed, poll and update them.
 
-Workers are independent Ray actors (:data:`rollout.worker.RolloutWorker`); adding or removing one
+Workers are independent Ray actors (:data:`rollout.worker_actor.RolloutWorker`); adding or removing one
 never stops the others. A removed worker's unfinished training samples are counted as lost by the
 caller; so are those of a worker whose process died, which every call notices and leaves out, and
 those of a worker that hung (:meth:`WorkerPool.kill_hung`), which is killed: both are reported by
@@ -46,7 +46,8 @@ import ray
 
 from protocol import RolloutRequest, Trajectory, WeightManifest, WorkerStatus
 from rollout.engine import EngineConfig
-from rollout.worker import RolloutWorker, request_of
+from rollout.worker import request_of
+from rollout.worker_actor import RolloutWorker
 
 CALL_WAIT_S = 5.0
 """Longest wait, seconds, for a worker's answer to a poll, status or submission when hang detection
@@ -91,7 +92,7 @@ class WorkerPool:
     waits for its answer. ``clock``: monotonic seconds (a test may pass its own). ``oldlogit``: the
     old-logit service handle workers score their prefixes with on ``interrupt_sync``, each call
     waiting at most ``oldlogit_restart_timeout_s`` for a restarting service. ``worker_options``:
-    further keyword arguments of every worker's constructor (:class:`rollout.worker.RolloutWorkerActor`:
+    further keyword arguments of every worker's constructor (:class:`rollout.worker_actor.RolloutWorkerActor`:
     ``torch_threads``, ``yield_cpu``).
     """
 
