@@ -519,18 +519,18 @@ def test_adaptive_entropy_control_moves_the_coefficient_per_version_and_resumes_
     s = settings(tiny_model_path, loss=loss)
     core = LearnerCore(s)
     m = core.train_step(make_trajs(seed=0))
-    assert m["entropy_coef"] == 0.0 and core.entropy_coef == pytest.approx(0.01)
-    assert core.last_entropy == m["entropy"]
+    assert m["entropy_coef"] == 0.0 and core.entropy_control.coef == pytest.approx(0.01)
+    assert core.entropy_control.last_entropy == m["entropy"]
     core.save_checkpoint(str(tmp_path))
     resumed = LearnerCore(s.model_copy(update={"master_port": free_port()}))
     resumed.load_checkpoint(str(tmp_path))
-    assert (resumed.entropy_coef, resumed.last_entropy) == (core.entropy_coef, core.last_entropy)
+    assert resumed.entropy_control.state_dict() == core.entropy_control.state_dict()
     for learner in (core, resumed):
         m = learner.train_step(make_trajs(seed=1, version=1))
-        assert m["entropy_coef"] == pytest.approx(0.01) and learner.entropy_coef == pytest.approx(0.02)
+        assert m["entropy_coef"] == pytest.approx(0.01) and learner.entropy_control.coef == pytest.approx(0.02)
     fixed = LearnerCore(settings(tiny_model_path, loss=loss_config("grpo", entropy_coef=0.003)))
     m = fixed.train_step(make_trajs(seed=0))
-    assert m["entropy_coef"] == 0.003 and fixed.entropy_coef == 0.003
+    assert m["entropy_coef"] == 0.003 and fixed.entropy_control.coef == 0.003
 
 
 def test_mini_batches_take_the_rows_in_the_seeded_order_of_each_epoch(tiny_model_path, make_trajs):

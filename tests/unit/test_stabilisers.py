@@ -8,8 +8,9 @@ import torch
 
 from modelkit.scoring import sequence_logprobs_and_entropy
 from trainer.algorithm.batch import shuffled_rows
+from trainer.algorithm.entropy_control import adaptive_entropy_coef
 from trainer.algorithm.loss_config import loss_config
-from trainer.algorithm.losses import K3_MAX, adaptive_entropy_coef, compute_policy_loss, kl_penalty, regularisers
+from trainer.algorithm.losses import K3_MAX, compute_policy_loss, kl_penalty, regularisers
 from trainer.learner.schedule import lr_multiplier
 
 

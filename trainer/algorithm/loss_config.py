@@ -80,7 +80,7 @@ class LossConfig(BaseModel):
     """Adaptive entropy control (nats; 0 turns it off): after every version the entropy coefficient
     moves by ``entropy_coef_delta``, up when the step's mean entropy was below this target and down
     otherwise, within ``[0, entropy_coef_max]``, and the bonus applies only to a step whose previous
-    step's entropy was below the target (:func:`trainer.algorithm.losses.adaptive_entropy_coef`;
+    step's entropy was below the target (:mod:`trainer.algorithm.entropy_control`;
     the rule of Skywork-OR1, He et al. 2025). The coefficient in use is ``entropy_coef`` in the
     step's metrics."""
     entropy_coef_delta: float = Field(0.002, gt=0.0)

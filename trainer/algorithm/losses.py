@@ -32,8 +32,6 @@ length helpers in :mod:`trainer.algorithm.advantages`, the named methods in :mod
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -412,19 +410,6 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor, estima
     if estimator == "k2":
         return 0.5 * x.square()
     return (torch.expm1(-x) + x).clamp(max=K3_MAX)
-
-
-def adaptive_entropy_coef(coef: float, entropy: float, target: float, delta: float, max_coef: float) -> float:
-    """The next version's entropy coefficient under adaptive entropy control: ``coef + delta`` when
-    the step's mean entropy ``entropy`` (nats) was below ``target``, else ``coef - delta``, clipped
-    to ``[0, max_coef]``; unchanged when ``entropy`` is not finite (a step without loss tokens).
-    The rule of Skywork-OR1 (He et al. 2025, "Skywork Open Reasoner 1 Technical Report", adaptive
-    entropy control). Example: coef 0.004, delta 0.002, max 0.05: entropy 0.3 below target 0.5 ->
-    0.006; entropy 0.7 -> 0.002; coef 0.001, entropy 0.7 -> 0 (not -0.001)."""
-    if not math.isfinite(entropy):
-        return coef
-    step = delta if entropy < target else -delta
-    return min(max(coef + step, 0.0), max_coef)
 
 
 def regularisers(

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import math
 import os
 import re
 import shutil
@@ -91,8 +90,7 @@ def save_checkpoint(
             "version": core.version,
             "skipped_steps": core.skipped_steps,
             "optimizer_steps": core.optimizer_steps,
-            "entropy_coef": core.entropy_coef,
-            "last_entropy": core.last_entropy,
+            "entropy_control": core.entropy_control.state_dict(),
             "ewma": core.ewma.state_dict() if core.ewma is not None else None,
             "settings": core.settings.model_dump(mode="json"),
             "extra": extra or {},
@@ -356,8 +354,7 @@ def load_checkpoint(core: CheckpointedLearner, directory: str | Path, *, tag: st
     # version's optimizer steps as applied
     s = core.settings
     core.optimizer_steps = int(state.get("optimizer_steps", core.version * s.ppo_epochs * s.ppo_mini_batches))
-    core.entropy_coef = float(state.get("entropy_coef", s.loss.entropy_coef))  # adaptive entropy control
-    core.last_entropy = float(state.get("last_entropy", math.nan))
+    core.entropy_control.load_state_dict(state.get("entropy_control"))
     _barrier(core)
     return dict(state["extra"])
 

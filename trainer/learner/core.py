@@ -68,9 +68,9 @@ from modelkit.scoring import (
 from modelkit.weights import Transport
 from protocol import OldLogitAnswer, Trajectory, WeightManifest
 from trainer.algorithm.batch import Batch, collate, first_loss_position, shuffled_rows
+from trainer.algorithm.entropy_control import EntropyControl
 from trainer.algorithm.ewma import EwmaProximal
-from trainer.algorithm.loss_config import LossConfig
-from trainer.algorithm.losses import adaptive_entropy_coef, compute_policy_loss, discrepancy_ratio, icepop_mask
+from trainer.algorithm.losses import compute_policy_loss, discrepancy_ratio, icepop_mask
 from trainer.algorithm.proximal import RECOMPUTE_PROXIES, proximal_reference
 from trainer.learner import checkpoint, publication
 from trainer.learner.guard import StepGuard
@@ -154,11 +154,8 @@ class LearnerCore:
         self.nonfinite_weight_steps = 0
         self.optimizer_steps = 0
         """Applied optimizer steps since version 0: the learning-rate schedule's step count."""
-        self.entropy_coef = settings.loss.entropy_coef
-        """The entropy coefficient the next version's steps use; moved after every applied version
-        under adaptive entropy control (``loss.entropy_target``), fixed otherwise."""
-        self.last_entropy = math.nan
-        """The mean policy entropy (nats) of the last applied version's steps."""
+        self.entropy_control = EntropyControl(settings.loss)
+        """The entropy coefficient of the next version (adaptive under ``loss.entropy_target``)."""
         self.last_publish: dict[str, float] = {}
         self.last_optimizer_steps: list[dict[str, float]] = []
         """Per optimizer step metrics of the last :meth:`train_batch` (before :func:`combine_step_metrics`)."""
@@ -310,34 +307,13 @@ class LearnerCore:
             step_s=step_s, tokens_per_s=n_tok / step_s if step_s > 0 else 0.0, recompute_forward_s=recompute_s,
             rss_bytes=float(psutil.Process().memory_info().rss),
         )  # fmt: skip
-        out["entropy_coef"] = self._loss_config().entropy_coef
+        out["entropy_coef"] = self.entropy_control.loss_config().entropy_coef
         if applied:
-            self._adapt_entropy_coef(out["entropy"])
+            self.entropy_control.after_version(out["entropy"])
         if self.ewma is not None:
             out.update({f"ewma_{k}": float(v) for k, v in self.ewma.status().items()})
         out.update({k: float(v) for k, v in batch.stats.items() if k not in out})
         return out
-
-    def _loss_config(self) -> LossConfig:
-        """``loss`` as this version's steps use it: under adaptive entropy control
-        (``loss.entropy_target > 0``) with the current coefficient, applied only when the last
-        version's entropy was below the target; otherwise the settings' own."""
-        cfg = self.settings.loss
-        if cfg.entropy_target <= 0:
-            return cfg
-        coef = self.entropy_coef if self.last_entropy < cfg.entropy_target else 0.0
-        return cfg.model_copy(update={"entropy_coef": coef})
-
-    def _adapt_entropy_coef(self, entropy: float) -> None:
-        """After an applied version: record its mean entropy and, under adaptive entropy control,
-        move the coefficient (:func:`trainer.algorithm.losses.adaptive_entropy_coef`)."""
-        cfg = self.settings.loss
-        if cfg.entropy_target > 0:
-            self.entropy_coef = adaptive_entropy_coef(
-                self.entropy_coef, entropy, cfg.entropy_target, cfg.entropy_coef_delta, cfg.entropy_coef_max
-            )
-        if math.isfinite(entropy):
-            self.last_entropy = entropy
 
     def _epoch_order(self, batch: Batch, epoch: int) -> Batch:
         """``batch`` in the row order of pass ``epoch``: a permutation drawn from (seed, consuming
@@ -466,7 +442,7 @@ class LearnerCore:
         """Forward, loss and backward of one micro-batch, accumulating its metrics into ``acc``,
         ``sums`` and ``timing``; ``counts`` are the mini-batch's global token and sequence counts.
         Returns 1 when the EWMA forward ran (a sampled token lacked exact old logits, or ``probe``)."""
-        cfg, mask = self._loss_config(), mb.loss_mask
+        cfg, mask = self.entropy_control.loss_config(), mb.loss_mask
         exact_mask = mb.exact_mask | mb.current_mask  # the consuming version's own tokens are exact here
         ta = time.perf_counter()
         ewma_lp = None

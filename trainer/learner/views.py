@@ -10,6 +10,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from trainer.algorithm.entropy_control import EntropyControl
     from trainer.algorithm.ewma import EwmaProximal
     from trainer.learner.settings import LearnerSettings
 
@@ -24,8 +25,7 @@ class CheckpointedLearner(Protocol):
     version: int
     optimizer_steps: int
     skipped_steps: int
-    entropy_coef: float
-    last_entropy: float
+    entropy_control: EntropyControl
     rank: int
     world_size: int
 
