@@ -39,7 +39,7 @@ ifeq ($(ENGINE),cpu)
 	$(PY) -m trainer.learner.ds_ops
 endif
 	# the loopback-only bind interposer of private Ray clusters, built once per venv
-	$(PY) -c "from trainer.driver.netguard import library_path; print('loopback bind interposer', library_path())"
+	$(PY) -c "from trainer.driver.cluster.netguard import library_path; print('loopback bind interposer', library_path())"
 	touch $(STAMP)
 
 model: install
@@ -108,7 +108,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 # the documentation site (MkDocs, from docs/ and mkdocs.yml) into site/; a broken link or anchor fails it.
-# docs/configuration.md is generated: .venv/bin/python -m trainer.driver.config_reference > docs/configuration.md
+# docs/configuration.md is generated: .venv/bin/python -m trainer.driver.config.reference > docs/configuration.md
 docs: install
 	$(PY) -m mkdocs build --strict --site-dir site
 

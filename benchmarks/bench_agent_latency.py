@@ -6,7 +6,7 @@ The agent is :mod:`rollout.agents.calculator` (``[agent] path``): a real multi-t
 ``openai`` client against the job's gateway, ``--tool-calls`` rounds (default 2) of one model call and
 at least one calculator call each, then one call for the answer. Each calculator call waits
 ``--tool-latency`` seconds in ``asyncio.sleep`` (no CPU: a remote tool, a user simulator, an
-environment). For every latency the same job (``trainer.driver.job.run_job``: rollout worker, gateway,
+environment). For every latency the same job (``trainer.driver.loop.job.run_job``: rollout worker, gateway,
 DeepSpeed learner, snapshot old-logit service, equal ``--steps``) runs twice, differing only in
 ``controller.max_staleness``: 0, vintage's synchronous mode (a batch of episodes, then one learner step on
 it, then the next batch), and ``--max-staleness`` (default 2), where the episodes of the next batches wait
@@ -132,8 +132,8 @@ def write_tasks(path: Path, latency_s: float, tool_calls: int, max_tokens: int, 
 
 def one_run(a: argparse.Namespace, latency_s: float, staleness: int) -> dict[str, Any]:
     """One job on the calculator agent at ``latency_s`` and ``staleness``; its row (see :func:`run_row`)."""
-    from trainer.driver.config import load_config
-    from trainer.driver.job import run_job
+    from trainer.driver.config.schema import load_config
+    from trainer.driver.loop.job import run_job
 
     run_dir = Path(tempfile.mkdtemp(prefix=f"vintage-latency-{latency_s}-{staleness}-"))
     write_tasks(run_dir / "tasks.jsonl", latency_s, a.tool_calls, a.max_tokens)
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error(f"--tool-latency: {min(a.tool_latency)} s is negative")
 
     from benchmarks.machine import machine_facts
-    from trainer.driver.netguard import reexec_with_loopback
+    from trainer.driver.cluster.netguard import reexec_with_loopback
 
     reexec_with_loopback()  # the private cluster, this driver included, listens on loopback only
     t0, load_before = time.perf_counter(), os.getloadavg()[0]

@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_async [--model smollm2|tiny] [--steps 6]
 
-Both runs use the real pipeline (``trainer.driver.job.run_job``: vLLM rollout worker, DeepSpeed learner,
+Both runs use the real pipeline (``trainer.driver.loop.job.run_job``: vLLM rollout worker, DeepSpeed learner,
 snapshot old-logit service) with identical batches, model and sampling; only
 ``controller.max_staleness`` differs: 0 is the synchronous baseline (generate a batch, train on it,
 publish, repeat), 2 lets the worker generate the next batches while the learner trains. With
@@ -35,11 +35,11 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench/async.json")
     a = ap.parse_args()
 
-    from trainer.driver.netguard import reexec_with_loopback
+    from trainer.driver.cluster.netguard import reexec_with_loopback
 
     reexec_with_loopback()  # the private cluster, this driver included, listens on loopback only
-    from trainer.driver.config import load_config
-    from trainer.driver.job import run_job
+    from trainer.driver.config.schema import load_config
+    from trainer.driver.loop.job import run_job
 
     rows = []
     for staleness in (0, 2):

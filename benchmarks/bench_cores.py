@@ -3,7 +3,7 @@ one thread each vs the thread plan of :mod:`modelkit.cores`, side by side in one
 
     python -m benchmarks.bench_cores [--model tiny|smollm2] [--steps 8] [--out runs/bench/cores.json]
 
-Every run is the real pipeline (:func:`trainer.driver.job.run_job` on ``deploy/configs/demo.toml``:
+Every run is the real pipeline (:func:`trainer.driver.loop.job.run_job` on ``deploy/configs/demo.toml``:
 vLLM rollout worker, DeepSpeed learner, snapshot old-logit service, the same batches and sampling):
 
 - ``alone``: ``controller.max_staleness = 0``. The synchronous loop generates and scores a batch,
@@ -101,9 +101,9 @@ def compare(alone: dict[str, Any], loop: dict[str, Any]) -> dict[str, Any]:
 
 def run_one(model: str, steps: int, staleness: int, overrides: list[str]) -> dict[str, Any]:
     """One job (see the module docstring) with ``controller.max_staleness = staleness``; its row."""
-    from trainer.driver.config import load_config
-    from trainer.driver.job import run_job
-    from trainer.driver.metrics_log import read_metrics
+    from trainer.driver.config.schema import load_config
+    from trainer.driver.loop.job import run_job
+    from trainer.driver.records.metrics_log import read_metrics
 
     run_dir = tempfile.mkdtemp(prefix=f"vintage-cores-{staleness}-")
     cfg = load_config(
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from benchmarks.machine import machine_facts
     from modelkit.cores import available_cores
-    from trainer.driver.netguard import reexec_with_loopback
+    from trainer.driver.cluster.netguard import reexec_with_loopback
 
     reexec_with_loopback()  # the private cluster, this driver included, listens on loopback only
     t0, cores = time.perf_counter(), available_cores()

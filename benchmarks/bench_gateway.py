@@ -129,12 +129,12 @@ def latency(core: RolloutWorkerCore, gw: Gateway, url: str, chat, calls: int) ->
 
 
 class RayWorker:
-    """A :data:`rollout.worker.RolloutWorker` actor behind the core's ``submit/poll/version/close``, as in a job."""
+    """A :data:`rollout.worker_actor.RolloutWorker` actor behind the core's ``submit/poll/version/close``, as in a job."""
 
     def __init__(self, cfg: EngineConfig):
         import ray
 
-        from rollout.worker import RolloutWorker
+        from rollout.worker_actor import RolloutWorker
 
         if not ray.is_initialized():
             ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)

@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from trainer.driver.environment import defaults_env
+    from trainer.driver.cluster.environment import defaults_env
 
     defaults_env()  # the job's defaults, before Ray starts: one thread per process, Ray's memory monitor off
     from benchmarks.bench_gateway import RayWorker

@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ap.error(f"--{name} must be >= 1")
 
     t0, load0 = time.perf_counter(), list(os.getloadavg())
-    from trainer.driver.environment import defaults_env
+    from trainer.driver.cluster.environment import defaults_env
 
     defaults_env()  # offline hubs, DeepSpeed's accelerator and its one JIT build per virtual environment
     import torch

@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default="runs/bench/publish.json")
     a = ap.parse_args(argv)
     from modelkit.modelhub import make_tiny_model, prepare_smollm2
-    from trainer.driver.environment import ENV_VARS, defaults_env
+    from trainer.driver.cluster.environment import ENV_VARS, defaults_env
 
     defaults_env()
     real = prepare_smollm2(log=lambda *x, **k: None)

@@ -65,7 +65,7 @@ from benchmarks.soak_logic import (
     worst_growth,
 )
 from deploy.local_cluster import LocalRayHead, LocalRayNode
-from trainer.driver import owned
+from trainer.driver.cluster import owned
 
 REPO = Path(__file__).resolve().parents[1]
 HEAD_RESOURCES = {"learner_node": 1, "rollout_node": 1}
@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         for ph in phases:
             res = run_phase(ph, [k for k in plan if k.phase == ph.name], per_phase, a, time.monotonic)
-            from trainer.driver.ledger import read_ledger
+            from trainer.driver.records.ledger import read_ledger
 
             summary = read_json(ph.run_dir / "summary.json")
             res["summary"] = {k: summary.get(k) for k in ("end_reason", "steps", "run_segment", "generated", "consumed",

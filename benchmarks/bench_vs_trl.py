@@ -106,7 +106,7 @@ def run_vintage(config: Path, overrides: list[str], budget_s: float, work: Path,
     Raises:
         RuntimeError: the run failed (exit code other than 0; the message names its log file).
     """
-    from trainer.driver.metrics_log import read_metrics
+    from trainer.driver.records.metrics_log import read_metrics
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -201,9 +201,9 @@ def main(
             raise ModuleNotFoundError(
                 f"{mod} is not installed: `make bench-trl` installs the optional group (pip install -e '.[trl]')"
             )
-    from trainer.driver.config import load_config
-    from trainer.driver.environment import defaults_env
-    from trainer.driver.job import resolve_model
+    from trainer.driver.cluster.environment import defaults_env
+    from trainer.driver.config.schema import load_config
+    from trainer.driver.loop.assembly import resolve_model
 
     defaults_env()
     budget_s = float(budget_s if budget_s is not None else (QUICK_BUDGET_S if quick else 600.0))

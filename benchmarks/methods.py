@@ -1,7 +1,7 @@
 """Methods x staleness x discrepancy, side by side, on the real pipeline: the grid's runner.
 
 The axes, cells and grids are described in :mod:`benchmarks.methods_grid`; the tables and plots are
-made by :mod:`benchmarks.methods_report`. Every cell is one real job (``trainer.driver.job.run_job``:
+made by :mod:`benchmarks.methods_report`. Every cell is one real job (``trainer.driver.loop.job.run_job``:
 vLLM rollout worker, DeepSpeed learner, the old-logit service, the EWMA, the async controller); one
 Ray session serves the whole grid, and a cell already finished in ``out_dir`` is loaded, not run again.
 
@@ -148,9 +148,9 @@ def is_complete(rec: dict[str, Any], cell: Cell) -> bool:
 def run_cell(cell: Cell, out_dir: Path, console: Console) -> dict[str, Any]:
     """Run one cell (or load it when ``cells/<name>.json`` says it finished all its steps; a run
     interrupted before its last step runs again) and return its record."""
-    from trainer.driver.config import load_config
-    from trainer.driver.job import run_job
-    from trainer.driver.metrics_log import read_metrics
+    from trainer.driver.config.schema import load_config
+    from trainer.driver.loop.job import run_job
+    from trainer.driver.records.metrics_log import read_metrics
 
     path = out_dir / "cells" / f"{cell.name}.json"
     if path.is_file():
@@ -192,9 +192,9 @@ def run_grid(cells: list[Cell], out_dir: Path, console: Console, grid_name: str)
     The outputs cover every finished cell in ``out_dir`` (this grid's and earlier ones'), so grids
     run into one folder (``reduced``, then ``seeds``) make one table with the seeds pooled per row.
     """
-    from trainer.driver.config import load_config
-    from trainer.driver.environment import defaults_env
-    from trainer.driver.job import ray_session
+    from trainer.driver.cluster.environment import defaults_env
+    from trainer.driver.cluster.session import ray_session
+    from trainer.driver.config.schema import load_config
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@
 The grid itself runs in :mod:`benchmarks.methods`; its tables and plots are made by
 :mod:`benchmarks.methods_report`. What follows describes the whole benchmark.
 
-Every cell is one real job (``trainer.driver.job.run_job``: vLLM rollout worker, DeepSpeed learner, the
+Every cell is one real job (``trainer.driver.loop.job.run_job``: vLLM rollout worker, DeepSpeed learner, the
 old-logit service, the EWMA, the async controller) on the tiny random model and the procedural
 ``rollout.envs.toy:AlphabetEnv`` task (reward = fraction of reply characters in ``a``-``m``; the
 random model starts at ~0.42, the optimum is 1.0). One Ray session serves the whole grid.
@@ -55,6 +55,10 @@ Grids:
 * ``paper_real_stable``: ``paper_real``'s decoupled PPO (recompute) and IcePop cells, seeds 0-2, with
   the demo's stabilisers (:data:`STABILISERS`; rows tagged ``mb2-stable``): how many still collapse.
   Run it into ``paper_real``'s folder to read the rows side by side.
+* ``spanning``: rollouts that span versions: the tiny model's task with 128-token replies
+  (:data:`SPANNING`), decoupled PPO, ``interrupt_sync`` and PPO-EWMA at W = 2, seeds 0-2,
+  :data:`SPANNING_STEPS` versions (rows tagged ``long128``); the table's "sequences spanning versions"
+  column says how many trained sequences carry tokens of two or more versions.
 * ``paper_agent``: the same comparison on a multi-turn task through the gateway, the retail agent
   on SmolLM2 (:data:`AGENT`: 2 mini-batches, W = 2, 3 seeds, :data:`PAPER_AGENT_STEPS` steps).
 * ``verdict``: ``paper_real``'s regime made decisive by pairing and more seeds: SmolLM2 on the
@@ -93,6 +97,7 @@ by seed, with paired t intervals, and evaluation noise beside run-to-run spread)
     python -m benchmarks.methods --grid confirm --out results/methods/confirm
     python -m benchmarks.methods --grid verdict --out results/methods/verdict
     python -m benchmarks.methods --grid paper_real_stable --out results/methods/paper_real
+    python -m benchmarks.methods --grid spanning --out results/methods/spanning
     python -m benchmarks.methods_report results/methods/paper_real   # tables from cells/, no run
 """
 
@@ -115,6 +120,9 @@ METHODS: dict[str, str] = {
     "ppo": "ppo",
 }
 """Label in the tables -> ``loss.method`` preset (``trainer.algorithm.loss_config.METHODS``)."""
+
+ROUTE_METHODS: dict[str, str] = {"interrupt_sync": "interrupt_sync"}
+"""Methods run only by the grids that name them (the interruption route needs partial rollouts)."""
 
 PROBES: dict[str, str] = {
     "probe_recompute": "recompute",
@@ -187,7 +195,7 @@ class Cell:
         if self.method in PROBES:
             loss = ['loss.method="snapshot"', f'loss.proxy="{PROBES[self.method]}"']
         else:
-            loss = [f'loss.method="{METHODS[self.method]}"']
+            loss = [f'loss.method="{({**METHODS, **ROUTE_METHODS})[self.method]}"']
         return (
             BASE
             + DISCREPANCY[self.disc]
@@ -290,6 +298,18 @@ over ``paper_real``'s 3 seeds; the mean of 4 evaluations (the curve score) has a
 VERDICT_SEEDS = (0, 1, 2, 3, 4)
 """Seeds of the ``verdict`` grid."""
 
+SPANNING: tuple[str, ...] = ("rollout.sampling.max_tokens=128", "learner.micro_batch_size=8")
+"""Long replies on the tiny model's task: 128 tokens per reply, so a batch's generation outlasts a
+learner step, the worker is still sampling when a version is published, and the requests it is
+running carry on under the new version (partial rollouts whose sequences span versions)."""
+
+SPANNING_METHODS = ("recompute", "interrupt_sync", "ppo_ewma")
+"""Methods of the ``spanning`` grid: decoupled PPO, the exact interruption route (every prefix scored
+at its outgoing version) and PPO-EWMA."""
+
+SPANNING_STEPS = 24
+"""Versions per ``spanning`` run."""
+
 CONFIRM_STEPS = 12
 """Steps per confirmation run: the demo's batch reward rises from ~0.4 to ~0.7 within ~12 steps."""
 
@@ -369,6 +389,10 @@ def grid(kind: str) -> list[Cell]:
             for s in VERDICT_SEEDS
             for m in VERDICT_METHODS
         ]
+    if kind == "spanning":
+        return [
+            Cell(m, 2, "bf16", s, SPANNING_STEPS, SPANNING, tag="long128") for s in (0, 1, 2) for m in SPANNING_METHODS
+        ]
     if kind == "eps":
         wide = ("loss.eps_low=0.5", "loss.eps_high=1.0")
         return [Cell(m, 4, "bf16", 0, REDUCED_STEPS, wide, tag="eps0.5-1.0") for m in ("snapshot", "ppo_ewma")]
@@ -377,7 +401,7 @@ def grid(kind: str) -> list[Cell]:
 
 GRIDS = (
     "quick", "reduced", "seeds", "lr", "eps", "full", "confirm", "paper", "paper_lr", "paper_real",
-    "paper_real_stable", "paper_agent", "verdict",
+    "paper_real_stable", "paper_agent", "verdict", "spanning",
 )  # fmt: skip
 REDUCED_STEPS = 32
 

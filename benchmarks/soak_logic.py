@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from trainer.driver.ledger import fates, lineage
+from trainer.driver.records.ledger import fates, lineage
 
 ENV_KINDS = ("rollout_worker", "oldlogit", "learner", "node")
 """Parts killed while the env loop trains."""
@@ -120,7 +120,7 @@ def manifest_fingerprints(events: Sequence[Mapping[str, Any]], v0: str | None) -
 def verify_consumed(
     kept: Sequence[Mapping[str, Any]], got: Mapping[str, list[str]], v0_fingerprint: str | None
 ) -> tuple[Counter, list[list[Any]]]:
-    """Each consumed id of ``got`` (:func:`trainer.driver.ledger.fates` of the lineage ``kept``)
+    """Each consumed id of ``got`` (:func:`trainer.driver.records.ledger.fates` of the lineage ``kept``)
     judged ``verified`` (its stamped served fingerprint is its version's learner fingerprint),
     ``mismatch``, ``unknown_version`` or ``no_fingerprint``; and the mismatches, ``[id, version,
     served, expected]``."""
@@ -152,10 +152,10 @@ def verify_consumed(
 def ledger_check(
     events: Sequence[Mapping[str, Any]], v0_fingerprint: str | None, summary: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
-    """Whether a run's ledger (:func:`trainer.driver.ledger.read_ledger`, every segment) closes.
+    """Whether a run's ledger (:func:`trainer.driver.records.ledger.read_ledger`, every segment) closes.
 
-    Over :func:`trainer.driver.ledger.lineage` (the events the final weights descend from), every
-    id that arrived must have exactly one fate (:func:`trainer.driver.ledger.fates`: consumed,
+    Over :func:`trainer.driver.records.ledger.lineage` (the events the final weights descend from), every
+    id that arrived must have exactly one fate (:func:`trainer.driver.records.ledger.fates`: consumed,
     dropped with a reason, or buffered at the last checkpoint). Every consumed id must carry a
     verified version: the ``served_fingerprint`` stamped on its ``buffered`` event equals the
     learner's fingerprint of its ``policy_version`` (``published`` events; version 0 is

@@ -46,7 +46,7 @@ def _trl_schedule(cfg) -> dict[str, Any]:
 
 def trl_config_kwargs(cfg, output_dir: str, *, cpu: bool = True, max_steps: int = 10**6) -> dict[str, Any]:
     """``trl.GRPOConfig`` keyword arguments that reproduce the vintage job config ``cfg`` (a
-    :class:`trainer.driver.config.JobConfig`).
+    :class:`trainer.driver.config.schema.JobConfig`).
 
     Per optimizer step both train ``controller.batch_groups`` prompts x ``sampling.n`` completions,
     in forward/backward chunks of ``learner.micro_batch_size`` (TRL: per-device batch = micro batch,
@@ -133,8 +133,8 @@ def trl_child(spec_path: Path) -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from trainer.driver.config import load_config
-    from trainer.driver.environment import defaults_env
+    from trainer.driver.cluster.environment import defaults_env
+    from trainer.driver.config.schema import load_config
 
     spec = json.loads(Path(spec_path).read_text())
     defaults_env()

@@ -3,7 +3,7 @@
 Only the cluster this module started is ever stopped: its own temp dir and ports, stopped by the
 process group of the ``ray start --block`` it launched and the descendants of its members (never
 ``ray stop``, never kill by name). The process that starts a head or a node stops it when it ends,
-also by SIGTERM, SIGINT or SIGHUP (:mod:`trainer.driver.owned`), unless it hands the head over
+also by SIGTERM, SIGINT or SIGHUP (:mod:`trainer.driver.cluster.owned`), unless it hands the head over
 (:meth:`LocalRayHead.release`, as the ``start`` command does).
 Ray >= 2.59 turns token authentication on for local clusters; the head is started with
 ``RAY_AUTH_MODE=token`` and a generated ``RAY_AUTH_TOKEN``, and clients get the same two variables
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import httpx
 
-from trainer.driver import owned
-from trainer.driver.owned import stop_group
+from trainer.driver.cluster import owned
+from trainer.driver.cluster.owned import stop_group
 
 
 def free_port() -> int:
@@ -56,11 +56,11 @@ def free_ports(n: int) -> list[int]:
 
 def outside_private_cluster(environ: Mapping[str, str]) -> dict[str, str]:
     """``environ`` without what a private loopback cluster gives its processes (the loopback bind
-    interposer in ``LD_PRELOAD`` and ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``, :mod:`trainer.driver.netguard`):
+    interposer in ``LD_PRELOAD`` and ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``, :mod:`trainer.driver.cluster.netguard`):
     a cluster started here from such a process (a test session, a job) is a cluster of its own, whose
     ``ray start --address`` would otherwise refuse a second node and resolve 127.0.0.1 to an address
     the head does not listen on. Its token is set by the caller."""
-    from trainer.driver.netguard import MARK
+    from trainer.driver.cluster.netguard import MARK
 
     env = dict(environ)
     lib = env.pop(MARK, None)
@@ -205,7 +205,7 @@ class LocalRayHead:
 
     @property
     def owner_key(self) -> tuple[str, int]:
-        """This head's key in :mod:`trainer.driver.owned` (its process group)."""
+        """This head's key in :mod:`trainer.driver.cluster.owned` (its process group)."""
         return ("ray_head", self.pid)
 
     def release(self) -> None:
@@ -234,7 +234,7 @@ class LocalRayNode:
 
     @property
     def owner_key(self) -> tuple[str, int]:
-        """This node's key in :mod:`trainer.driver.owned` (its process group)."""
+        """This node's key in :mod:`trainer.driver.cluster.owned` (its process group)."""
         return ("ray_node", self.pid)
 
     def stop(self, timeout_s: float = 30.0, sig: int = signal.SIGTERM) -> None:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -34,6 +36,20 @@ DEFAULT_CHUNK_BYTES = 64 * 2**20
 """Bytes of one chunk's fp32 logits ``[batch, chunk, vocab]`` on the chunked path (64 MiB: 42
 positions of a micro-batch of 8 over SmolLM2's 49,152 tokens). The chunk's working set is about
 three times that (logits, log-softmax, and with entropy the probabilities)."""
+
+
+@contextmanager
+def scoring_mode(model: Any) -> Iterator[Any]:
+    """Context for a forward that only scores: ``model`` in eval mode (no dropout) under
+    ``torch.no_grad()``; its train/eval mode is restored on exit, also when the forward raises.
+    Yields ``model``."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        model.train(was_training)
 
 
 def sequence_logprobs(

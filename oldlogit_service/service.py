@@ -62,7 +62,7 @@ from modelkit.scoring import sequence_logprobs
 from modelkit.weights import PackedWeights, torch_dtype, unpack_weights
 from oldlogit_service.items import as_item, merge_old_logprobs, nan_extended
 from oldlogit_service.scoring import BoundModel, count_statuses, score_by_version, validate_items
-from oldlogit_service.store import VersionStore, dedup, unique_bytes
+from oldlogit_service.store import Holding, VersionStore, dedup, unique_bytes
 from protocol import (
     OLDLOGIT_ROUTES,
     AdapterSpec,
@@ -126,11 +126,13 @@ class OldLogitService:
         if initial_version is not None and initial_version < 0:
             raise ValueError(f"initial_version: must be >= 0 or None, got {initial_version}")
         self.route: str = route
+        self.holding = Holding.of(route, max_staleness)
+        """How this route holds versions (:class:`oldlogit_service.store.Holding`)."""
         self.max_staleness = max_staleness
         self.memory_budget_bytes = memory_budget_bytes
         self.device = torch.device(device)
         self.dtype = torch_dtype(dtype)
-        self._store_device = torch.device("cpu") if route == "snapshot" else self.device
+        self._store_device = torch.device("cpu") if self.holding.on_host else self.device
         self.adapter = None if adapter is None else AdapterSpec.from_wire(adapter, "adapter")
         """The adapter spec when versions are LoRA adapters over one kept base, else None."""
         self._base: dict[str, Tensor] = {}  # adapter mode: the base weights, in the wrapped model's names
@@ -155,7 +157,7 @@ class OldLogitService:
         self.model: torch.nn.Module | None = None
         self._shapes: dict[str, tuple[int, ...]] = {}
         self.vocab_size = 0
-        if route == "none":
+        if not self.holding.weights:
             return
         if model_path is None:
             raise ValueError(f"model_path: required for route {route!r}")
@@ -273,7 +275,7 @@ class OldLogitService:
         try:
             if self._already_published(manifest):
                 return v
-            if self.route == "none":
+            if not self.holding.weights:
                 self.latest_version = v
                 return v
             full = unpack_weights(manifest, payload, verify=verify)
@@ -281,8 +283,7 @@ class OldLogitService:
             self.store.replace(v)  # the folder's copy of this version gives way to the published one
             self.latest_version = v
             new_bytes = sum(math.prod(spec.shape) for spec in manifest.tensors) * self.dtype.itemsize
-            window = self.max_staleness if self.route == "snapshot" else None
-            if not self.store.make_room(v, new_bytes, window, self.memory_budget_bytes):
+            if not self.store.make_room(v, new_bytes, self.holding.window, self.memory_budget_bytes):
                 return v
             own = self._owned_copy(manifest, payload, full)
             self.store.put(v, self._peft_named(own) if self.adapter is not None else own)
@@ -299,7 +300,7 @@ class OldLogitService:
             protocol.ProtocolError: full weights where this service holds adapters, or the reverse.
             ValueError: an older version than the newest published, or the newest with another checksum.
         """
-        if self.route != "none" and manifest.adapter != self.adapter:
+        if self.holding.weights and manifest.adapter != self.adapter:
             have = "full weights" if self.adapter is None else f"adapters {self.adapter.model_dump()}"
             got = "full weights (None)" if manifest.adapter is None else f"{manifest.adapter.model_dump()}"
             raise ProtocolError(f"manifest.adapter: {got}, but this service holds {have}")
@@ -311,7 +312,7 @@ class OldLogitService:
                 f"manifest.version: {v} is older than the newest published version {latest}; versions only move forward"
             )
         checksums = self.store.checksums
-        if v == latest and (v in checksums or self.route == "none" or v in self.evicted):
+        if v == latest and (v in checksums or not self.holding.weights or v in self.evicted):
             if checksums.get(v, manifest.checksum) != manifest.checksum:
                 raise ValueError(
                     f"manifest.version: {v} republished with a different checksum ({manifest.checksum} != {checksums[v]})"

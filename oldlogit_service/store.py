@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from torch import Tensor
 
@@ -18,6 +19,41 @@ EVICT_BUDGET = "memory_budget"
 """Eviction reason: the held copies exceeded ``memory_budget_bytes`` (oldest first)."""
 EVICT_SUPERSEDED = "superseded"
 """Eviction reason (single-replica routes): a newer broadcast replaced the loaded version."""
+
+
+@dataclass(frozen=True)
+class Holding:
+    """How an old-logit route holds versions in the service, decided once from its name
+    (:meth:`of`); the service asks this object, never the name.
+
+    Attributes:
+        weights: whether the route holds weights at all ("none" holds none and scores nothing).
+        window: versions kept behind the newest, W = ``max_staleness`` on the snapshot route (many
+            copies); None on the single-replica routes, which hold the loaded version only (a new
+            one supersedes it).
+        on_host: copies live in host memory (the snapshot route's W + 1 copies) rather than on the
+            scoring device.
+    """
+
+    weights: bool
+    window: int | None
+    on_host: bool
+
+    @classmethod
+    def of(cls, route: str, max_staleness: int) -> Holding:
+        """The holding of ``route``: snapshot -> ``(True, max_staleness, True)``; old_logit_model and
+        interrupt_sync -> ``(True, None, False)``; none -> ``(False, None, False)``.
+
+        Raises:
+            ValueError: an unknown route name.
+        """
+        if route == "snapshot":
+            return cls(True, max_staleness, True)
+        if route in ("old_logit_model", "interrupt_sync"):
+            return cls(True, None, False)
+        if route == "none":
+            return cls(False, None, False)
+        raise ValueError(f"route: {route!r} is not one of snapshot, old_logit_model, interrupt_sync, none")
 
 
 def dedup(weights: Mapping[str, Tensor]) -> dict[str, Tensor]:

@@ -13,7 +13,7 @@ import tempfile
 
 import pytest
 
-from trainer.driver.environment import ENV_VARS, defaults_env
+from trainer.driver.cluster.environment import ENV_VARS, defaults_env
 
 # Tests exercise the CPU path even on a GPU machine; the rest are the job's own defaults (threads,
 # offline hubs, Ray's memory monitor off, one DeepSpeed JIT build per virtual environment).

@@ -14,8 +14,8 @@ from modelkit.modelhub import load_causal_lm, model_folder
 from modelkit.scoring import sequence_logprobs
 from protocol import Trajectory
 from trainer.algorithm.batch import Batch, collate
-from trainer.driver.config import load_config, write_resolved
-from trainer.driver.job import learner_settings
+from trainer.driver.config.schema import load_config, write_resolved
+from trainer.driver.loop.assembly import learner_settings
 from trainer.learner import LearnerCore, free_port
 
 TEMPERATURE = 0.8

@@ -4,7 +4,7 @@
   character (``ord``), ``<|im_start|>`` = 1 and ``<|im_end|>`` = 2, so expected ids are worked
   out by hand from strings; :func:`chat_format` wraps it in the real
   :class:`rollout.agent.TemplateChatFormat`.
-* :class:`ScriptedPool` - ``submit`` / ``poll`` of a ``trainer.driver.pool.WorkerPool``: each taken
+* :class:`ScriptedPool` - ``submit`` / ``poll`` of a ``trainer.driver.workers.pool.WorkerPool``: each taken
   request gets the next scripted reply, sampled at version 0 with mu = -0.5 per token.
 * :class:`FakeClock` - seconds that move only when a test moves them.
 """

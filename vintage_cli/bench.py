@@ -32,7 +32,7 @@ def bench_methods(
     """
     from benchmarks.methods import main as methods_main
     from benchmarks.methods_grid import GRIDS
-    from trainer.driver.netguard import reexec_with_loopback
+    from trainer.driver.cluster.netguard import reexec_with_loopback
 
     if grid not in GRIDS:
         raise typer.BadParameter(f"grid={grid!r} is not one of {', '.join(GRIDS)}", param_hint="--grid")

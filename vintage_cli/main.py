@@ -181,9 +181,9 @@ def eval_env(
     the job's sampling and seeds) on a CPU engine: prints mean success and reward with the count."""
     from transformers.utils import logging as hf_logging
 
-    from trainer.driver.config import one_line
-    from trainer.driver.eval_env import config_file, evaluate_model_path, evaluate_run, with_seed
-    from trainer.driver.export import ExportError, parse_version
+    from trainer.driver.config.schema import one_line
+    from trainer.driver.loop.eval_env import config_file, evaluate_model_path, evaluate_run, with_seed
+    from trainer.driver.records.export import ExportError, parse_version
 
     if (run_dir is None) == (model_path is None):
         raise typer.BadParameter("give exactly one of RUN_DIR and --model-path", param_hint="RUN_DIR")
@@ -238,7 +238,7 @@ def run(
     ] = None,
 ) -> None:
     """Run an async RL job (local Ray by default, or against --address)."""
-    from trainer.driver.config import load_config, one_line, preflight
+    from trainer.driver.config.schema import load_config, one_line, preflight
 
     overrides = list(set_ or [])
     if address:
@@ -252,10 +252,10 @@ def run(
     except (ValueError, OSError) as e:  # pydantic.ValidationError is a ValueError
         console.print(f"[red]config error:[/red] {one_line(e)}", soft_wrap=True)
         raise typer.Exit(2) from None
-    from trainer.driver.job import run_job
+    from trainer.driver.loop.job import run_job
 
     if not cfg.ray.address and cfg.ray.loopback_only:
-        from trainer.driver.netguard import LoopbackUnavailable, reexec_with_loopback
+        from trainer.driver.cluster.netguard import LoopbackUnavailable, reexec_with_loopback
 
         try:
             reexec_with_loopback()  # once: the driver's own Ray port must be loopback-bound too
@@ -326,7 +326,7 @@ def export(
     generation config); with LoRA, a peft adapter folder (or --merge: a merged full model)."""
     from transformers.utils import logging as hf_logging
 
-    from trainer.driver.export import ExportError, export_run, parse_version
+    from trainer.driver.records.export import ExportError, export_run, parse_version
 
     hf_logging.disable_progress_bar()  # the one-line report below says what was written
     try:
@@ -351,7 +351,7 @@ def samples(
 ) -> None:
     """Print trained trajectories from samples.jsonl: prompt, completion with the trained tokens
     highlighted (green: exact pi_old, yellow: proxy; dim: not trained), reward, advantage, versions."""
-    from trainer.driver.samples import read_samples
+    from trainer.driver.records.samples import read_samples
 
     try:
         records = read_samples(run_dir)

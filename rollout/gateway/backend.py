@@ -10,7 +10,7 @@ their mu and versions.
 :class:`WorkerBackend` works over anything with ``submit(requests) -> int`` and
 ``poll() -> list[Trajectory]`` (and, optionally, ``lost() -> list[str]``), all safe to call from two threads at once: a
 :class:`rollout.worker.RolloutWorkerCore` (in-process, its own generation thread) or a
-``trainer.driver.pool.WorkerPool`` of Ray actors. A dispatcher thread polls while
+``trainer.driver.workers.pool.WorkerPool`` of Ray actors. A dispatcher thread polls while
 calls are pending and hands each trajectory to the call waiting for its id; trajectories of other
 requests are kept in :attr:`WorkerBackend.foreign` for their owner.
 

@@ -73,27 +73,20 @@ class Guards:
 
 
 def call_routes(gw: Any) -> APIRouter:
-    """The OpenAI API: chat and text completions (at ``/v1`` and ``/sessions/{sid}/v1``) and models."""
+    """The OpenAI API: chat and text completions and models, each declared once. The app mounts
+    it twice (:func:`gateway_app`): at ``/v1``, where a call names no session, and at
+    ``/sessions/{sid}/v1``, where the session is the path's ``sid``."""
     router = APIRouter()
 
-    @router.post("/v1/chat/completions")
+    @router.post("/chat/completions")
     async def chat(body: Body, key: Key, request: Request):
-        return await gw.chat_completions(body, key, gone=request.is_disconnected)
+        return await gw.chat_completions(body, key, request.path_params.get("sid"), gone=request.is_disconnected)
 
-    @router.post("/sessions/{sid}/v1/chat/completions")
-    async def chat_in(sid: str, body: Body, key: Key, request: Request):
-        return await gw.chat_completions(body, key, sid, gone=request.is_disconnected)
-
-    @router.post("/v1/completions")
+    @router.post("/completions")
     async def completions(body: Body, key: Key, request: Request):
-        return await gw.completions(body, key, gone=request.is_disconnected)
+        return await gw.completions(body, key, request.path_params.get("sid"), gone=request.is_disconnected)
 
-    @router.post("/sessions/{sid}/v1/completions")
-    async def completions_in(sid: str, body: Body, key: Key, request: Request):
-        return await gw.completions(body, key, sid, gone=request.is_disconnected)
-
-    @router.get("/v1/models")
-    @router.get("/sessions/{sid}/v1/models")
+    @router.get("/models")
     async def models() -> dict:
         return {
             "object": "list",
@@ -146,7 +139,9 @@ def gateway_app(gw: Any) -> FastAPI:
     """A FastAPI app serving the routes of gateway ``gw`` (a :class:`rollout.gateway.app.Gateway`),
     answering every :class:`ApiError` as OpenAI error JSON, counted by status."""
     app = FastAPI(title="vintage gateway", version="1")
-    app.include_router(call_routes(gw))
+    calls = call_routes(gw)
+    app.include_router(calls, prefix="/v1")
+    app.include_router(calls, prefix="/sessions/{sid}/v1")
     app.include_router(session_routes(gw))
 
     async def refused(request: Request, e: Exception) -> JSONResponse:

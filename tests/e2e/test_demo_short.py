@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 from protocol import JobStatus
-from trainer.driver.config import load_config
-from trainer.driver.job import run_job
-from trainer.driver.metrics_log import read_metrics
+from trainer.driver.config.schema import load_config
+from trainer.driver.loop.job import run_job
+from trainer.driver.records.metrics_log import read_metrics
 
 pytestmark = pytest.mark.e2e
 

@@ -22,9 +22,9 @@ from rollout.agents import retail
 from rollout.engine import EngineConfig, make_engine
 from rollout.gateway import Gateway, GatewayServer, WorkerBackend
 from rollout.worker import RolloutWorkerCore
-from trainer.driver.agent_runner import AgentRunner
-from trainer.driver.buffer import TrajectoryBuffer
-from trainer.driver.config import JobConfig
+from trainer.driver.config.schema import JobConfig
+from trainer.driver.sources.agent_runner import AgentRunner
+from trainer.driver.sources.buffer import TrajectoryBuffer
 
 pytestmark = pytest.mark.integration
 CTX = 1024

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from trainer.driver import owned
+from trainer.driver.cluster import owned
 
 pytestmark = pytest.mark.integration
 
@@ -39,8 +39,8 @@ time.sleep(600)
 JOB_SESSION = """
 import json, os, signal, time, ray
 signal.signal(signal.SIGHUP, signal.SIG_DFL)  # a run started under nohup (as a CI job may be) ignores it
-from trainer.driver.config import load_config
-from trainer.driver.session import ray_session
+from trainer.driver.config.schema import load_config
+from trainer.driver.cluster.session import ray_session
 with ray_session(load_config(None, ['model.path="tiny"', "rollout.num_workers=1", "ray.num_cpus=2"])):
     actor = ray.remote(num_cpus=0)(type("Pid", (), {"pid": lambda self: os.getpid()})).remote()
     print(json.dumps({"groups": [], "actor": ray.get(actor.pid.remote(), timeout=300)}), flush=True)

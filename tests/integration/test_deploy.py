@@ -22,7 +22,7 @@ import httpx
 import pytest
 import yaml
 
-from trainer.driver.config import load_config
+from trainer.driver.config.schema import load_config
 
 pytestmark = pytest.mark.integration
 

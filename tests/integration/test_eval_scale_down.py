@@ -15,11 +15,11 @@ import httpx
 import pytest
 
 from tests.tiny_job import TINY_JOB
-from trainer.driver.config import load_config
-from trainer.driver.job import run_job
-from trainer.driver.ledger import fates, lineage, read_ledger
-from trainer.driver.metrics_log import read_metrics
-from trainer.driver.parts import Job
+from trainer.driver.config.schema import load_config
+from trainer.driver.loop.job import run_job
+from trainer.driver.loop.parts import Job
+from trainer.driver.records.ledger import fates, lineage, read_ledger
+from trainer.driver.records.metrics_log import read_metrics
 
 pytestmark = pytest.mark.integration
 

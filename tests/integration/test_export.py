@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from modelkit.scoring import sequence_logprobs
 from tests.export_run import TEMPERATURE, fixed_tokens, trained_run, trajectory_maker
-from trainer.driver.export import RECORD_FILE, export_run
+from trainer.driver.records.export import RECORD_FILE, export_run
 
 pytestmark = pytest.mark.integration
 

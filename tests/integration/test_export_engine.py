@@ -21,7 +21,7 @@ from protocol import Trajectory
 from rollout.engine import EngineConfig, EngineRequest, make_engine
 from tests.export_run import TEMPERATURE, trained_run, trajectory_maker
 from trainer.algorithm.batch import collate
-from trainer.driver.export import export_run
+from trainer.driver.records.export import export_run
 
 pytestmark = pytest.mark.integration
 TOL = 1e-3

@@ -22,9 +22,9 @@ import httpx
 import psutil
 import pytest
 
-from trainer.driver.config import load_config
-from trainer.driver.job import run_job
-from trainer.driver.metrics_log import read_metrics
+from trainer.driver.config.schema import load_config
+from trainer.driver.loop.job import run_job
+from trainer.driver.records.metrics_log import read_metrics
 from trainer.learner.checkpoint import latest_tag
 
 pytestmark = pytest.mark.integration
@@ -131,13 +131,14 @@ def test_killed_oldlogit_service_restarts_and_missing_tokens_use_the_proxy(tmp_p
 
 
 def test_killed_learner_fails_the_run_naming_it_and_resume_continues_from_the_last_checkpoint(
-    tmp_path, tiny_model_path, ray_cluster
+    tmp_path, tiny_model_path, ray_cluster, monkeypatch
 ):
     """A checkpoint after every step; the learner's process is killed after the second step. The run
     ends ``failed: learner`` (no replacement: its weights and optimizer state died with it); the same
     command with the checkpoint folder as ``controller.resume_from`` (what ``--resume auto`` picks)
     continues at the checkpoint's version (the last complete one: the kill may land mid-save), as run
-    segment 1, and completes."""
+    segment 1, and completes. The kernel's OOM kill count is held still: this kill is not for memory."""
+    monkeypatch.setattr("trainer.driver.loop.job.oom_kill_count", lambda: 5)
     overrides = ["rollout.num_workers=1", "controller.total_steps=5", "controller.checkpoint_every=1"]
     result, killed = _run_and_kill(tmp_path, overrides, "ray::LearnerCore", expect=1)
     assert not psutil.pid_exists(killed)
@@ -153,15 +154,20 @@ def test_killed_learner_fails_the_run_naming_it_and_resume_continues_from_the_la
 
 
 def test_resume_after_a_killed_learner_trains_every_finished_trajectory_exactly_once(
-    tmp_path, tiny_model_path, ray_cluster
+    tmp_path, tiny_model_path, ray_cluster, monkeypatch
 ):
     """Staleness bound 2 keeps trajectories buffered (and a batch taken ahead) at every checkpoint.
     The learner is killed after the second step; the resumed run gets back every finished
     trajectory of the last complete checkpoint (``trajectories.jsonl``), loses only what was in
     flight then, and the ledger closes by trajectory id: over the lineage of the final weights
-    every id that arrived is consumed exactly once, dropped with a reason, or buffered at the end."""
-    from trainer.driver.ledger import fates, lineage, read_ledger
-    from trainer.driver.resume import read_trajectories
+    every id that arrived is consumed exactly once, dropped with a reason, or buffered at the end.
+
+    The kernel's OOM kill count rises between the job's start and the learner's death (0, then 1),
+    as when the kernel kills it for memory: the run says so in one line, with what the learner held."""
+    counts = iter([0])
+    monkeypatch.setattr("trainer.driver.loop.job.oom_kill_count", lambda: next(counts, 1))
+    from trainer.driver.records.ledger import fates, lineage, read_ledger
+    from trainer.driver.sources.resume import read_trajectories
     from trainer.learner.checkpoint import read_state
 
     overrides = [
@@ -169,7 +175,16 @@ def test_resume_after_a_killed_learner_trains_every_finished_trajectory_exactly_
         "controller.max_staleness=2",
     ]  # fmt: skip
     result, _ = _run_and_kill(tmp_path, overrides, "ray::LearnerCore", expect=1)
-    assert type(result["raised"]).__name__ == "ActorDiedError"
+    assert type(result["raised"]).__name__ == "KilledForMemory"
+    assert type(result["raised"].__cause__).__name__ == "ActorDiedError"
+    failed = json.loads((tmp_path / "summary.json").read_text())
+    assert failed["end_reason"] == "failed: learner (out of memory)"
+    assert re.fullmatch(
+        r"learner: killed by the kernel's out-of-memory killer \(oom_kill 0 -> 1\); it held \d+\.\d GiB resident "
+        r"at its last step, of \d+\.\d GiB on this machine",
+        failed["error"],
+    ), failed["error"]
+    assert str(result["raised"]) == failed["error"]
     ckpt = tmp_path / "checkpoints"
     tag = latest_tag(ckpt)
     extra = read_state(ckpt, tag)["extra"]

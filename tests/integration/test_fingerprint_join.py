@@ -1,7 +1,7 @@
 """A rollout worker that joins after a publication is fingerprint-checked like one that took it.
 
 Real rollout workers (Ray actors on the private test cluster, the transformers engine on the tiny
-model) in the driver's real :class:`trainer.driver.pool.WorkerPool`: version 1 (every weight x 1.25)
+model) in the driver's real :class:`trainer.driver.workers.pool.WorkerPool`: version 1 (every weight x 1.25)
 is published to the first worker; a second joins with the test hook that makes its engine skip the
 catch-up load, so it serves the folder's weights under version 1. The job's controls find it,
 kill it as ``fingerprint_mismatch`` (counted once), replace it, and the replacement, which loads
@@ -19,14 +19,14 @@ from rich.console import Console
 
 from modelkit.modelhub import load_causal_lm
 from modelkit.weights import pack_weights
-from trainer.driver.buffer import TrajectoryBuffer
-from trainer.driver.config import load_config
-from trainer.driver.fingerprint_check import FingerprintCheck
-from trainer.driver.fingerprints import FINGERPRINT_MISMATCH
-from trainer.driver.parts import Job
-from trainer.driver.routes import NoRoute
-from trainer.driver.server import StatusBoard
-from trainer.driver.sources import EnvSource
+from trainer.driver.cluster.server import StatusBoard
+from trainer.driver.config.schema import load_config
+from trainer.driver.loop.parts import Job
+from trainer.driver.publication.fingerprint_check import FingerprintCheck
+from trainer.driver.publication.fingerprints import FINGERPRINT_MISMATCH
+from trainer.driver.publication.routes import Route
+from trainer.driver.sources.buffer import TrajectoryBuffer
+from trainer.driver.sources.source import EnvSource
 
 pytestmark = pytest.mark.integration
 
@@ -42,14 +42,14 @@ def _admit_all(j: Job, board: StatusBoard, timeout_s: float = 300) -> None:
 def test_a_joiner_that_skips_its_catch_up_load_is_killed_replaced_and_counted(ray_cluster, tiny_model_path):
     ray = ray_cluster
     from rollout.engine import EngineConfig
-    from trainer.driver.pool import WorkerPool
+    from trainer.driver.workers.pool import WorkerPool
 
     engine = EngineConfig(kind="transformers", model_path=str(tiny_model_path))
     pool = WorkerPool(engine)
     j = Job.__new__(Job)  # the parts the worker controls use; the pool and its workers are real
     j.cfg = load_config(None, ["rollout.num_workers=2", "rollout.max_restarts=2"])
     j.console, j.pool = Console(quiet=True), pool
-    j.workers_wanted, j.restarts, j.route = 2, 0, NoRoute()
+    j.workers_wanted, j.restarts, j.route = 2, 0, Route()
     j.fingerprints = FingerprintCheck(j.cfg, j.console, pool, j.route)
     j.buffer = TrajectoryBuffer(capacity=16, max_staleness=1)
     j.source = EnvSource(j.cfg, pool, j.buffer, lambda: 1)
@@ -105,7 +105,7 @@ def test_a_late_workers_update_and_catch_up_are_handed_over_for_checking(ray_clu
     from types import SimpleNamespace
 
     from rollout.engine import EngineConfig
-    from trainer.driver.pool import WorkerPool
+    from trainer.driver.workers.pool import WorkerPool
 
     pool = WorkerPool(EngineConfig(kind="transformers", model_path="unused"), hang_timeout_s=600.0)
     manifest = SimpleNamespace(version=2)

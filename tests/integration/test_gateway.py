@@ -22,7 +22,7 @@ from rollout.engine import EngineConfig, GenerationEngine, StepDelta, make_engin
 from rollout.gateway import Gateway, GatewayServer, WorkerBackend
 from rollout.gateway.tools import render_messages, render_tool_calls
 from rollout.worker import RolloutWorkerCore
-from trainer.driver.buffer import admission_capacity
+from trainer.driver.sources.buffer import admission_capacity
 
 pytestmark = pytest.mark.integration
 CTX = 512

@@ -19,10 +19,10 @@ import pytest
 
 from protocol import JobStatus
 from tests.tiny_job import TINY_JOB
-from trainer.driver.config import load_config
-from trainer.driver.job import run_job
-from trainer.driver.metrics_log import read_metrics
-from trainer.driver.samples import read_samples
+from trainer.driver.config.schema import load_config
+from trainer.driver.loop.job import run_job
+from trainer.driver.records.metrics_log import read_metrics
+from trainer.driver.records.samples import read_samples
 
 pytestmark = pytest.mark.integration
 
@@ -205,7 +205,7 @@ def test_dynamic_sampling_drops_uniform_groups_and_the_ledger_closes(tmp_path, t
     ledger closes by trajectory id (one fate each: consumed, dropped with its reason or buffered)."""
     from collections import Counter
 
-    from trainer.driver.ledger import fates, lineage, read_ledger
+    from trainer.driver.records.ledger import fates, lineage, read_ledger
 
     cfg = load_config(
         None,

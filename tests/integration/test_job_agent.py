@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.driver.config import load_config
-from trainer.driver.job import run_job
+from trainer.driver.config.schema import load_config
+from trainer.driver.loop.job import run_job
 
 pytestmark = pytest.mark.integration
 

@@ -6,7 +6,7 @@ The env is the alphabet task (reward: the share of the reply's characters in a-m
 on the random model are fractions between 0 and 1, so equal means are not an accident of all-zero
 rewards. The transformers engine seeds each held-out prompt and samples each sequence alone, so
 the job's evaluation (which may share the worker with training samples) and the command's sample
-the same tokens from the same weights (:mod:`trainer.driver.eval_env` says why vLLM agrees only in
+the same tokens from the same weights (:mod:`trainer.driver.loop.eval_env` says why vLLM agrees only in
 expectation).
 """
 
@@ -21,10 +21,10 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.tiny_job import TINY_JOB
-from trainer.driver.config import load_config
-from trainer.driver.export import checkpoint_tag
-from trainer.driver.job import run_job
-from trainer.driver.metrics_log import read_metrics
+from trainer.driver.config.schema import load_config
+from trainer.driver.loop.job import run_job
+from trainer.driver.records.export import checkpoint_tag
+from trainer.driver.records.metrics_log import read_metrics
 from trainer.learner.checkpoint import STATE_FILE, checkpointed_versions, latest_tag, read_best
 from vintage_cli.main import app
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from tests.tiny_job import TINY_JOB
-from trainer.driver.config import load_config
-from trainer.driver.job import run_job
-from trainer.driver.metrics_log import read_metrics
+from trainer.driver.config.schema import load_config
+from trainer.driver.loop.job import run_job
+from trainer.driver.records.metrics_log import read_metrics
 
 pytestmark = pytest.mark.integration
 

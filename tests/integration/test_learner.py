@@ -507,6 +507,32 @@ def test_the_learning_rate_follows_its_schedule_and_resumes_at_the_same_step(tin
         assert m["lr"] == pytest.approx(0.55e-3, rel=1e-12)
 
 
+def test_adaptive_entropy_control_moves_the_coefficient_per_version_and_resumes_it(
+    tiny_model_path, make_trajs, tmp_path
+):
+    """Target 100 nats (every step is below it), start 0, delta 0.01: the first version trains
+    without the bonus (no entropy measured yet) and raises the coefficient to 0.01; the second
+    trains with 0.01 and raises it to 0.02; a learner resumed from the checkpoint after the first
+    version trains the second with 0.01 too. Without a target the control is off: the
+    settings' own coefficient stays."""
+    loss = loss_config("grpo", entropy_target=100.0, entropy_coef_delta=0.01)
+    s = settings(tiny_model_path, loss=loss)
+    core = LearnerCore(s)
+    m = core.train_step(make_trajs(seed=0))
+    assert m["entropy_coef"] == 0.0 and core.entropy_control.coef == pytest.approx(0.01)
+    assert core.entropy_control.last_entropy == m["entropy"]
+    core.save_checkpoint(str(tmp_path))
+    resumed = LearnerCore(s.model_copy(update={"master_port": free_port()}))
+    resumed.load_checkpoint(str(tmp_path))
+    assert resumed.entropy_control.state_dict() == core.entropy_control.state_dict()
+    for learner in (core, resumed):
+        m = learner.train_step(make_trajs(seed=1, version=1))
+        assert m["entropy_coef"] == pytest.approx(0.01) and learner.entropy_control.coef == pytest.approx(0.02)
+    fixed = LearnerCore(settings(tiny_model_path, loss=loss_config("grpo", entropy_coef=0.003)))
+    m = fixed.train_step(make_trajs(seed=0))
+    assert m["entropy_coef"] == 0.003 and fixed.entropy_control.coef == 0.003
+
+
 def test_mini_batches_take_the_rows_in_the_seeded_order_of_each_epoch(tiny_model_path, make_trajs):
     """Rows of 2 .. 16 completion tokens, two mini-batches, two epochs, seed 3: each optimizer step's
     token count is the sum over the rows :func:`shuffled_rows` gives its half of that epoch."""

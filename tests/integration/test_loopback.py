@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from rollout.httpserve import is_loopback_host
-from trainer.driver import owned
-from trainer.driver.netguard import library_path, listening_sockets, loopback_env
+from trainer.driver.cluster import owned
+from trainer.driver.cluster.netguard import library_path, listening_sockets, loopback_env
 
 pytestmark = pytest.mark.integration
 
@@ -50,8 +50,8 @@ def test_interposer_turns_wildcard_binds_into_loopback():
 
 IN_PROCESS = """
 import ray
-from trainer.driver.config import load_config
-from trainer.driver.job import ray_session
+from trainer.driver.config.schema import load_config
+from trainer.driver.cluster.session import ray_session
 
 with ray_session(load_config(None, ['model.path="tiny"', "rollout.num_workers=1"])):
     print(ray.get(ray.remote(lambda: 6 * 7).remote()))

@@ -23,7 +23,7 @@ the answer it got before the kill and the batch of step k + 2 holds them (taken 
 k + 1, or finished during the pause). Either way one of the steps k + 1, k + 2 has an exact
 fraction below 1. The job completes with the accounting identity intact and the restart counted.
 Only processes this test started are signalled; the cluster and the job are stopped also when the
-test run itself is ended by a signal (:mod:`trainer.driver.owned`).
+test run itself is ended by a signal (:mod:`trainer.driver.cluster.owned`).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ import httpx
 import pytest
 
 from deploy.local_cluster import LocalRayHead
-from trainer.driver import owned
-from trainer.driver.metrics_log import read_metrics
+from trainer.driver.cluster import owned
+from trainer.driver.records.metrics_log import read_metrics
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from rollout.engine import EngineConfig
-from trainer.driver.pool import WorkerPool
+from trainer.driver.workers.pool import WorkerPool
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,7 @@ def test_a_worker_started_in_the_background_is_given_up_without_anyone_waiting(r
 
 
 def test_learner_that_cannot_start_raises_naming_the_part(ray_cluster, tiny_model_path):
-    from trainer.driver.job import failed_part
+    from trainer.driver.loop.report import failed_part
     from trainer.learner import LearnerGroup, LearnerSettings
 
     with pytest.raises(RuntimeError) as ei:  # rank 0 is pinned to the driver's node, which lacks the resource

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 def test_rollout_worker_actor_generates_and_updates_mid_generation(ray_cluster, tiny_model_path):
     ray = ray_cluster
-    from rollout.worker import RolloutWorker
+    from rollout.worker_actor import RolloutWorker
 
     cfg = {
         "kind": "vllm",

@@ -7,8 +7,8 @@ import json
 import pydantic
 import pytest
 
-from trainer.driver.agent_runner import episode_reward, load_agent, read_tasks, task_sources
-from trainer.driver.config import JobConfig, load_config
+from trainer.driver.config.schema import JobConfig, load_config
+from trainer.driver.sources.agent_runner import episode_reward, load_agent, read_tasks, task_sources
 
 
 def test_agent_section_defaults_and_bad_path():
@@ -88,7 +88,7 @@ def test_task_sources_env_and_jsonl(tmp_path):
 
 
 def test_gateway_token_is_secret_and_long_enough(tmp_path):
-    from trainer.driver.config import write_resolved
+    from trainer.driver.config.schema import write_resolved
 
     cfg = JobConfig.model_validate({"agent": {"path": "a.b:c"}, "gateway": {"token": "t" * 20}})
     assert cfg.gateway.token.get_secret_value() == "t" * 20

@@ -17,7 +17,7 @@ from benchmarks.vs_trl_shared import (
     summarize,
     table_markdown,
 )
-from trainer.driver.config import load_config
+from trainer.driver.config.schema import load_config
 
 ENV = "rollout.envs.reasoning_gym_env:ReasoningGymEnv"
 KW = {"dataset": "basic_arithmetic", "level": "easy", "size": 2000}

@@ -1,5 +1,5 @@
-"""The best version kept (``controller.keep_best``), by hand: a :class:`trainer.driver.parts.Job`
-and its :class:`trainer.driver.keeper.CheckpointKeeper` with stand-in parts run the loop's order of
+"""The best version kept (``controller.keep_best``), by hand: a :class:`trainer.driver.loop.parts.Job`
+and its :class:`trainer.driver.records.keeper.CheckpointKeeper` with stand-in parts run the loop's order of
 operations (evaluate before, then per version: the pending evaluation's result, the regular
 checkpoint, the next evaluation; evaluate after, the final checkpoint) while a stand-in learner
 writes checkpoint folders as the real one lays them out.
@@ -23,14 +23,14 @@ import torch
 from typer.testing import CliRunner
 
 from protocol import JobStatus
-from trainer.driver.buffer import TrajectoryBuffer
-from trainer.driver.config import load_config
-from trainer.driver.export import ExportError, best_version, checkpoint_tag
-from trainer.driver.heldout import BestEval, beats, eval_due
-from trainer.driver.keeper import CheckpointKeeper
-from trainer.driver.parts import Job
-from trainer.driver.report import best_line, best_status, best_summary
-from trainer.driver.resume import write_driver_state
+from trainer.driver.config.schema import load_config
+from trainer.driver.loop.parts import Job
+from trainer.driver.loop.report import best_line, best_status, best_summary
+from trainer.driver.records.export import ExportError, best_version, checkpoint_tag
+from trainer.driver.records.heldout import BestEval, beats, eval_due
+from trainer.driver.records.keeper import CheckpointKeeper
+from trainer.driver.sources.buffer import TrajectoryBuffer
+from trainer.driver.sources.resume import write_driver_state
 from trainer.learner.checkpoint import (
     BEST_FILE,
     DEEPSPEED_LATEST_FILE,
@@ -118,7 +118,7 @@ def make_job(run_dir: Path, *overrides: str, scores=SCORES, version=0, run_segme
 
 
 def run_loop(j: Job, until: int, on_version=None) -> None:
-    """The loop's order (trainer.driver.job._loop) from ``j.version`` to ``until``."""
+    """The loop's order (trainer.driver.loop.job._loop) from ``j.version`` to ``until``."""
     c = j.cfg.controller
     j.evaluate("before")
     while j.version < until:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from protocol import Trajectory
-from trainer.driver.buffer import (
+from trainer.driver.sources.buffer import (
     TrajectoryBuffer,
     admission_capacity,
     sequence_staleness,

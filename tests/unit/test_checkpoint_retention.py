@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.driver.config import load_config
+from trainer.driver.config.schema import load_config
 from trainer.learner.checkpoint import (
     DEEPSPEED_LATEST_FILE,
     LATEST_FILE,

@@ -6,8 +6,8 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from trainer.driver.assembly import learner_settings
-from trainer.driver.config import load_config, parse_override
+from trainer.driver.config.schema import load_config, parse_override
+from trainer.driver.loop.assembly import learner_settings
 
 
 def test_defaults_are_the_demo_method():
@@ -72,7 +72,7 @@ def test_a_decaying_schedule_decays_over_the_whole_run_unless_told_otherwise():
 
 
 def test_overlong_filter_reaches_the_learner_settings():
-    from trainer.driver.job import learner_settings
+    from trainer.driver.loop.assembly import learner_settings
 
     assert learner_settings(load_config(), "/m").overlong_filter is False
     s = learner_settings(load_config(None, ["learner.overlong_filter=true", "learner.grad_clip=0"]), "/m")
@@ -80,7 +80,7 @@ def test_overlong_filter_reaches_the_learner_settings():
 
 
 def test_updates_per_batch_reach_the_learner_settings():
-    from trainer.driver.job import learner_settings
+    from trainer.driver.loop.assembly import learner_settings
 
     s = learner_settings(load_config(), "/m")
     assert (s.ppo_mini_batches, s.ppo_epochs) == (1, 1)
@@ -91,8 +91,8 @@ def test_updates_per_batch_reach_the_learner_settings():
 
 
 def test_learner_options_are_declared_once_for_the_config_and_the_settings():
-    from trainer.driver.assembly import learner_settings
-    from trainer.driver.config import LearnerConfig
+    from trainer.driver.config.schema import LearnerConfig
+    from trainer.driver.loop.assembly import learner_settings
     from trainer.learner import LearnerOptions, LearnerSettings
 
     assert issubclass(LearnerConfig, LearnerOptions) and issubclass(LearnerSettings, LearnerOptions)
@@ -124,7 +124,7 @@ def test_token_redacted_in_resolved_config_and_private_files(tmp_path):
     import json
     import stat
 
-    from trainer.driver.config import write_private, write_resolved
+    from trainer.driver.config.schema import write_private, write_resolved
 
     cfg = load_config(None, ['server.token="tok-0123456789abcdef"'])
     assert cfg.server.token.get_secret_value() == "tok-0123456789abcdef"
@@ -166,7 +166,7 @@ def test_configs_that_cannot_work_are_refused(override, message):
     ],
 )
 def test_preflight_names_the_field(override, message):
-    from trainer.driver.config import preflight
+    from trainer.driver.config.schema import preflight
 
     with pytest.raises(ValueError, match=re.escape(message)):
         preflight(load_config(None, [override]))
@@ -222,7 +222,7 @@ def test_cli_run_failure_is_one_line_with_the_part_and_a_traceback_file(tmp_path
 
     from typer.testing import CliRunner
 
-    import trainer.driver.job
+    import trainer.driver.loop.job
     from vintage_cli.main import app
 
     def failing_run_job(cfg, console=None):  # stands in for a learner that never starts
@@ -231,7 +231,7 @@ def test_cli_run_failure_is_one_line_with_the_part_and_a_traceback_file(tmp_path
         )
         raise TimeoutError("learner: 1 rank(s) not started within controller.start_timeout_s = 5.0 s\nmore detail")
 
-    monkeypatch.setattr(trainer.driver.job, "run_job", failing_run_job)
+    monkeypatch.setattr(trainer.driver.loop.job, "run_job", failing_run_job)
     args = ["run", "--set", 'model.path="tiny"', "--set", "ray.loopback_only=false"]
     r = CliRunner().invoke(app, [*args, "--set", f'logging.run_dir="{tmp_path}"'])
     assert r.exit_code == 1 and r.output.strip().splitlines() == [
@@ -244,15 +244,15 @@ def test_cli_run_failure_is_one_line_with_the_part_and_a_traceback_file(tmp_path
 def test_cli_run_without_a_c_compiler_for_the_loopback_cluster_is_a_config_error(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import trainer.driver.netguard
+    import trainer.driver.cluster.netguard
     from vintage_cli.main import app
 
     def no_compiler():
-        raise trainer.driver.netguard.LoopbackUnavailable(
+        raise trainer.driver.cluster.netguard.LoopbackUnavailable(
             "ray.loopback_only: no C compiler (cc/gcc) on PATH to build the bind interposer"
         )
 
-    monkeypatch.setattr(trainer.driver.netguard, "reexec_with_loopback", no_compiler)
+    monkeypatch.setattr(trainer.driver.cluster.netguard, "reexec_with_loopback", no_compiler)
     r = CliRunner().invoke(app, ["run", "--set", 'model.path="tiny"', "--set", f'logging.run_dir="{tmp_path}"'])
     assert r.exit_code == 2 and r.output.strip() == (
         "config error: ray.loopback_only: no C compiler (cc/gcc) on PATH to build the bind interposer (install a "

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from modelkit.cores import ThreadPlan, available_cores, check_threads, plan_threads, torch_threads
-from trainer.driver.config import load_config, one_line
+from trainer.driver.config.schema import load_config, one_line
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainer.driver.config_reference import REGENERATE, reference
+from trainer.driver.config.reference import REGENERATE, reference
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -74,7 +74,7 @@ def test_configuration_reference_is_current():
 def test_reference_lists_every_field():
     from pydantic import BaseModel
 
-    from trainer.driver.config import JobConfig
+    from trainer.driver.config.schema import JobConfig
 
     text = reference()
     for section, info in JobConfig.model_fields.items():

@@ -15,16 +15,15 @@ import pytest
 from rich.console import Console
 
 from protocol import JobStatus, Trajectory
-from trainer.driver.buffer import TrajectoryBuffer, admission_capacity
-from trainer.driver.config import load_config
-from trainer.driver.fingerprint_check import FingerprintCheck
-from trainer.driver.job import Job
-from trainer.driver.ledger import fates
-from trainer.driver.parts import filter_bound
-from trainer.driver.report import status_fields
-from trainer.driver.routes import NoRoute
-from trainer.driver.server import ApiServer, StatusBoard
-from trainer.driver.sources import EnvSource
+from trainer.driver.cluster.server import ApiServer, StatusBoard
+from trainer.driver.config.schema import load_config
+from trainer.driver.loop.parts import Job, filter_bound
+from trainer.driver.loop.report import status_fields
+from trainer.driver.publication.fingerprint_check import FingerprintCheck
+from trainer.driver.publication.routes import Route
+from trainer.driver.records.ledger import fates
+from trainer.driver.sources.buffer import TrajectoryBuffer, admission_capacity
+from trainer.driver.sources.source import EnvSource
 
 
 def traj(tid, group, reward, version=0, **kw):
@@ -185,7 +184,7 @@ def job(polls, *overrides):
     j.cfg = load_config(
         None, ["controller.max_staleness=0", "controller.batch_groups=2", "rollout.sampling.n=4", *overrides]
     )
-    j.pool, j.route, j.version, j.times = Pool(polls), NoRoute(), 0, Counter()
+    j.pool, j.route, j.version, j.times = Pool(polls), Route(), 0, Counter()
     j.ledger = Recorder()
     j.buffer = TrajectoryBuffer(capacity=32, max_staleness=0, ledger=j.ledger)
     j.source = EnvSource(j.cfg, j.pool, j.buffer, lambda: j.version)

@@ -9,9 +9,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-import trainer.driver.eval_env as eval_env
-from trainer.driver.config import load_config, write_resolved
-from trainer.driver.eval_env import config_file, resolved_config, with_seed
+import trainer.driver.loop.eval_env as eval_env
+from trainer.driver.config.schema import load_config, write_resolved
+from trainer.driver.loop.eval_env import config_file, resolved_config, with_seed
 from vintage_cli.main import app
 
 TOML = """

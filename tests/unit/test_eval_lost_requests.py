@@ -11,18 +11,18 @@ import pytest
 import ray
 from rich.console import Console
 
-import trainer.driver.pool as pool_module
+import trainer.driver.workers.pool as pool_module
 from protocol import Trajectory, WorkerStatus
 from rollout.engine import EngineConfig
 from rollout.worker import sample_id
-from trainer.driver.buffer import TrajectoryBuffer
-from trainer.driver.config import load_config
-from trainer.driver.fingerprints import FINGERPRINT_MISMATCH
-from trainer.driver.heldout import EVAL_RESUBMITS, EvalLostError, eval_record
-from trainer.driver.parts import Job
-from trainer.driver.pool import WORKER_DIED, WORKER_HUNG, WorkerPool
-from trainer.driver.server import StatusBoard
-from trainer.driver.sources import EnvSource
+from trainer.driver.cluster.server import StatusBoard
+from trainer.driver.config.schema import load_config
+from trainer.driver.loop.parts import Job
+from trainer.driver.publication.fingerprints import FINGERPRINT_MISMATCH
+from trainer.driver.records.heldout import EVAL_RESUBMITS, EvalLostError, eval_record
+from trainer.driver.sources.buffer import TrajectoryBuffer
+from trainer.driver.sources.source import EnvSource
+from trainer.driver.workers.pool import WORKER_DIED, WORKER_HUNG, WorkerPool
 
 
 class Ref:

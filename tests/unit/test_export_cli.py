@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from trainer.driver.export import ExportError, parse_version
+from trainer.driver.records.export import ExportError, parse_version
 from trainer.learner.checkpoint import FORMAT, STATE_FILE, checkpointed_versions
 from vintage_cli.main import app
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import modelkit.modelhub
-import trainer.driver.export as export
+import trainer.driver.records.export as export
 from trainer.learner.checkpoint import FORMAT, STATE_FILE
 
 

@@ -26,7 +26,7 @@ from modelkit.weights import pack_weights
 from protocol import AdapterSpec, adapter_key
 from tests.fingerprint_fakes import FakeCalls as _Calls
 from tests.fingerprint_fakes import FakePool as _Pool
-from trainer.driver.fingerprints import FINGERPRINT_MISMATCH, is_mismatch, mismatched_workers
+from trainer.driver.publication.fingerprints import FINGERPRINT_MISMATCH, is_mismatch, mismatched_workers
 
 
 def _blake(lines: str) -> str:
@@ -135,8 +135,8 @@ def test_driver_restarts_and_counts_mismatched_consumers(monkeypatch, max_restar
     for Ray to restart it and given the publication again, unless oldlogit.max_restarts is 0."""
     import ray
 
-    from trainer.driver.config import load_config
-    from trainer.driver.fingerprint_check import FingerprintCheck
+    from trainer.driver.config.schema import load_config
+    from trainer.driver.publication.fingerprint_check import FingerprintCheck
 
     killed = []
     monkeypatch.setattr(ray, "kill", lambda h, no_restart=True: killed.append((h, no_restart)))

@@ -11,11 +11,16 @@ import numpy as np
 from rich.console import Console
 
 from protocol import Trajectory
-from trainer.driver.buffer import TrajectoryBuffer
-from trainer.driver.config import load_config
-from trainer.driver.fingerprint_check import FingerprintCheck
-from trainer.driver.fingerprints import FINGERPRINT_MISMATCH, expected_entries, prune_expected, trajectory_mismatch
-from trainer.driver.parts import Job, intake_refusal
+from trainer.driver.config.schema import load_config
+from trainer.driver.loop.parts import Job, intake_refusal
+from trainer.driver.publication.fingerprint_check import FingerprintCheck
+from trainer.driver.publication.fingerprints import (
+    FINGERPRINT_MISMATCH,
+    expected_entries,
+    prune_expected,
+    trajectory_mismatch,
+)
+from trainer.driver.sources.buffer import TrajectoryBuffer
 
 A, B, C, X = "a" * 16, "b" * 16, "c" * 16, "0" * 16
 """v3's and v4's published fingerprints, one of a version nobody published (v2), the folder's."""

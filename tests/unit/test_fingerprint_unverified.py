@@ -15,11 +15,16 @@ from rich.console import Console
 from protocol import JobStatus
 from tests.fingerprint_fakes import FakeCalls as _Calls
 from tests.fingerprint_fakes import FakePool as _Pool
-from trainer.driver.buffer import TrajectoryBuffer
-from trainer.driver.config import load_config, one_line
-from trainer.driver.fingerprint_check import FingerprintCheck
-from trainer.driver.fingerprints import FINGERPRINT_MISMATCH, is_unverified, mismatched_workers, unverified_workers
-from trainer.driver.report import status_fields
+from trainer.driver.config.schema import load_config, one_line
+from trainer.driver.loop.report import status_fields
+from trainer.driver.publication.fingerprint_check import FingerprintCheck
+from trainer.driver.publication.fingerprints import (
+    FINGERPRINT_MISMATCH,
+    is_unverified,
+    mismatched_workers,
+    unverified_workers,
+)
+from trainer.driver.sources.buffer import TrajectoryBuffer
 
 A, B, C = "a" * 16, "b" * 16, "c" * 16
 FULL = SimpleNamespace(version=1, adapter=None, fingerprint=A)

@@ -20,7 +20,7 @@ from rollout.engine import EngineConfig
 from rollout.gateway import Gateway, GatewayServer, WorkerBackend
 from rollout.gateway.tools import render_messages
 from tests.scripted_gateway import CharTokenizer, FakeClock, ScriptedPool, chat_format, reply
-from trainer.driver.pool import WorkerPool
+from trainer.driver.workers.pool import WorkerPool
 
 CTX = 4096
 ADMIN = "admin-token-for-tests"

@@ -17,8 +17,8 @@ from rollout.gateway.groups import BASELINE_WINDOW, GroupGate
 from rollout.gateway.sessions import EndedSession
 from tests.scripted_gateway import FakeClock, ScriptedPool, chat_format, reply
 from trainer.algorithm.batch import collate, sequence_advantages
-from trainer.driver.buffer import TrajectoryBuffer
-from trainer.driver.config import GatewayConfig
+from trainer.driver.config.schema import GatewayConfig
+from trainer.driver.sources.buffer import TrajectoryBuffer
 
 ADMIN = "admin-token-for-tests"
 USER = [{"role": "user", "content": "Hi"}]

@@ -14,9 +14,9 @@ from rollout.gateway import Gateway, WorkerBackend
 from rollout.gateway.errors import ApiError
 from rollout.gateway.sessions import IDLE, SessionTable
 from tests.scripted_gateway import FakeClock, ScriptedPool, chat_format
-from trainer.driver.agent_runner import AgentRunner
-from trainer.driver.buffer import TrajectoryBuffer
-from trainer.driver.config import GatewayConfig, load_config
+from trainer.driver.config.schema import GatewayConfig, load_config
+from trainer.driver.sources.agent_runner import AgentRunner
+from trainer.driver.sources.buffer import TrajectoryBuffer
 
 ADMIN = "a" * 32
 

@@ -12,6 +12,13 @@ nothing imports ``vintage_cli``.
 Inside ``trainer`` the same rule holds between its sub-packages::
 
     trainer.algorithm  <-  trainer.learner  <-  trainer.driver
+
+and inside ``trainer.driver`` between its rooms (``config`` and ``cluster`` at the bottom, ``loop``
+at the top)::
+
+    config  <-  cluster
+    config  <-  records  <-  sources  <-  publication  <-  loop
+                workers  <-  sources
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("protocol", "modelkit", "rollout", "oldlogit_service", "trainer", "deploy", "benchmarks", "vintage_cli")
 TRAINER_ROOMS = ("trainer.algorithm", "trainer.learner", "trainer.driver")
+DRIVER_ROOMS = tuple(
+    f"trainer.driver.{r}" for r in ("config", "cluster", "records", "workers", "sources", "publication", "loop")
+)
 
 
 def module_name(path: Path) -> str:
@@ -68,18 +78,19 @@ def package_graph() -> dict[str, set[str]]:
     return graph
 
 
-def room_of(module: str) -> str | None:
-    """The ``trainer`` sub-package a dotted module name belongs to, or None."""
-    return next((r for r in TRAINER_ROOMS if module == r or module.startswith(r + ".")), None)
+def room_of(module: str, rooms: tuple[str, ...] = TRAINER_ROOMS) -> str | None:
+    """The room (of ``rooms``: ``trainer``'s sub-packages by default) a dotted module name belongs
+    to, or None."""
+    return next((r for r in rooms if module == r or module.startswith(r + ".")), None)
 
 
-def trainer_room_graph() -> dict[str, set[str]]:
-    """``{trainer sub-package: {other trainer sub-packages its modules import}}``."""
-    graph: dict[str, set[str]] = {r: set() for r in TRAINER_ROOMS}
-    for room in TRAINER_ROOMS:
+def trainer_room_graph(rooms: tuple[str, ...] = TRAINER_ROOMS) -> dict[str, set[str]]:
+    """``{room: {other rooms its modules import}}`` for ``trainer``'s sub-packages or the driver's rooms."""
+    graph: dict[str, set[str]] = {r: set() for r in rooms}
+    for room in rooms:
         for f in sorted((ROOT / room.replace(".", "/")).rglob("*.py")):
             for target in imported_modules(f, names=True):
-                other = room_of(target)
+                other = room_of(target, rooms)
                 if other is not None and other != room:
                     graph[room].add(other)
     return graph
@@ -198,6 +209,55 @@ def test_no_cycle_between_the_trainer_sub_packages():
 def test_each_trainer_sub_package_imports_only_the_ones_below(room, allowed):
     extra = trainer_room_graph()[room] - allowed
     assert extra == set(), f"{room} imports from higher sub-packages: {sorted(extra)}"
+
+
+def test_every_driver_module_is_in_a_room():
+    loose = sorted(
+        str(f.relative_to(ROOT))
+        for f in (ROOT / "trainer" / "driver").rglob("*.py")
+        if f != ROOT / "trainer" / "driver" / "__init__.py" and room_of(module_name(f), DRIVER_ROOMS) is None
+    )
+    assert loose == []
+
+
+def _below(*rooms: str) -> set[str]:
+    return {f"trainer.driver.{r}" for r in rooms}
+
+
+@pytest.mark.parametrize(
+    "room, allowed",
+    [
+        ("config", set()),
+        ("cluster", _below("config")),
+        ("records", _below("config")),
+        ("workers", set()),
+        ("sources", _below("config", "records", "workers")),
+        ("publication", _below("config", "records", "workers", "sources")),
+        ("loop", _below("config", "cluster", "records", "workers", "sources", "publication")),
+    ],
+)
+def test_each_driver_room_imports_only_the_rooms_below(room, allowed):
+    graph = trainer_room_graph(DRIVER_ROOMS)
+    assert cycles(graph) == []
+    extra = graph[f"trainer.driver.{room}"] - allowed
+    assert extra == set(), f"trainer.driver.{room} imports from rooms above it: {sorted(extra)}"
+
+
+def module_graph() -> dict[str, set[str]]:
+    """``{module: {first-party modules it imports}}`` over every package. ``from pkg import mod``
+    counts as an import of ``pkg.mod`` only when ``mod`` is a module (not of ``pkg``'s
+    ``__init__``), so a package that re-exports its modules is not a cycle with them."""
+    files = {module_name(f): f for pkg in PACKAGES for f in sorted((ROOT / pkg).rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for mod, f in files.items():
+        targets = {t for t in imported_modules(f, names=True) if t in files and t != mod}
+        graph[mod] = {t for t in targets if not any(o.startswith(t + ".") for o in targets)}
+    return graph
+
+
+def test_no_module_imports_a_module_that_imports_it():
+    """No file cycle anywhere, lazy and type-checking imports included."""
+    assert cycles(module_graph()) == []
 
 
 def test_the_test_fixtures_import_no_ray():

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from protocol import Trajectory
-from trainer.driver.buffer import TrajectoryBuffer
-from trainer.driver.config import load_config
-from trainer.driver.sources import EnvSource
+from trainer.driver.config.schema import load_config
+from trainer.driver.sources.buffer import TrajectoryBuffer
+from trainer.driver.sources.source import EnvSource
 
 
 def traj(tid, reward, purpose, versions=(3, 3)):
@@ -82,7 +82,7 @@ def test_eval_requests_are_tagged_and_training_trajectories_held_back():
 
 
 def test_eval_requests_are_seeded_per_prompt_on_the_transformers_engine():
-    from trainer.driver.heldout import held_out_requests
+    from trainer.driver.records.heldout import held_out_requests
 
     cfg = load_config(
         None, ["env.eval_prompts=2", "env.train_seeds=10", "controller.seed=2", 'rollout.engine="transformers"']
@@ -104,7 +104,7 @@ def test_eval_that_never_finishes_raises_naming_the_timeout():
 
 
 def test_end_reason_and_exit_code():
-    from trainer.driver.job import end_reason
+    from trainer.driver.loop.job import end_reason
     from vintage_cli.main import exit_code
 
     assert end_reason(5, 5, interrupted=False) == "completed"
@@ -122,7 +122,7 @@ def test_end_reason_and_exit_code():
 def test_failed_part_names_the_actor_role():
     import ray
 
-    from trainer.driver.job import failed_part
+    from trainer.driver.loop.report import failed_part
 
     err = ray.exceptions.RayActorError(error_msg="The actor died: class_name: RolloutWorkerActor")
     assert failed_part(err) == "rollout worker"
@@ -141,7 +141,7 @@ def test_resume_auto_finds_the_run_dirs_latest_checkpoint(tmp_path):
 
 
 def test_intake_refuses_aborted_and_out_of_vocabulary_trajectories():
-    from trainer.driver.job import intake_refusal
+    from trainer.driver.loop.parts import intake_refusal
 
     ok = traj("a", 1.0, "train")  # token ids 0, 1, 2
     assert intake_refusal(ok, vocab_size=3) is None
@@ -206,7 +206,7 @@ def test_an_episode_sampled_by_another_version_is_refused():
 
 
 def test_eval_due_every_n_versions_below_the_last():
-    from trainer.driver.heldout import eval_due
+    from trainer.driver.records.heldout import eval_due
 
     # every 2 of 4: 2 only (0 is "before", 4 is "after"); every 3 of 10: 3, 6, 9; 0: never
     assert [v for v in range(0, 5) if eval_due(v, 2, 4)] == [2]
@@ -217,7 +217,7 @@ def test_eval_due_every_n_versions_below_the_last():
 def test_eval_every_without_held_out_prompts_is_refused():
     from pydantic import ValidationError
 
-    from trainer.driver.config import one_line
+    from trainer.driver.config.schema import one_line
 
     with pytest.raises(ValidationError) as e:
         load_config(None, ["controller.eval_every=2", "env.eval_prompts=0"])

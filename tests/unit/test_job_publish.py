@@ -10,10 +10,10 @@ from collections import Counter
 import pytest
 from rich.console import Console
 
-from trainer.driver.config import load_config
-from trainer.driver.fingerprint_check import FingerprintCheck
-from trainer.driver.job import Job
-from trainer.driver.routes import NoRoute, ScorerRoute
+from trainer.driver.config.schema import load_config
+from trainer.driver.loop.parts import Job
+from trainer.driver.publication.fingerprint_check import FingerprintCheck
+from trainer.driver.publication.routes import Route, ScorerRoute
 
 
 class Learner:
@@ -83,7 +83,7 @@ def job(pool, route):
 
 def test_publish_returns_before_the_workers_apply_and_the_next_waits():
     pool = GatedPool()
-    j = job(pool, NoRoute())
+    j = job(pool, Route())
     j.publish()  # returns although no worker has applied version 1
     assert pool.started.wait(30) and pool.applied == [] and j.learner.published == ["float32"]
     nxt = threading.Thread(target=j.publish)
@@ -102,7 +102,7 @@ def test_publish_returns_before_the_workers_apply_and_the_next_waits():
 
 def test_a_failed_apply_is_raised_by_the_next_wait():
     pool = GatedPool(fail_at=1)
-    j = job(pool, NoRoute())
+    j = job(pool, Route())
     j.publish()
     pool.gate.set()
     with pytest.raises(RuntimeError, match="worker refused version 1"):

@@ -11,12 +11,12 @@ import numpy as np
 from rich.console import Console
 
 from protocol import Trajectory
-from trainer.driver.buffer import TrajectoryBuffer
-from trainer.driver.config import load_config
-from trainer.driver.fingerprint_check import FingerprintCheck
-from trainer.driver.job import Job
-from trainer.driver.routes import NoRoute
-from trainer.driver.sources import EnvSource
+from trainer.driver.config.schema import load_config
+from trainer.driver.loop.parts import Job
+from trainer.driver.publication.fingerprint_check import FingerprintCheck
+from trainer.driver.publication.routes import Route
+from trainer.driver.sources.buffer import TrajectoryBuffer
+from trainer.driver.sources.source import EnvSource
 
 
 def traj(tid, group, versions):
@@ -55,7 +55,7 @@ class Step:
         return self.checks >= self.finish_after
 
 
-class Route(NoRoute):
+class RecordingRoute(Route):
     """Records the consuming version each batch's answer is asked for."""
 
     def __init__(self):
@@ -70,7 +70,7 @@ class Route(NoRoute):
 def job(polls, *overrides, version=3):
     j = Job.__new__(Job)  # only the buffer, pool and route parts are needed
     j.cfg = load_config(None, ["controller.max_staleness=1", "controller.total_steps=10", *overrides])
-    j.pool, j.route, j.version, j.times, j._held_back = Pool(polls), Route(), version, Counter(), []
+    j.pool, j.route, j.version, j.times, j._held_back = Pool(polls), RecordingRoute(), version, Counter(), []
     j.buffer = TrajectoryBuffer(capacity=16, max_staleness=j.cfg.controller.max_staleness)
     j.source = EnvSource(j.cfg, j.pool, j.buffer, lambda: j.version)
     j.batch_size, j.group_size, j.vocab_size, j.taken_ahead = 4, 2, 1000, 0
@@ -116,7 +116,7 @@ def test_no_batch_ahead_when_synchronous_or_at_the_last_version():
 
 
 def test_loop_per_step_and_ratio_to_the_learner():
-    from trainer.driver.job import loop_per_step
+    from trainer.driver.loop.report import loop_per_step
 
     assert loop_per_step(90.0, 75.0, 3) == {"loop_s_per_step": 30.0, "train_s_per_step": 25.0, "loop_over_learner": 1.2}
     assert loop_per_step(0.0, 0.0, 0) == {"loop_s_per_step": None, "train_s_per_step": None, "loop_over_learner": None}

@@ -2,7 +2,7 @@
 session, a job) does not inherit that environment's interposer or its single-node setting."""
 
 from deploy.local_cluster import outside_private_cluster
-from trainer.driver.netguard import MARK
+from trainer.driver.cluster.netguard import MARK
 
 
 def test_the_interposer_and_the_single_node_setting_are_left_out_and_the_rest_kept():

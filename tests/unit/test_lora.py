@@ -26,7 +26,7 @@ from oldlogit_service import OldLogitService
 from protocol import AdapterSpec, OldLogitRequest, ProtocolError, TokenStatus, WeightManifest, adapter_key
 from trainer.algorithm.ewma import EwmaProximal
 from trainer.algorithm.loss_config import EwmaConfig
-from trainer.driver.config import load_config, one_line
+from trainer.driver.config.schema import load_config, one_line
 
 T = 0.8
 Q = "model.layers.0.self_attn.q_proj"

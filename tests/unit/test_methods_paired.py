@@ -140,7 +140,7 @@ def test_report_remakes_a_folder_from_its_cells_without_running(tmp_path):
 
 
 def test_verdict_grid_is_paper_real_with_five_seeds_w4_and_evaluations_every_five_versions():
-    from trainer.driver.config import load_config
+    from trainer.driver.config.schema import load_config
 
     cells = grid("verdict")
     assert len(cells) == 40 and len({c.name for c in cells}) == 40  # 4 methods x W 2, 4 x seeds 0-4
@@ -166,11 +166,11 @@ def test_cli_accepts_the_verdict_grid(monkeypatch, tmp_path):
     from typer.testing import CliRunner
 
     import benchmarks.methods
-    import trainer.driver.netguard
+    import trainer.driver.cluster.netguard
     from vintage_cli.main import app
 
     ran = {}
-    monkeypatch.setattr(trainer.driver.netguard, "reexec_with_loopback", lambda: None)
+    monkeypatch.setattr(trainer.driver.cluster.netguard, "reexec_with_loopback", lambda: None)
     monkeypatch.setattr(benchmarks.methods, "main", lambda **kw: ran.update(kw))
     res = CliRunner().invoke(app, ["bench", "methods", "--grid", "verdict", "--out", str(tmp_path / "v")])
     assert res.exit_code == 0, res.output
@@ -202,7 +202,7 @@ def test_a_cell_record_keeps_its_held_out_evaluations():
 
 
 def test_paper_real_stable_is_paper_real_with_the_demos_stabilisers():
-    from trainer.driver.config import load_config
+    from trainer.driver.config.schema import load_config
 
     cells = grid("paper_real_stable")
     assert [(c.method, c.seed) for c in cells] == [(m, s) for s in (0, 1, 2) for m in ("recompute", "icepop")]
@@ -223,3 +223,13 @@ def test_paper_real_stable_is_paper_real_with_the_demos_stabilisers():
     for section, field in [("loss", "eps_high"), ("learner", "lr_schedule"), ("learner", "lr_warmup_steps"),
                            ("learner", "lr_min_ratio"), ("controller", "dynamic_sampling")]:  # fmt: skip
         assert getattr(getattr(cfg, section), field) == getattr(getattr(demo, section), field), field
+
+
+def test_spanning_grid_runs_long_replies_with_the_interruption_route():
+    from trainer.driver.config.schema import load_config
+
+    cells = grid("spanning")
+    assert [(c.method, c.seed) for c in cells][:3] == [("recompute", 0), ("interrupt_sync", 0), ("ppo_ewma", 0)]
+    cfg = load_config(None, cells[1].overrides(Path("/tmp/x")))
+    assert (cfg.loss.method, cfg.loss.oldlogit_route) == ("interrupt_sync", "interrupt_sync")
+    assert (cfg.rollout.sampling.max_tokens, cfg.controller.max_staleness, cfg.controller.total_steps) == (128, 2, 24)

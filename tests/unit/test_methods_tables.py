@@ -60,7 +60,7 @@ def test_grids_have_unique_cell_names_and_unknown_kind_is_named():
     assert sizes == {
         "quick": 7, "reduced": 22, "seeds": 18, "lr": 6, "eps": 2, "full": 204, "confirm": 3,
         "paper": 30, "paper_lr": 6, "paper_real": 15, "paper_real_stable": 6,
-        "paper_agent": 15, "verdict": 40,
+        "paper_agent": 15, "verdict": 40, "spanning": 9,
     }  # fmt: skip
     for k in GRIDS:
         names = [c.name for c in grid(k)]
@@ -117,7 +117,7 @@ def test_a_cell_interrupted_before_its_last_step_is_not_complete():
 
 
 def test_the_agent_grid_runs_the_retail_agent_through_the_gateway_on_smollm2():
-    from trainer.driver.config import load_config
+    from trainer.driver.config.schema import load_config
 
     cells = grid("paper_agent")
     assert len(cells) == 15 and cells[0].name == "smollm2-recompute-W2-bf16-s0-agent-mb2"

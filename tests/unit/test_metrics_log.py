@@ -6,7 +6,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from trainer.driver.metrics_log import MetricsLog, StepMetrics, read_metrics
+from trainer.driver.records.metrics_log import MetricsLog, StepMetrics, read_metrics
 
 LEARNER = {  # floats, as the learner sends them over Ray
     "version": 3.0,
@@ -68,7 +68,7 @@ class Recorder:
 
 
 def test_eval_records_are_their_own_kind_and_reach_the_trackers_as_eval_names(tmp_path):
-    from trainer.driver.heldout import eval_record
+    from trainer.driver.records.heldout import eval_record
 
     tracker = Recorder()
     log = MetricsLog(tmp_path, [tracker])
@@ -91,8 +91,8 @@ def test_eval_records_are_their_own_kind_and_reach_the_trackers_as_eval_names(tm
 
 
 def test_the_reward_plot_draws_the_held_out_curve_beside_the_batch_reward(tmp_path):
-    from trainer.driver.heldout import eval_record
-    from trainer.driver.metrics_log import held_out_series, plot_run
+    from trainer.driver.records.heldout import eval_record
+    from trainer.driver.records.metrics_log import held_out_series, plot_run
 
     log = MetricsLog(tmp_path)
     for v, r in ((0, 0.25), (2, 0.5)):

@@ -458,3 +458,14 @@ def test_count_statuses_counts_exact_and_missing_by_reason_and_skips_context():
     sts = [np.array([S.CONTEXT, S.EXACT, S.MISSING_EVICTED, S.EXACT], np.int8), np.array([S.MISSING_FUTURE], np.int8)]
     exact, missing = count_statuses(sts)
     assert exact == 2 and dict(missing) == {"MISSING_EVICTED": 1, "MISSING_FUTURE": 1}
+
+
+def test_each_route_holds_versions_as_its_holding_says():
+    from oldlogit_service.store import Holding
+
+    assert Holding.of("snapshot", 3) == Holding(weights=True, window=3, on_host=True)
+    assert Holding.of("old_logit_model", 3) == Holding(weights=True, window=None, on_host=False)
+    assert Holding.of("interrupt_sync", 0) == Holding(weights=True, window=None, on_host=False)
+    assert Holding.of("none", 3) == Holding(weights=False, window=None, on_host=False)
+    with pytest.raises(ValueError, match="'bogus'"):
+        Holding.of("bogus", 2)

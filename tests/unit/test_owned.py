@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from trainer.driver import owned
+from trainer.driver.cluster import owned
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ import os, signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)
 signal.signal(signal.SIGTERM, signal.SIG_DFL)
 signal.signal(signal.SIGHUP, signal.SIG_DFL)
-from trainer.driver import owned
+from trainer.driver.cluster import owned
 def say(word):
     return lambda: print(word, flush=True)
 """

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from trainer.driver.buffer import TrajectoryBuffer
-from trainer.driver.config import load_config
-from trainer.driver.fingerprint_check import FingerprintCheck
-from trainer.driver.job import Job
-from trainer.driver.pool import WORKER_DIED, WORKER_HUNG, hung_workers
-from trainer.driver.server import StatusBoard
-from trainer.driver.sources import EnvSource
+from trainer.driver.cluster.server import StatusBoard
+from trainer.driver.config.schema import load_config
+from trainer.driver.loop.parts import Job
+from trainer.driver.publication.fingerprint_check import FingerprintCheck
+from trainer.driver.sources.buffer import TrajectoryBuffer
+from trainer.driver.sources.source import EnvSource
+from trainer.driver.workers.pool import WORKER_DIED, WORKER_HUNG, hung_workers
 
 
 def test_hung_rule_on_a_fake_clock():

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from rollout.engine import EngineConfig
 from rollout.worker import request_of, sample_id
-from trainer.driver.pool import WORKER_DIED, WorkerPool
+from trainer.driver.workers.pool import WORKER_DIED, WorkerPool
 
 
 def traj(tid: str) -> SimpleNamespace:

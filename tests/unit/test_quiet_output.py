@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainer.driver.environment import ENV_VARS
+from trainer.driver.cluster.environment import ENV_VARS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def test_every_process_of_a_job_ignores_library_deprecation_notices():
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
     env["PYTHONPATH"] = str(REPO)
     code = (
-        "import os, subprocess, sys; from trainer.driver.environment import defaults_env; defaults_env(); "
+        "import os, subprocess, sys; from trainer.driver.cluster.environment import defaults_env; defaults_env(); "
         f"r = subprocess.run([sys.executable, '-c', {WARN!r}], capture_output=True, text=True); "
         "sys.stdout.write(r.stderr)"
     )

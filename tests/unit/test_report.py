@@ -1,4 +1,4 @@
-"""The job's /v1/status ledger (trainer.driver.report.status_fields) on a real buffer and stand-in parts."""
+"""The job's /v1/status ledger (trainer.driver.loop.report.status_fields) on a real buffer and stand-in parts."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import numpy as np
 
 from protocol import JobStatus, Trajectory
-from trainer.driver.buffer import TrajectoryBuffer
-from trainer.driver.report import status_fields
+from trainer.driver.loop.report import status_fields
+from trainer.driver.sources.buffer import TrajectoryBuffer
 
 
 def traj(tid: str, group: str) -> Trajectory:

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from protocol import Trajectory
-from trainer.driver.buffer import TrajectoryBuffer
-from trainer.driver.ledger import Ledger, fates, lineage, read_ledger
-from trainer.driver.resume import TRAJECTORIES_FILE, read_trajectories, write_trajectories
-from trainer.driver.sources import EnvSource
+from trainer.driver.records.ledger import Ledger, fates, lineage, read_ledger
+from trainer.driver.sources.buffer import TrajectoryBuffer
+from trainer.driver.sources.resume import TRAJECTORIES_FILE, read_trajectories, write_trajectories
+from trainer.driver.sources.source import EnvSource
 
 
 def traj(tid, versions, group="g", prompt=2):
@@ -179,7 +179,7 @@ class _Pool:
 
 
 def _source(buffer, pool, segment=0):
-    from trainer.driver.config import load_config
+    from trainer.driver.config.schema import load_config
 
     overrides = ["env.train_seeds=5", "rollout.sampling.n=2", "controller.batch_groups=1", "controller.max_staleness=4"]
     cfg = load_config(None, ['model.path="tiny"', *overrides])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trainer.driver.routes import NoRoute, ScorerRoute, SnapshotRoute, make_route
+from trainer.driver.publication.routes import Route, ScorerRoute, SnapshotRoute, make_route
 
 SERVICE = object()  # stands in for the old-logit service's actor handle
 
@@ -14,7 +14,7 @@ SERVICE = object()  # stands in for the old-logit service's actor handle
 @pytest.mark.parametrize(
     "name, kind, worker_scorer",
     [
-        ("none", NoRoute, None),
+        ("none", Route, None),
         ("snapshot", SnapshotRoute, None),
         ("old_logit_model", ScorerRoute, None),
         ("interrupt_sync", ScorerRoute, SERVICE),

@@ -14,8 +14,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from protocol import OldLogitAnswer, TokenStatus, Trajectory
-from trainer.driver.config import load_config
-from trainer.driver.samples import SamplesLog, learner_batch, mask_spans, read_samples, sample_record
+from trainer.driver.config.schema import load_config
+from trainer.driver.records.samples import SamplesLog, learner_batch, mask_spans, read_samples, sample_record
 from vintage_cli.main import app, sample_text
 
 WORDS = {i: f"w{i} " for i in range(100)}

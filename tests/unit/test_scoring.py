@@ -14,6 +14,7 @@ from modelkit.scoring import (
     DEFAULT_CHUNK_BYTES,
     _causal_lm,
     enable_gradient_checkpointing,
+    scoring_mode,
     sequence_logprobs,
     sequence_logprobs_and_entropy,
 )
@@ -282,6 +283,19 @@ def test_gradient_checkpointing_needs_an_hf_model():
 
 def test_the_job_config_defaults_to_the_scoring_chunk_budget():
     """The torch-free config repeats the number; the learner's settings take it from here."""
-    from trainer.driver.config import LearnerConfig
+    from trainer.driver.config.schema import LearnerConfig
 
     assert LearnerConfig().logprob_chunk_bytes == DEFAULT_CHUNK_BYTES
+
+
+def test_scoring_mode_scores_without_grad_in_eval_mode_and_restores_the_mode():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.5))
+    with scoring_mode(model) as m:
+        assert m is model and not model.training and not torch.is_grad_enabled()
+        assert not model(torch.ones(1, 2)).requires_grad
+    assert model.training and torch.is_grad_enabled()
+    model.eval()
+    with pytest.raises(RuntimeError, match="boom"), scoring_mode(model):
+        model.train()  # a forward that changed the mode and then raised
+        raise RuntimeError("boom")
+    assert not model.training  # the mode it had before, eval

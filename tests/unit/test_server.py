@@ -5,7 +5,7 @@ import pydantic
 import pytest
 
 from protocol import GatewayStatus, JobStatus, WorkerStatus
-from trainer.driver.server import ApiServer, StatusBoard
+from trainer.driver.cluster.server import ApiServer, StatusBoard
 
 TOKEN = "s3cret-0123456789abcdef"
 
@@ -74,7 +74,7 @@ def test_mutating_endpoints_need_the_token(server):
 
 
 def test_the_status_says_paused_while_the_loop_holds_and_running_once_resumed(server):
-    from trainer.driver.job import held_by_pause
+    from trainer.driver.loop.job import held_by_pause
 
     board, srv = server
     auth = {"Authorization": f"Bearer {TOKEN}"}

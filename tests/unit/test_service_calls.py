@@ -9,7 +9,7 @@ import ray
 
 from oldlogit_service.calls import PendingCall, RestartWait, ServiceCalls, ServiceGone, ServiceNotBack
 from protocol import OldLogitServiceStatus
-from trainer.driver.job import failed_part
+from trainer.driver.loop.report import failed_part
 
 UNAVAILABLE = ray.exceptions.ActorUnavailableError("the actor is restarting", None)
 DIED = ray.exceptions.ActorDiedError()

@@ -173,7 +173,7 @@ def test_dropped_delta_keeps_the_reasons_that_grew():
 @pytest.mark.parametrize("phase", ["env", "agent"])
 def test_each_phases_job_settings_are_accepted_by_the_config(phase, tmp_path):
     from benchmarks.bench_soak import job_overrides
-    from trainer.driver.config import load_config
+    from trainer.driver.config.schema import load_config
 
     cfg = load_config(None, job_overrides(phase, tmp_path / phase, seed=3))
     assert (cfg.rollout.max_num_seqs, cfg.controller.seed, cfg.controller.checkpoint_every) == (16, 3, 1)

@@ -8,6 +8,7 @@ import torch
 
 from modelkit.scoring import sequence_logprobs_and_entropy
 from trainer.algorithm.batch import shuffled_rows
+from trainer.algorithm.entropy_control import adaptive_entropy_coef
 from trainer.algorithm.loss_config import loss_config
 from trainer.algorithm.losses import K3_MAX, compute_policy_loss, kl_penalty, regularisers
 from trainer.learner.schedule import lr_multiplier
@@ -148,3 +149,17 @@ def test_a_shuffled_order_from_a_fixed_seed():
     assert shuffled_rows(8, 3, 5, 1) == shuffled_rows(8, 3, 5, 1)
     assert sorted(shuffled_rows(8, 3, 5, 1)) == list(range(8))
     assert shuffled_rows(8, 3, 5, 1) != shuffled_rows(8, 3, 5, 2)
+
+
+# ---- adaptive entropy control -------------------------------------------------------------------
+
+
+def test_adaptive_entropy_coefficient_steps_toward_the_target_within_its_bounds():
+    """delta 0.002, ceiling 0.05, target 0.5 nats: below the target the coefficient rises, above it
+    falls, never below 0 nor above the ceiling; a step without a finite entropy leaves it."""
+    assert adaptive_entropy_coef(0.004, 0.3, 0.5, 0.002, 0.05) == pytest.approx(0.006)
+    assert adaptive_entropy_coef(0.004, 0.7, 0.5, 0.002, 0.05) == pytest.approx(0.002)
+    assert adaptive_entropy_coef(0.001, 0.7, 0.5, 0.002, 0.05) == 0.0
+    assert adaptive_entropy_coef(0.049, 0.1, 0.5, 0.002, 0.05) == 0.05
+    assert adaptive_entropy_coef(0.5, 0.5, 0.5, 0.002, 0.05) == 0.05  # at the target: down, and clipped
+    assert adaptive_entropy_coef(0.004, math.nan, 0.5, 0.002, 0.05) == 0.004

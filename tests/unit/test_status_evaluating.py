@@ -6,9 +6,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from protocol import GatewayStatus
-from trainer.driver.buffer import TrajectoryBuffer
-from trainer.driver.job import evaluate_reported
-from trainer.driver.server import StatusBoard
+from trainer.driver.cluster.server import StatusBoard
+from trainer.driver.loop.job import evaluate_reported
+from trainer.driver.sources.buffer import TrajectoryBuffer
 
 
 class Gateway:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainer.driver.job import StopSignal
+from trainer.driver.cluster.session import StopSignal
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -16,7 +16,7 @@ TWICE = """
 import os, signal
 signal.signal(signal.SIGINT, signal.default_int_handler)
 signal.signal(signal.SIGTERM, signal.SIG_DFL)
-from trainer.driver.job import StopSignal
+from trainer.driver.cluster.session import StopSignal
 stop = StopSignal()
 with stop.installed():
     os.kill(os.getpid(), signal.SIGTERM)

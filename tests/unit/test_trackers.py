@@ -12,9 +12,9 @@ import sys
 import pydantic
 import pytest
 
-from trainer.driver.config import load_config
-from trainer.driver.metrics_log import MetricsLog, read_metrics
-from trainer.driver.trackers import MlflowTracker, TensorBoardTracker, WandbTracker, scalars, start_trackers
+from trainer.driver.config.schema import load_config
+from trainer.driver.records.metrics_log import MetricsLog, read_metrics
+from trainer.driver.records.trackers import MlflowTracker, TensorBoardTracker, WandbTracker, scalars, start_trackers
 
 STEPS = {1: {"loss": 0.5, "reward_mean": 0.25}, 2: {"loss": -0.125, "reward_mean": 0.75}}
 

@@ -74,7 +74,19 @@ class LossConfig(BaseModel):
     entropy_coef: float = Field(0.0, ge=0.0)
     """Weight of the entropy bonus: the loss subtracts ``entropy_coef * aggregate(H_t)`` with H_t
     the entropy (nats) of the policy's next-token distribution at each loss token, computed chunked
-    from the training forward (verl's ``entropy_coeff``); 0 turns it off."""
+    from the training forward (verl's ``entropy_coeff``); 0 turns it off. With ``entropy_target``
+    it is the adaptive coefficient's starting value."""
+    entropy_target: float = Field(0.0, ge=0.0)
+    """Adaptive entropy control (nats; 0 turns it off): after every version the entropy coefficient
+    moves by ``entropy_coef_delta``, up when the step's mean entropy was below this target and down
+    otherwise, within ``[0, entropy_coef_max]``, and the bonus applies only to a step whose previous
+    step's entropy was below the target (:mod:`trainer.algorithm.entropy_control`;
+    the rule of Skywork-OR1, He et al. 2025). The coefficient in use is ``entropy_coef`` in the
+    step's metrics."""
+    entropy_coef_delta: float = Field(0.002, gt=0.0)
+    """How much the adaptive entropy coefficient moves per version."""
+    entropy_coef_max: float = Field(0.05, ge=0.0)
+    """The adaptive entropy coefficient's ceiling."""
 
     @model_validator(mode="after")
     def _check(self) -> LossConfig:

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from trainer.learner.core import LearnerCore
+    from trainer.learner.views import CheckpointedLearner
 
 STATE_FILE = "vintage_state.pt"
 LATEST_FILE = "vintage_latest"
@@ -59,7 +59,7 @@ MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
 """DeepSpeed's module state file of ZeRO 0-2 (the whole module, written by rank 0)."""
 
 
-def _barrier(core: LearnerCore) -> None:
+def _barrier(core: CheckpointedLearner) -> None:
     if core.world_size > 1:
         import torch.distributed as dist
 
@@ -67,7 +67,7 @@ def _barrier(core: LearnerCore) -> None:
 
 
 def save_checkpoint(
-    core: LearnerCore, directory: str | Path, *, extra: dict[str, Any] | None = None, tag: str | None = None
+    core: CheckpointedLearner, directory: str | Path, *, extra: dict[str, Any] | None = None, tag: str | None = None
 ) -> Path:
     """Save ``core`` under ``directory/tag`` (default tag ``v{version}``) and return that folder.
 
@@ -90,6 +90,7 @@ def save_checkpoint(
             "version": core.version,
             "skipped_steps": core.skipped_steps,
             "optimizer_steps": core.optimizer_steps,
+            "entropy_control": core.entropy_control.state_dict(),
             "ewma": core.ewma.state_dict() if core.ewma is not None else None,
             "settings": core.settings.model_dump(mode="json"),
             "extra": extra or {},
@@ -318,11 +319,12 @@ def read_state(directory: str | Path, tag: str | None = None) -> dict[str, Any]:
     return state
 
 
-def load_checkpoint(core: LearnerCore, directory: str | Path, *, tag: str | None = None) -> dict[str, Any]:
+def load_checkpoint(core: CheckpointedLearner, directory: str | Path, *, tag: str | None = None) -> dict[str, Any]:
     """Restore ``core`` from ``directory`` (the newest complete checkpoint unless ``tag``).
 
     Restores weights and optimizer state (DeepSpeed), ``version``, ``skipped_steps``,
-    ``optimizer_steps`` (the learning-rate schedule's position) and the EWMA state, and returns the ``extra`` dict saved with it.
+    ``optimizer_steps`` (the learning-rate schedule's position), the adaptive entropy coefficient
+    and last entropy, and the EWMA state, and returns the ``extra`` dict saved with it.
 
     Raises:
         FileNotFoundError: no complete checkpoint.
@@ -352,11 +354,12 @@ def load_checkpoint(core: LearnerCore, directory: str | Path, *, tag: str | None
     # version's optimizer steps as applied
     s = core.settings
     core.optimizer_steps = int(state.get("optimizer_steps", core.version * s.ppo_epochs * s.ppo_mini_batches))
+    core.entropy_control.load_state_dict(state.get("entropy_control"))
     _barrier(core)
     return dict(state["extra"])
 
 
-def _check_lora(core: LearnerCore, state: dict[str, Any], tag: str | None) -> None:
+def _check_lora(core: CheckpointedLearner, state: dict[str, Any], tag: str | None) -> None:
     """Raise ValueError naming the field when the checkpoint's LoRA settings do not fit ``core``'s."""
     saved = (state.get("settings") or {}).get("lora") or {"enabled": False}
     want = core.settings.lora.model_dump(mode="json")

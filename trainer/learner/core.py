@@ -55,13 +55,20 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
+import psutil
 import torch
 
 from modelkit.cores import torch_threads
-from modelkit.scoring import enable_gradient_checkpointing, sequence_logprobs, sequence_logprobs_and_entropy
+from modelkit.scoring import (
+    enable_gradient_checkpointing,
+    scoring_mode,
+    sequence_logprobs,
+    sequence_logprobs_and_entropy,
+)
 from modelkit.weights import Transport
 from protocol import OldLogitAnswer, Trajectory, WeightManifest
 from trainer.algorithm.batch import Batch, collate, first_loss_position, shuffled_rows
+from trainer.algorithm.entropy_control import EntropyControl
 from trainer.algorithm.ewma import EwmaProximal
 from trainer.algorithm.losses import compute_policy_loss, discrepancy_ratio, icepop_mask
 from trainer.algorithm.proximal import RECOMPUTE_PROXIES, proximal_reference
@@ -147,6 +154,8 @@ class LearnerCore:
         self.nonfinite_weight_steps = 0
         self.optimizer_steps = 0
         """Applied optimizer steps since version 0: the learning-rate schedule's step count."""
+        self.entropy_control = EntropyControl(settings.loss)
+        """The entropy coefficient of the next version (adaptive under ``loss.entropy_target``)."""
         self.last_publish: dict[str, float] = {}
         self.last_optimizer_steps: list[dict[str, float]] = []
         """Per optimizer step metrics of the last :meth:`train_batch` (before :func:`combine_step_metrics`)."""
@@ -193,15 +202,10 @@ class LearnerCore:
         and the trained adapter is put back bit for bit."""
         assert self.ewma is not None
         model = self._scorer if self._scorer is not None else self.engine.module
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad(), self.ewma.swapped_into(model):
-                return sequence_logprobs(
-                    model, mb.token_ids, mb.attention_mask, mb.temperature, first, self.settings.logprob_chunk_bytes
-                )
-        finally:
-            model.train(was_training)
+        with scoring_mode(model), self.ewma.swapped_into(model):
+            return sequence_logprobs(
+                model, mb.token_ids, mb.attention_mask, mb.temperature, first, self.settings.logprob_chunk_bytes
+            )
 
     # -- training -------------------------------------------------------------------------------
 
@@ -301,7 +305,11 @@ class LearnerCore:
             applied=float(applied), version=float(self.version), skipped_steps=float(self.skipped_steps),
             nonfinite_weight_steps=float(self.nonfinite_weight_steps), tokens=n_tok, sequences=float(batch.size),
             step_s=step_s, tokens_per_s=n_tok / step_s if step_s > 0 else 0.0, recompute_forward_s=recompute_s,
+            rss_bytes=float(psutil.Process().memory_info().rss),
         )  # fmt: skip
+        out["entropy_coef"] = self.entropy_control.loss_config().entropy_coef
+        if applied:
+            self.entropy_control.after_version(out["entropy"])
         if self.ewma is not None:
             out.update({f"ewma_{k}": float(v) for k, v in self.ewma.status().items()})
         out.update({k: float(v) for k, v in batch.stats.items() if k not in out})
@@ -320,7 +328,6 @@ class LearnerCore:
         rows_per_rank = -(-batch.size // self.world_size)
         return max(1, -(-rows_per_rank // self.settings.micro_batch_size))
 
-    @torch.no_grad()
     def _with_recompute(self, batch: Batch) -> Batch:
         """``batch`` with ``recompute_logprobs`` filled on this rank's rows: the current weights'
         log-probs (eval mode, learner numerics), micro-batch by micro-batch; other ranks' rows stay NaN.
@@ -332,10 +339,8 @@ class LearnerCore:
         n_micro = self._micro_count(batch)
         first = first_loss_position(local)
         ref = torch.full_like(batch.behav_logprobs, float("nan"))
-        model = self.engine.module
-        was_training = model.training
-        model.eval()
-        try:  # the first ceil(rows / mbs) micro-batches are this rank's rows in order, the rest padding
+        with scoring_mode(self.engine.module) as model:
+            # the first ceil(rows / mbs) micro-batches are this rank's rows in order, the rest padding
             for k, mb in enumerate(local.micro_batches(mbs, n_micro)):
                 mb = mb.to(self.engine.device)
                 lp = sequence_logprobs(
@@ -343,8 +348,6 @@ class LearnerCore:
                 )
                 rows = local_rows[k * mbs : k * mbs + mb.size] if k * mbs < local.size else local_rows[:0]
                 ref[rows, : lp.shape[1]] = lp[: len(rows)].to(ref.device)
-        finally:
-            model.train(was_training)
         return replace(batch, recompute_logprobs=self._gather_rows(ref))
 
     def _gather_rows(self, values: torch.Tensor) -> torch.Tensor:
@@ -439,7 +442,7 @@ class LearnerCore:
         """Forward, loss and backward of one micro-batch, accumulating its metrics into ``acc``,
         ``sums`` and ``timing``; ``counts`` are the mini-batch's global token and sequence counts.
         Returns 1 when the EWMA forward ran (a sampled token lacked exact old logits, or ``probe``)."""
-        cfg, mask = self.settings.loss, mb.loss_mask
+        cfg, mask = self.entropy_control.loss_config(), mb.loss_mask
         exact_mask = mb.exact_mask | mb.current_mask  # the consuming version's own tokens are exact here
         ta = time.perf_counter()
         ewma_lp = None
@@ -527,23 +530,18 @@ class LearnerCore:
 
     # -- inspection and publication -------------------------------------------------------------
 
-    @torch.no_grad()
     def logprobs(self, batch: Batch) -> torch.Tensor:
         """``[batch, seq]`` fp32 log-probs (nats) of ``batch`` under the current weights (no grad),
         computed on the engine's device and returned on the CPU.
 
         Under ZeRO-3 with several ranks every rank must call it (the forward gathers parameters).
         """
-        was_training = self.engine.module.training
-        self.engine.module.eval()
-        try:
+        with scoring_mode(self.engine.module) as model:
             on_device = batch.to(self.engine.device)
             return sequence_logprobs(
-                self.engine.module, on_device.token_ids, on_device.attention_mask, batch.temperature,
+                model, on_device.token_ids, on_device.attention_mask, batch.temperature,
                 chunk_bytes=self.settings.logprob_chunk_bytes,
             ).float().cpu()  # fmt: skip
-        finally:
-            self.engine.module.train(was_training)
 
     def state_dict_full(self) -> dict[str, torch.Tensor]:
         """See :func:`trainer.learner.publication.state_dict_full`."""

@@ -1,8 +1,8 @@
 """Publication of the learner's weights: the full fp32 state, the LoRA adapter, and the packed,
 versioned payload the rollout workers and the old-logit service apply.
 
-Functions over a :class:`trainer.learner.core.LearnerCore` (its methods of the same names call
-them): they read the engine's module and settings and record ``core.last_publish``; they never
+Functions over a learner (:class:`trainer.learner.views.PublishingLearner`; ``LearnerCore``'s
+methods of the same names call them): they read the engine's module and settings and record ``core.last_publish``; they never
 train, so the learner's step and its publication stay apart.
 """
 
@@ -18,10 +18,10 @@ from modelkit.weights import PackedWeights, Transport, pack_weights, perturbed_w
 from protocol import WeightManifest
 
 if TYPE_CHECKING:
-    from trainer.learner.core import LearnerCore
+    from trainer.learner.views import PublishingLearner
 
 
-def state_dict_full(core: LearnerCore) -> dict[str, torch.Tensor]:
+def state_dict_full(core: PublishingLearner) -> dict[str, torch.Tensor]:
     """CPU fp32 copy of the full weights in HF naming (tied tensors appear under both names).
 
     With LoRA: the merged weights a consumer runs, ``W0 + (alpha / r) * B @ A`` per adapted
@@ -37,7 +37,7 @@ def state_dict_full(core: LearnerCore) -> dict[str, torch.Tensor]:
         return {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in state.items()}
 
 
-def adapter_state(core: LearnerCore) -> dict[str, torch.Tensor]:
+def adapter_state(core: PublishingLearner) -> dict[str, torch.Tensor]:
     """CPU fp32 copy of the LoRA adapter, ``{protocol.adapter_key name: tensor}`` (A ``[r, in]``,
     B ``[out, r]``).
 
@@ -51,7 +51,7 @@ def adapter_state(core: LearnerCore) -> dict[str, torch.Tensor]:
 
 
 def publish(
-    core: LearnerCore,
+    core: PublishingLearner,
     dtype: str = "float32",
     copy: bool = True,
     transport: Transport = "host",

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from modelkit.scoring import sequence_logprobs
+from modelkit.scoring import scoring_mode, sequence_logprobs
 
 
 def frozen_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -54,7 +54,6 @@ class ReferencePolicy:
             self._copy.to(device)
         return self
 
-    @torch.no_grad()
     def logprobs(
         self,
         engine_module: Any,
@@ -69,11 +68,6 @@ class ReferencePolicy:
         (:func:`modelkit.scoring.sequence_logprobs`). ``engine_module`` is the trained module (used
         with LoRA, its adapter disabled for the forward and its train/eval mode restored)."""
         model = self._copy if self._copy is not None else engine_module
-        was_training = model.training
-        model.eval()
         switch = model.disable_adapter() if self.lora else contextlib.nullcontext()
-        try:
-            with switch:
-                return sequence_logprobs(model, token_ids, attention_mask, temperature, first, chunk_bytes)
-        finally:
-            model.train(was_training)
+        with scoring_mode(model), switch:
+            return sequence_logprobs(model, token_ids, attention_mask, temperature, first, chunk_bytes)
