@@ -75,8 +75,7 @@ def step_beta(mean_lag: float, steps_per_version: int = 1) -> float:
         raise ValueError(f"mean_lag must be finite and >= 0, got mean_lag={mean_lag!r}")
     if steps_per_version < 1:
         raise ValueError(f"steps_per_version must be >= 1, got steps_per_version={steps_per_version!r}")
-    steps = mean_lag * steps_per_version + (steps_per_version - 1) / 2.0
-    return steps / (1.0 + steps)
+    return beta_from_lag(mean_lag * steps_per_version + (steps_per_version - 1) / 2.0)
 
 
 def _named(params: ParamSource) -> dict[str, Tensor]:
