@@ -299,9 +299,12 @@ VERDICT_SEEDS = (0, 1, 2, 3, 4)
 """Seeds of the ``verdict`` grid."""
 
 SPANNING: tuple[str, ...] = ("rollout.sampling.max_tokens=128", "learner.micro_batch_size=8")
-"""Long replies on the tiny model's task: 128 tokens per reply, so a batch's generation outlasts a
-learner step, the worker is still sampling when a version is published, and the requests it is
-running carry on under the new version (partial rollouts whose sequences span versions)."""
+"""Long replies on the tiny model's task (128 tokens per reply), meant to keep the worker sampling
+when a version is published, so that its running requests carry on under the new version. Measured
+on this 2-core CPU it does not: the learner's step on 32 x 128 tokens took 7 s and the worker
+finished each batch before it, so 0 of 32 sequences spanned versions in each of recompute seed 0's
+first 18 steps. A spanning configuration needs generation slower than the learner step (tools
+that wait, or longer replies on a larger model)."""
 
 SPANNING_METHODS = ("recompute", "interrupt_sync", "ppo_ewma")
 """Methods of the ``spanning`` grid: decoupled PPO, the exact interruption route (every prefix scored
