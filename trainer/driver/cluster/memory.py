@@ -21,29 +21,30 @@ class KilledForMemory(RuntimeError):
     one-line report of :func:`killed_for_memory`."""
 
 
+def _proc_number(path: Path, key: str) -> int | None:
+    """The first number after ``key`` on the line of ``path`` whose first field is ``key`` (a
+    ``/proc`` table of ``name value [unit]`` lines); None where the file or the line is missing."""
+    try:
+        for line in path.read_text().splitlines():
+            fields = line.split()
+            if fields and fields[0] == key:
+                return int(fields[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def oom_kill_count(vmstat: Path = VMSTAT) -> int | None:
     """The kernel's count of out-of-memory kills since boot (``oom_kill`` in ``/proc/vmstat``); None
     where the file or the field is missing (not Linux, an old kernel)."""
-    try:
-        for line in vmstat.read_text().splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
-    except (OSError, ValueError):
-        return None
-    return None
+    return _proc_number(vmstat, "oom_kill")
 
 
 def total_memory_bytes(meminfo: Path = MEMINFO) -> int | None:
     """The machine's memory in bytes (``MemTotal`` of ``/proc/meminfo``, given in KiB); None where
     unreadable."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    kib = _proc_number(meminfo, "MemTotal:")
+    return None if kib is None else kib * 1024
 
 
 def killed_for_memory(
