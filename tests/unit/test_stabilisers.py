@@ -8,7 +8,7 @@ import torch
 
 from modelkit.scoring import sequence_logprobs_and_entropy
 from trainer.algorithm.batch import shuffled_rows
-from trainer.algorithm.entropy_control import adaptive_entropy_coef
+from trainer.algorithm.entropy_control import EntropyControl, adaptive_entropy_coef
 from trainer.algorithm.loss_config import loss_config
 from trainer.algorithm.losses import K3_MAX, compute_policy_loss, kl_penalty, regularisers
 from trainer.learner.schedule import lr_multiplier
@@ -163,3 +163,19 @@ def test_adaptive_entropy_coefficient_steps_toward_the_target_within_its_bounds(
     assert adaptive_entropy_coef(0.049, 0.1, 0.5, 0.002, 0.05) == 0.05
     assert adaptive_entropy_coef(0.5, 0.5, 0.5, 0.002, 0.05) == 0.05  # at the target: down, and clipped
     assert adaptive_entropy_coef(0.004, math.nan, 0.5, 0.002, 0.05) == 0.004
+
+
+def test_the_entropy_bonus_stays_on_above_the_target_while_its_coefficient_falls():
+    """Target 0.5, start 0.03, delta 0.01: entropies 0.4, 0.8, 0.8, 0.8, 0.8 move the coefficient
+    0.03 -> 0.04 -> 0.03 -> 0.02 -> 0.01 -> 0; each version trains with the coefficient before its
+    move, so the bonus is on (0.04, 0.03, ...) after versions whose entropy was above the target."""
+    ctl = EntropyControl(loss_config("grpo", entropy_coef=0.03, entropy_target=0.5, entropy_coef_delta=0.01))
+    used = []
+    for entropy in (0.4, 0.8, 0.8, 0.8, 0.8):
+        used.append(ctl.loss_config().entropy_coef)
+        ctl.after_version(entropy)
+    assert used == pytest.approx([0.03, 0.04, 0.03, 0.02, 0.01]) and ctl.coef == 0.0
+    assert ctl.loss_config().entropy_coef == 0.0
+    resumed = EntropyControl(ctl.cfg)
+    resumed.load_state_dict({"coef": 0.02})
+    assert resumed.loss_config().entropy_coef == 0.02

@@ -79,10 +79,9 @@ class LossConfig(BaseModel):
     entropy_target: float = Field(0.0, ge=0.0)
     """Adaptive entropy control (nats; 0 turns it off): after every version the entropy coefficient
     moves by ``entropy_coef_delta``, up when the step's mean entropy was below this target and down
-    otherwise, within ``[0, entropy_coef_max]``, and the bonus applies only to a step whose previous
-    step's entropy was below the target (:mod:`trainer.algorithm.entropy_control`;
-    the rule of Skywork-OR1, He et al. 2025). The coefficient in use is ``entropy_coef`` in the
-    step's metrics."""
+    otherwise, within ``[0, entropy_coef_max]`` (the rule of Skywork-OR1, He et al. 2025), and the
+    bonus stays on at the current coefficient (:mod:`trainer.algorithm.entropy_control`). The
+    coefficient in use is ``entropy_coef`` in the step's metrics."""
     entropy_coef_delta: float = Field(0.002, gt=0.0)
     """How much the adaptive entropy coefficient moves per version."""
     entropy_coef_max: float = Field(0.05, ge=0.0)

@@ -307,7 +307,7 @@ class LearnerCore:
             step_s=step_s, tokens_per_s=n_tok / step_s if step_s > 0 else 0.0, recompute_forward_s=recompute_s,
             rss_bytes=float(psutil.Process().memory_info().rss),
         )  # fmt: skip
-        out["entropy_coef"] = self.entropy_control.loss_config().entropy_coef
+        out["entropy_coef"] = self.entropy_control.coef
         if applied:
             self.entropy_control.after_version(out["entropy"])
         if self.ewma is not None:
