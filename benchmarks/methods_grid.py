@@ -55,10 +55,11 @@ Grids:
 * ``paper_real_stable``: ``paper_real``'s decoupled PPO (recompute) and IcePop cells, seeds 0-2, with
   the demo's stabilisers (:data:`STABILISERS`; rows tagged ``mb2-stable``): how many still collapse.
   Run it into ``paper_real``'s folder to read the rows side by side.
-* ``spanning``: rollouts that span versions: the tiny model's task with 128-token replies
-  (:data:`SPANNING`), decoupled PPO, ``interrupt_sync`` and PPO-EWMA at W = 2, seeds 0-2,
-  :data:`SPANNING_STEPS` versions (rows tagged ``long128``); the table's "sequences spanning versions"
-  column says how many trained sequences carry tokens of two or more versions.
+* ``spanning``: rollouts that span versions: ``paper_agent``'s retail agent with a closing turn and
+  a store that answers after 10 s (:data:`SPANNING`), decoupled PPO, snapshot and PPO-EWMA at W = 2,
+  seeds 0-2, :data:`SPANNING_STEPS` versions (rows tagged ``agent-latency10``; the methods of one
+  seed next to each other); the table's "sequences spanning versions" column says how many trained
+  sequences carry tokens of two or more versions.
 * ``paper_agent``: the same comparison on a multi-turn task through the gateway, the retail agent
   on SmolLM2 (:data:`AGENT`: 2 mini-batches, W = 2, 3 seeds, :data:`PAPER_AGENT_STEPS` steps).
 * ``verdict``: ``paper_real``'s regime made decisive by pairing and more seeds: SmolLM2 on the
@@ -120,9 +121,6 @@ METHODS: dict[str, str] = {
     "ppo": "ppo",
 }
 """Label in the tables -> ``loss.method`` preset (``trainer.algorithm.loss_config.METHODS``)."""
-
-ROUTE_METHODS: dict[str, str] = {"interrupt_sync": "interrupt_sync"}
-"""Methods run only by the grids that name them (the interruption route needs partial rollouts)."""
 
 PROBES: dict[str, str] = {
     "probe_recompute": "recompute",
@@ -195,7 +193,7 @@ class Cell:
         if self.method in PROBES:
             loss = ['loss.method="snapshot"', f'loss.proxy="{PROBES[self.method]}"']
         else:
-            loss = [f'loss.method="{({**METHODS, **ROUTE_METHODS})[self.method]}"']
+            loss = [f'loss.method="{METHODS[self.method]}"']
         return (
             BASE
             + DISCREPANCY[self.disc]
@@ -298,20 +296,26 @@ over ``paper_real``'s 3 seeds; the mean of 4 evaluations (the curve score) has a
 VERDICT_SEEDS = (0, 1, 2, 3, 4)
 """Seeds of the ``verdict`` grid."""
 
-SPANNING: tuple[str, ...] = ("rollout.sampling.max_tokens=128", "learner.micro_batch_size=8")
-"""Long replies on the tiny model's task (128 tokens per reply), meant to keep the worker sampling
-when a version is published, so that its running requests carry on under the new version. Measured
-on this 2-core CPU it does not: the learner's step on 32 x 128 tokens took 7 s and the worker
-finished each batch before it, so 0 of 32 sequences spanned versions in each of recompute seed 0's
-first 18 steps. A spanning configuration needs generation slower than the learner step (tools
-that wait, or longer replies on a larger model)."""
+SPANNING: tuple[str, ...] = (
+    'env.kwargs={level="easy", max_turns=3, closing_turn=true}',
+    "agent.task_fields={tool_latency_s=10}",
+)
+"""Agent sessions that stay open across a publication: :data:`AGENT` with a closing turn (after the
+right tool call the store answers and the agent replies once more, so a solved episode takes two
+model calls) and a store that answers each reply after 10 s (``tool_latency_s``, an ``asyncio``
+wait). A session's calls then straddle the learner's steps, so its trajectory carries tokens of the
+versions in use at each call. Generation alone does not do it here: with 128-token replies on the
+tiny model the worker finished each batch within the learner's 7 s step and 0 of 32 sequences
+spanned versions."""
 
-SPANNING_METHODS = ("recompute", "interrupt_sync", "ppo_ewma")
-"""Methods of the ``spanning`` grid: decoupled PPO, the exact interruption route (every prefix scored
-at its outgoing version) and PPO-EWMA."""
+SPANNING_METHODS = ("recompute", "snapshot", "ppo_ewma")
+"""Methods of the ``spanning`` grid: decoupled PPO, the exact snapshot route (each version's old
+logits, whichever call of the session made the token) and PPO-EWMA. The interruption route attaches
+exact old logits only to calls in flight at a publication; a session waiting on its tool between
+calls holds none, so snapshot is the exact route for agent sessions."""
 
-SPANNING_STEPS = 24
-"""Versions per ``spanning`` run."""
+SPANNING_STEPS = 16
+"""Versions per ``spanning`` run (~30 s per step here, plus two 32-task evaluations)."""
 
 CONFIRM_STEPS = 12
 """Steps per confirmation run: the demo's batch reward rises from ~0.4 to ~0.7 within ~12 steps."""
@@ -393,8 +397,11 @@ def grid(kind: str) -> list[Cell]:
             for m in VERDICT_METHODS
         ]
     if kind == "spanning":
+        extra = (*AGENT, *SPANNING)
         return [
-            Cell(m, 2, "bf16", s, SPANNING_STEPS, SPANNING, tag="long128") for s in (0, 1, 2) for m in SPANNING_METHODS
+            Cell(m, 2, "bf16", s, SPANNING_STEPS, extra, model="smollm2", tag="agent-latency10")
+            for s in (0, 1, 2)
+            for m in SPANNING_METHODS
         ]
     if kind == "eps":
         wide = ("loss.eps_low=0.5", "loss.eps_high=1.0")

@@ -11,7 +11,11 @@ database state) and answers replies that contain no tool call by restating its r
 Rules: only ``pending`` orders can be cancelled, only ``delivered`` orders returned. The episode
 ends when the database matches the goal (reward 1.0), when a mutation makes it impossible to reach
 (reward 0.0), or after ``max_turns`` model turns (reward 0.0). Reward is 1 exactly when the final
-database state equals the goal state.
+database state equals the goal state. With ``closing_turn`` the episode does not end at the goal:
+the store returns the tool's result and the assistant replies once more (to tell the customer), as
+in a support conversation; that reply's tool call, if any, runs too, and the reward is 1 when the
+database still equals the goal after it. Reaching the goal at the last allowed turn ends the
+episode there, so ``max_turns`` bounds every episode.
 
 Levels:
 
@@ -60,12 +64,14 @@ class RetailEnv:
         level: ``easy`` | ``medium`` | ``hard``.
         max_turns: most model turns before the episode ends unsolved.
         few_shot: open the conversation with one worked example exchange (tool call + result).
+        closing_turn: after the goal is reached, one more assistant reply before the episode ends
+            (so a solved episode takes at least two model turns when ``max_turns`` allows).
 
     Raises:
         ValueError: unknown ``level`` or ``max_turns`` < 1.
     """
 
-    def __init__(self, level: str = "easy", max_turns: int = 4, few_shot: bool = True):
+    def __init__(self, level: str = "easy", max_turns: int = 4, few_shot: bool = True, closing_turn: bool = False):
         if level not in LEVELS:
             raise ValueError(f"level: {level!r} is not one of {LEVELS}")
         if max_turns < 1:
@@ -73,6 +79,8 @@ class RetailEnv:
         self.level = level
         self.max_turns = max_turns
         self.few_shot = few_shot
+        self.closing_turn = closing_turn
+        self.closing = False
         self.db: dict[str, dict[str, str]] = {}
         self.goal: dict[str, dict[str, str]] = {}
         self.turn = 0
@@ -146,6 +154,7 @@ class RetailEnv:
     def reset(self, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         self._build(seed)
         self.turn = 0
+        self.closing = False
         self.request_text = self._user_request()
         msgs = [{"role": "system", "content": SYSTEM}]
         if self.few_shot:  # one worked exchange (about another store, ids not in the db)
@@ -168,7 +177,13 @@ class RetailEnv:
             obs = [{"role": "user", "content": f"Please use a tool. {self.request_text}"}]
         else:
             obs = [{"role": "tool", "content": self._tool(*call)}]
+        if self.closing:
+            solved = self.db == self.goal
+            return [], float(solved), True, {**info, "solved": solved}
         if self.db == self.goal:
+            if self.closing_turn and self.turn < self.max_turns:
+                self.closing = True
+                return obs, 0.0, False, info
             return [], 1.0, True, {**info, "solved": True}
         if not self._reachable():
             return [], 0.0, True, {**info, "solved": False, "why": "goal unreachable"}

@@ -82,6 +82,12 @@ def test_task_sources_env_and_jsonl(tmp_path):
     cfg2 = cfg.model_copy(update={"agent": cfg.agent.model_copy(update={"tasks": str(f)})})
     train, held = task_sources(cfg2)
     assert [train(i)["id"] for i in range(4)] == [0, 1, 2, 0] and held == [{"id": 3}, {"id": 4}]
+    fields = cfg2.agent.model_copy(update={"task_fields": {"tool_latency_s": 10, "id": -1}})
+    train, held = task_sources(cfg2.model_copy(update={"agent": fields}))
+    assert train(1) == {"tool_latency_s": 10, "id": 1} and held[0] == {"tool_latency_s": 10, "id": 3}
+    fields = cfg.agent.model_copy(update={"task_fields": {"tool_latency_s": 2.5}})
+    train, held = task_sources(cfg.model_copy(update={"agent": fields}))
+    assert train(6) == {"tool_latency_s": 2.5, "env": env, "seed": 1} and held[1]["tool_latency_s"] == 2.5
     f.write_text('{"id": 1}\n[2]\n')
     with pytest.raises(ValueError, match=r"tasks.jsonl:2 is not a JSON object"):
         read_tasks(str(f))

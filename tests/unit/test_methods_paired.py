@@ -225,11 +225,13 @@ def test_paper_real_stable_is_paper_real_with_the_demos_stabilisers():
         assert getattr(getattr(cfg, section), field) == getattr(getattr(demo, section), field), field
 
 
-def test_spanning_grid_runs_long_replies_with_the_interruption_route():
+def test_spanning_grid_runs_agent_sessions_that_wait_on_their_tool():
     from trainer.driver.config.schema import load_config
 
     cells = grid("spanning")
-    assert [(c.method, c.seed) for c in cells][:3] == [("recompute", 0), ("interrupt_sync", 0), ("ppo_ewma", 0)]
+    assert [(c.method, c.seed) for c in cells][:4] == [("recompute", 0), ("snapshot", 0), ("ppo_ewma", 0), ("recompute", 1)]
     cfg = load_config(None, cells[1].overrides(Path("/tmp/x")))
-    assert (cfg.loss.method, cfg.loss.oldlogit_route) == ("interrupt_sync", "interrupt_sync")
-    assert (cfg.rollout.sampling.max_tokens, cfg.controller.max_staleness, cfg.controller.total_steps) == (128, 2, 24)
+    assert (cfg.loss.method, cfg.model.path, cfg.agent.path) == ("snapshot", "smollm2", "rollout.agents.retail:run")
+    assert cfg.env.kwargs == {"level": "easy", "max_turns": 3, "closing_turn": True}
+    assert cfg.agent.task_fields == {"tool_latency_s": 10}
+    assert (cfg.controller.max_staleness, cfg.controller.total_steps, len(cells)) == (2, 16, 9)

@@ -92,6 +92,27 @@ def test_retail_no_call_gets_user_reminder_and_max_turns():
     assert done and r == 0.0 and info["why"] == "max_turns"
 
 
+def test_retail_closing_turn_takes_one_more_reply_after_the_goal():
+    """easy, seed 2, closing turn: the right call returns the tool's result and 0 without ending;
+    the reply after it ends the episode with 1. A closing reply that cancels another pending order
+    ends it with 0. Solved at the last allowed turn (max_turns 1), the episode ends there with 1."""
+    env = RetailEnv("easy", closing_turn=True)
+    env.reset(2)
+    obs, r, done, _ = env.step(f"cancel_order({env.target})")
+    assert (obs, r, done) == ([{"role": "tool", "content": f"order {env.target} cancelled"}], 0.0, False)
+    obs, r, done, info = env.step("Your order is cancelled.")
+    assert (obs, r, done, info["solved"], info["turn"]) == ([], 1.0, True, True, 2)
+    env.reset(2)
+    other = next(k for k, o in env.db.items() if k != env.target and o["status"] == "pending")
+    env.step(f"cancel_order({env.target})")
+    _, r, done, info = env.step(f"cancel_order({other})")
+    assert (r, done, info["solved"]) == (0.0, True, False)
+    last = RetailEnv("easy", max_turns=1, closing_turn=True)
+    last.reset(2)
+    _, r, done, info = last.step(f"cancel_order({last.target})")
+    assert (r, done, info["solved"]) == (1.0, True, True)
+
+
 def test_retail_deterministic_and_parse():
     a, b = RetailEnv("medium"), RetailEnv("medium")
     assert a.reset(7) == b.reset(7) and a.db == b.db
@@ -121,3 +142,35 @@ def test_template_chat_format_token_in_token_out(real_model_path):
     assert ids == tok.encode(
         tok.apply_chat_template(full, add_generation_prompt=True, tokenize=False), add_special_tokens=False
     )
+
+
+def test_retail_agent_waits_the_tool_latency_between_turns(monkeypatch):
+    """easy, seed 2, closing turn, tool_latency_s 10, a client that first writes the right call and
+    then a closing sentence: two model calls, one wait of 10 s between them (none after the last),
+    reward 1. A negative latency is refused before any call."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from rollout.agents import retail
+
+    env = RetailEnv("easy")
+    env.reset(2)
+    replies = iter([f"cancel_order({env.target})", "Your order is cancelled."])
+    calls, waits = [], []
+
+    class Completions:
+        async def create(self, **kw):
+            calls.append(len(kw["messages"]))
+            return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content=next(replies)))])
+
+    async def sleep(s):
+        waits.append(s)
+
+    monkeypatch.setattr(retail.asyncio, "sleep", sleep)
+    client = SimpleNamespace(chat=SimpleNamespace(completions=Completions()))
+    task = {"seed": 2, "env": {"kwargs": {"level": "easy", "closing_turn": True}}, "tool_latency_s": 10}
+    out = asyncio.run(retail.run(task, client))
+    assert out == {"reward": 1.0, "turns": 2, "solved": True} and waits == [10.0]
+    assert calls[1] == calls[0] + 2  # the reply and the tool's result
+    with pytest.raises(ValueError, match=r"task.tool_latency_s: must be >= 0, got -1.0"):
+        asyncio.run(retail.run({**task, "tool_latency_s": -1}, client))

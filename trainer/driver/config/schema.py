@@ -334,6 +334,9 @@ class AgentConfig(_Section):
     or a JSONL file of task objects (one per line; held-out tasks from ``eval_tasks``)."""
     eval_tasks: str | None = None
     """JSONL file of held-out tasks (with ``tasks`` a JSONL file); ``None``: the last ``env.eval_prompts`` lines."""
+    task_fields: dict[str, Any] = Field(default_factory=dict)
+    """Fields added to every task, training and held-out (a field the task already holds keeps its
+    own value), e.g. ``{tool_latency_s = 10}`` for an agent that reads it."""
     timeout_s: float = Field(600.0, gt=0.0)
     """An episode still running after this many seconds is cancelled and its session dropped (``agent_timeout``)."""
 

@@ -92,23 +92,26 @@ def read_tasks(path: str) -> list[dict[str, Any]]:
 
 
 def task_sources(cfg: JobConfig) -> tuple[Callable[[int], dict[str, Any]], list[dict[str, Any]]]:
-    """``(train_task(i), held_out_tasks)`` of the job's ``[agent]`` task source (see ``AgentConfig.tasks``)."""
+    """``(train_task(i), held_out_tasks)`` of the job's ``[agent]`` task source (see ``AgentConfig.tasks``),
+    each task with ``agent.task_fields`` added under its own fields."""
     a, e = cfg.agent, cfg.env
     if a.tasks == "env":
         env = {"path": e.path, "kwargs": dict(e.kwargs)}
-
-        def train(i: int) -> dict[str, Any]:
-            return {"env": env, "seed": i % e.train_seeds}
-
+        train_tasks = None
         held = [{"env": env, "seed": s} for s in range(e.train_seeds, e.train_seeds + e.eval_prompts)]
-        return train, held
-    tasks = read_tasks(a.tasks)
-    if a.eval_tasks is not None:
-        held = read_tasks(a.eval_tasks)
     else:
-        k = min(e.eval_prompts, len(tasks) - 1)
-        tasks, held = (tasks[:-k], tasks[-k:]) if k > 0 else (tasks, [])
-    return (lambda i: tasks[i % len(tasks)]), held
+        train_tasks = read_tasks(a.tasks)
+        if a.eval_tasks is not None:
+            held = read_tasks(a.eval_tasks)
+        else:
+            k = min(e.eval_prompts, len(train_tasks) - 1)
+            train_tasks, held = (train_tasks[:-k], train_tasks[-k:]) if k > 0 else (train_tasks, [])
+
+    def train(i: int) -> dict[str, Any]:
+        task = {"env": env, "seed": i % e.train_seeds} if train_tasks is None else train_tasks[i % len(train_tasks)]
+        return {**a.task_fields, **task}
+
+    return train, [{**a.task_fields, **t} for t in held]
 
 
 class AgentRunner:
