@@ -2,7 +2,8 @@
 and the learner's step split into its parts.
 
     python -m benchmarks.bench_learner [--model tiny|real] [--method snapshot] [--batch 16] [--prompt 64]
-        [--completion 32] [--threads 1] [--repeats 5] [--dtype float32|bfloat16] [--out runs/bench/learner.json]
+        [--completion 32] [--threads 1] [--repeats 5] [--dtype float32|bfloat16] [--pack]
+        [--out runs/bench/learner.json]
     vintage bench learner [--model tiny]
 
 The batch: ``--batch`` synthetic trajectories of random token ids (``--seed``), each a prompt of
@@ -36,7 +37,10 @@ The two steps, each on its own copy of the model loaded from the same folder:
   ``ref_forward_s``, ``optimizer_s`` (``engine.step()`` with the guard's copy of the updated
   tensors and DeepSpeed's clipping), ``ewma_update_s``, ``recompute_forward_s``;
   ``remainder_s = step_s - sum(parts)``. ``wall_s`` is the ``train_step`` call measured outside
-  (collation and the thread switch included), ``collate_s = wall_s - step_s``.
+  (collation and the thread switch included), ``collate_s = wall_s - step_s``. With ``--pack`` the
+  learner packs its rows (``learner.pack_sequences``) while the plain step keeps the padded batch;
+  the header gives the forward's token positions padded and packed
+  (:func:`modelkit.scoring.packed_token_counts`).
 
 Both run under ``--threads`` torch threads (:func:`modelkit.cores.torch_threads`). Each repeat runs
 both steps back to back (plain first on even repeats, learner first on odd ones, so a drifting
@@ -164,7 +168,9 @@ def format_table(result: Mapping[str, Any]) -> str:
         f"{c['model']} ({c['params']:,} params), method {c['method']}, {c['dtype']}, {c['threads']} thread(s), "
         f"{c['device']}; batch {c['batch']} x ({c['prompt']} prompt + <= {c['completion']} completion)",
         f"tokens: padded {b['padded_tokens']:,}, real {b['real_tokens']:,} "
-        f"(padded / real {b['padded_over_real']:.3f}), trained {b['trained_tokens']:,}; trained per step "
+        f"(padded / real {b['padded_over_real']:.3f}), packed {b['packed_tokens']:,} (packed / real "
+        f"{b['packed_over_real']:.3f}; the learner {'packs' if c['pack'] else 'pads'}), "
+        f"trained {b['trained_tokens']:,}; trained per step "
         f"plain {result['tokens']['plain']:,.0f}, learner {result['tokens']['learner']:,.0f}",
         f"{c['repeats'] - 1 if c['repeats'] > 1 else c['repeats']} measured repeat(s) after a warm-up; seconds",
         f"{'':38s} {'median':>9s} {'min':>9s} {'max':>9s}",
@@ -313,7 +319,7 @@ def run_repeat(index: int, core: Any, plain: tuple[Any, Any], trajs: list, olds:
 
 def run(
     model_path: str, model_name: str, method: str, batch: int, prompt: int, completion: int, threads: int,
-    repeats: int, dtype: str, seed: int = 0,
+    repeats: int, dtype: str, seed: int = 0, pack: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Build the batch, the learner and the plain model, run ``repeats`` repeats; the result dict
     (``config``, ``batch``, ``tokens``, ``repeats``, ``summary``; see :func:`main`)."""
@@ -321,6 +327,7 @@ def run(
 
     from modelkit.cores import torch_threads
     from modelkit.modelhub import load_causal_lm
+    from modelkit.scoring import packed_token_counts
     from trainer.algorithm.batch import collate
     from trainer.algorithm.loss_config import loss_config
     from trainer.learner import LearnerCore, LearnerSettings, free_port
@@ -333,7 +340,7 @@ def run(
         del scorer
         settings = LearnerSettings(
             model_path=model_path, lr=LR, grad_clip=GRAD_CLIP, micro_batch_size=batch, dtype=dtype, loss=cfg,
-            torch_threads=threads, seed=seed, master_port=free_port(),
+            torch_threads=threads, seed=seed, master_port=free_port(), pack_sequences=pack,
         )  # fmt: skip
         core = LearnerCore(settings)
         device = core.engine.device
@@ -349,18 +356,20 @@ def run(
     rows = [run_repeat(i, core, (model, optimizer), trajs, old_logits, amp) for i in range(repeats)]
     b0 = collate(trajs, 0, old_logits=old_logits, pad_token_id=core.pad_token_id, advantage=cfg.advantage)
     padded, real = int(b0.token_ids.numel()), int(b0.attention_mask.sum())
+    packed = packed_token_counts(b0.attention_mask)[1]
     plain_tokens = {r["plain"]["tokens"] for r in rows}
     learner_tokens = {r["learner"]["tokens"] for r in rows}
     return {
         "config": {
             "model": model_name, "model_path": model_path, "params": sum(p.numel() for p in model.parameters()),
             "method": method, "dtype": dtype, "threads": threads, "batch": batch, "prompt": prompt,
-            "completion": completion, "repeats": repeats, "seed": seed, "lr": LR, "grad_clip": GRAD_CLIP,
+            "completion": completion, "repeats": repeats, "seed": seed, "lr": LR, "grad_clip": GRAD_CLIP, "pack": pack,
             "micro_batch_size": batch, "zero_stage": settings.zero_stage, "device": str(device),
             "loss": cfg.model_dump(),
         },
         "batch": {
             "padded_tokens": padded, "real_tokens": real, "padded_over_real": padded / real,
+            "packed_tokens": packed, "packed_over_real": packed / real,
             "trained_tokens": int(b0.loss_mask.sum()), "width": int(b0.token_ids.shape[1]),
             "completion_lengths": completion_lengths(batch, completion, seed),
         },
@@ -385,6 +394,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--repeats", type=int, default=5, help="repeats of both steps; the first is warm-up")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--seed", type=int, default=0, help="seed of the batch and of torch")
+    ap.add_argument("--pack", action="store_true", help="the learner packs its rows (learner.pack_sequences)")
     ap.add_argument("--out", default="runs/bench/learner.json")
     a = ap.parse_args(argv)
     from trainer.algorithm.loss_config import METHODS
@@ -409,7 +419,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         res = run(
             path, "SmolLM2-135M" if a.model == "real" else "tiny", a.method, a.batch, a.prompt, a.completion,
-            a.threads, a.repeats, a.dtype, a.seed,
+            a.threads, a.repeats, a.dtype, a.seed, a.pack,
         )  # fmt: skip
     finally:
         torch.set_num_threads(before)

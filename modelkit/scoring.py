@@ -13,6 +13,15 @@ Two paths give the same numbers (the temperature applied to fp32 logits, then ``
 * **full** (``chunk_bytes=0``): HF's own forward materialises the ``[batch, seq, vocab]``
   logits, and autograd keeps the log-softmax of them for backward.
 
+With ``packed=True`` no compute is spent on padding: the right-padded rows are packed first-fit
+decreasing into as few rows as hold them, none longer than the padded width (so no packed row's
+attention costs more than a padded row's), each sequence restarting its ``position_ids`` at 0 and
+no attention mask given. HF then builds a block-diagonal causal mask from the position ids (a new
+sequence wherever the position does not grow by 1), so every token attends only to its own
+sequence, as in the padded layout. The output projection runs only at the positions whose log-prob
+is wanted, gathered from the packed hidden states, chunk by chunk as on the chunked path. Results
+equal the padded path's up to the floating-point rounding of other matrix shapes.
+
 The chunked path needs ``model.get_output_embeddings()`` (the output projection as a callable) and
 the HF config (``num_hidden_layers``, ``vocab_size``) of the causal LM, read from the model itself,
 from ``model.module`` (a DeepSpeed engine or DDP wrapper: the call still goes through the wrapper,
@@ -59,6 +68,7 @@ def sequence_logprobs(
     temperature: float,
     first: int = 1,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    packed: bool = False,
 ) -> torch.Tensor:
     """Log-prob of each token given its prefix, with the sampling temperature applied.
 
@@ -75,17 +85,19 @@ def sequence_logprobs(
             positions before ``first`` hold 0.0.
         chunk_bytes: the largest fp32 ``[batch, chunk, vocab]`` logits tensor of the chunked path,
             bytes (at least one position per chunk); 0: the full-logit path.
+        packed: pack the rows before the forward (module docstring); ``token_ids`` must then be
+            right-padded.
 
     Returns:
         ``[batch, seq]`` float32 log-probs in nats; position 0 (no prefix) and padding hold 0.0.
         Gradients flow when the caller has them enabled.
 
     Raises:
-        ValueError: ``temperature`` is not a finite number > 0 (a bool is not a number here), or
-            ``chunk_bytes`` is negative.
+        ValueError: ``temperature`` is not a finite number > 0 (a bool is not a number here),
+            ``chunk_bytes`` is negative, or with ``packed`` a row is not right-padded.
     """
     return sequence_logprobs_and_entropy(
-        model, token_ids, attention_mask, temperature, first, entropy=False, chunk_bytes=chunk_bytes
+        model, token_ids, attention_mask, temperature, first, entropy=False, chunk_bytes=chunk_bytes, packed=packed
     )[0]
 
 
@@ -98,6 +110,7 @@ def sequence_logprobs_and_entropy(
     entropy: bool = True,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     entropy_grad: bool = False,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`sequence_logprobs` and, with ``entropy``, the entropy of each position's next-token
     distribution ``H_t = -sum_v p_v log p_v`` (nats, at the sampling temperature). The entropy
@@ -106,7 +119,13 @@ def sequence_logprobs_and_entropy(
 
     Returns ``([batch, seq] log-probs, [batch, seq] entropies or None)``; the entropy at position t
     is that of the distribution token t was drawn from, 0.0 before ``first`` and on padding.
-    Example: a uniform distribution over 4 tokens has entropy log 4 = 1.386294 nats.
+    Example: a uniform distribution over 4 tokens has entropy log 4 = 1.386294 nats. With
+    ``packed`` the rows are packed (module docstring) and the output projection runs in chunks of
+    at most ``chunk_bytes`` (all wanted positions at once when 0).
+
+    Raises:
+        ValueError: as :func:`sequence_logprobs`; with ``packed``, a row of ``attention_mask`` that
+            is not right-padded (a 0 before a 1).
     """
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 < temperature < math.inf:
         raise ValueError(
@@ -117,6 +136,8 @@ def sequence_logprobs_and_entropy(
         raise ValueError(f"chunk_bytes: must be >= 0 (0: the full-logit path), got {chunk_bytes}")
     T = token_ids.shape[1]
     first = min(max(1, int(first)), T)
+    if packed:
+        return _packed(model, token_ids, attention_mask, temperature, first, entropy, chunk_bytes, entropy_grad)
     if chunk_bytes == 0:
         lp, ent = _full(model, token_ids, attention_mask, temperature, first, entropy, entropy_grad)
     else:
@@ -190,6 +211,110 @@ def _chunked(
         lps.append(lp)
         ents.append(ent)
     return torch.cat(lps, dim=1), torch.cat(ents, dim=1) if entropy else None
+
+
+def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Rows of ``lengths`` tokens packed first-fit decreasing into bins of at most ``capacity``
+    tokens: the rows in order of length, longest first (ties by index), each into the first bin
+    with room, else a new bin. Returns each bin's row indices in packing order; rows of length 0
+    are left out. Example: lengths [5, 3, 4, 2, 6], capacity 8 -> [[4, 3], [0, 1], [2]].
+
+    Raises:
+        ValueError: a length above ``capacity`` or below 0.
+    """
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[i]
+        if not 0 <= n <= capacity:
+            raise ValueError(f"lengths[{i}]: {n} tokens do not fit a packed row of {capacity}")
+        if n == 0:
+            continue
+        k = next((k for k, r in enumerate(room) if r >= n), len(bins))
+        if k == len(bins):
+            bins.append([])
+            room.append(capacity)
+        bins[k].append(i)
+        room[k] -= n
+    return bins
+
+
+def packed_token_counts(attention_mask: torch.Tensor) -> tuple[int, int]:
+    """``(padded, packed)`` token positions a forward of right-padded ``attention_mask`` ``[batch,
+    seq]`` computes: ``batch * seq`` padded, and ``rows * width`` after :func:`pack_rows` at the
+    padded width (``width`` the fullest packed row). Example: lengths 5, 3, 4, 2, 6 padded to 6:
+    5 x 6 = 30 padded; bins [[4], [0], [2, 3], [1]], 4 x 6 = 24 packed."""
+    B, T = attention_mask.shape
+    lengths = attention_mask.sum(1).tolist()
+    bins = pack_rows([int(n) for n in lengths], T)
+    width = max((sum(int(lengths[i]) for i in b) for b in bins), default=0)
+    return B * T, len(bins) * width
+
+
+def _packed(
+    model: Any,
+    token_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    first: int,
+    entropy: bool,
+    chunk_bytes: int,
+    entropy_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`sequence_logprobs_and_entropy`'s ``[batch, seq]`` result from packed rows (see the
+    module docstring)."""
+    B, T = token_ids.shape
+    lengths = attention_mask.sum(1)
+    if not torch.equal(lengths, attention_mask.cumprod(1).sum(1)):
+        row = int((lengths != attention_mask.cumprod(1).sum(1)).nonzero()[0, 0])
+        raise ValueError(f"attention_mask: row {row} is not right-padded (packing needs its tokens first)")
+    n = [int(x) for x in lengths.tolist()]
+    bins = pack_rows(n, T) or [[]]
+    width = max(1, max(sum(n[i] for i in b) for b in bins))
+    device = token_ids.device
+    ids = torch.zeros((len(bins), width), dtype=token_ids.dtype, device=device)
+    pos = torch.zeros((len(bins), width), dtype=torch.long, device=device)
+    src, dst = [], []  # flat [P * width] index of each wanted position's predecessor; flat [B * T] target
+    for p, rows in enumerate(bins):
+        off = 0
+        for b in rows:
+            ids[p, off : off + n[b]] = token_ids[b, : n[b]]
+            pos[p, off : off + n[b]] = torch.arange(n[b], device=device)
+            t = torch.arange(first, max(first, n[b]), device=device)
+            src.append(p * width + off + t - 1)
+            dst.append(b * T + t)
+            off += n[b]
+        pos[p, off:] = torch.arange(width - off, device=device)  # the tail is a sequence of its own
+    src_i = torch.cat(src) if src else torch.zeros(0, dtype=torch.long, device=device)
+    dst_i = torch.cat(dst) if dst else torch.zeros(0, dtype=torch.long, device=device)
+    lm = _causal_lm(model)
+    config = lm.config
+    # no cache: HF reads packing from the position ids only when there is none
+    out = model(
+        input_ids=ids, position_ids=pos, use_cache=False,
+        output_hidden_states=[config.num_hidden_layers - 1], logits_to_keep=1,
+    )  # fmt: skip
+    hidden = out.hidden_states[-1].reshape(-1, out.hidden_states[-1].shape[-1])[src_i][None]  # [1, K, H]
+    targets = token_ids.reshape(-1)[dst_i][None]  # [1, K]
+    head = lm.get_output_embeddings()
+    K = int(src_i.numel())
+    step = max(1, int(chunk_bytes) // (int(config.vocab_size) * 4)) if chunk_bytes else max(K, 1)
+    recompute = torch.is_grad_enabled() and hidden.requires_grad
+
+    def chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        log_p = torch.log_softmax(head(h.contiguous()).float() / temperature, dim=-1)  # [1, c, V]
+        return _token_logprobs(log_p, t, entropy, entropy_grad)
+
+    lps, ents = [], []
+    for s in range(0, max(K, 1), step):
+        h, t = hidden[:, s : s + step], targets[:, s : s + step]
+        lp, ent = checkpoint(chunk, h, t, use_reentrant=False) if recompute else chunk(h, t)
+        lps.append(lp)
+        ents.append(ent)
+    flat = torch.zeros(B * T, dtype=torch.float32, device=device)
+    lp_out = flat.index_put((dst_i,), torch.cat(lps, dim=1)[0]).view(B, T)
+    ent_out = flat.index_put((dst_i,), torch.cat(ents, dim=1)[0]).view(B, T) if entropy else None
+    return lp_out, ent_out
 
 
 def _token_logprobs(

@@ -88,6 +88,7 @@ def bench_learner(
     threads: Annotated[int, typer.Option(min=1, help="Torch threads of both steps.")] = 1,
     repeats: Annotated[int, typer.Option(min=1, help="Repeats of both steps; the first is warm-up.")] = 5,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16.")] = "float32",
+    pack: Annotated[bool, typer.Option(help="The learner packs its rows (learner.pack_sequences).")] = False,
     out: Annotated[Path, typer.Option(help="JSON results file.")] = Path("runs/bench/learner.json"),
 ) -> None:
     """The learner's training step vs a plain PyTorch step (HF forward, the same loss, backward,
@@ -97,7 +98,7 @@ def bench_learner(
 
     argv = ["--model", model, "--method", method, "--batch", str(batch), "--prompt", str(prompt)]
     argv += ["--completion", str(completion), "--threads", str(threads), "--repeats", str(repeats)]
-    learner_main([*argv, "--dtype", dtype, "--out", str(out)])
+    learner_main([*argv, "--dtype", dtype, *(["--pack"] if pack else []), "--out", str(out)])
 
 
 @bench_app.command("trl")

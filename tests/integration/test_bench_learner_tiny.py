@@ -1,5 +1,5 @@
 """``vintage bench learner`` for real on the tiny model (DeepSpeed learner and plain PyTorch step,
-``--repeats 2 --batch 4``; ~15 s on 2 CPUs): the JSON has its keys, every figure is a finite
+``--repeats 2 --batch 4 --pack``; ~15 s on 2 CPUs): the JSON has its keys, every figure is a finite
 number, and both steps trained the same tokens. No timing assertions."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 def result(tmp_path_factory, tiny_model_path):
     out = tmp_path_factory.mktemp("bench-learner") / "learner.json"
     r = CliRunner().invoke(
-        app, ["bench", "learner", "--model", "tiny", "--repeats", "2", "--batch", "4", "--out", str(out)]
+        app, ["bench", "learner", "--model", "tiny", "--repeats", "2", "--batch", "4", "--pack", "--out", str(out)]
     )
     assert r.exit_code == 0, r.output + repr(r.exception)
     assert "ratio learner / plain (paired)" in r.output
@@ -49,6 +49,8 @@ def test_both_steps_trained_the_same_tokens(result):
     b = result["batch"]
     assert b["padded_tokens"] == 4 * (64 + 32) and b["real_tokens"] == 4 * 64 + sum(b["completion_lengths"])
     assert b["trained_tokens"] == sum(b["completion_lengths"])
+    # rows of 64 + 16..32 tokens: no two fit one packed row of 96, so packing saves no position
+    assert result["config"]["pack"] is True and b["packed_tokens"] == 4 * 96
     assert result["tokens"] == {"plain": b["trained_tokens"], "learner": b["trained_tokens"], "equal": True}
     for rep in result["repeats"]:
         assert rep["plain"]["tokens"] == rep["learner"]["tokens"] == b["trained_tokens"]

@@ -144,6 +144,27 @@ def test_chunked_logprobs_train_as_whole_sequence_logits(tiny_model_path, make_t
 
 
 @pytest.mark.parametrize("stage", [0, 3])
+def test_packed_sequences_train_as_the_padded_rows(tiny_model_path, make_trajs, stage):
+    """``pack_sequences`` with rows of 6 .. 16 tokens (a micro-batch of 4 padded to 16 packs into
+    fewer rows): the same loss, entropy, gradient norm and accumulated gradients as the padded
+    forward to fp32 round-off, under ZeRO 0 and ZeRO-3, with the EWMA forward packed too."""
+    trajs = make_trajs(n=8, lengths=[16, 6, 10, 7, 12, 9, 14, 8])
+    runs = []
+    for packed in (True, False):
+        core = LearnerCore(settings(tiny_model_path, zero_stage=stage, pack_sequences=packed))
+        acc, m = train_step_with_grads(core, trajs)
+        assert m["applied"] == 1.0
+        runs.append((acc, m))
+    (g_pk, m_pk), (g_pad, m_pad) = runs
+    assert m_pk["loss"] == pytest.approx(m_pad["loss"], rel=1e-5, abs=1e-7)
+    assert m_pk["entropy"] == pytest.approx(m_pad["entropy"], rel=1e-5)
+    assert m_pk["grad_norm"] == pytest.approx(m_pad["grad_norm"], rel=1e-5)
+    assert g_pk.keys() == g_pad.keys() and len(g_pad) == len(list(core.engine.module.parameters()))
+    for k in g_pad:
+        torch.testing.assert_close(g_pk[k], g_pad[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
 def test_gradient_checkpointing_trains_as_stored_activations(tiny_model_path, make_trajs, stage):
     """``gradient_checkpointing`` recomputes each decoder layer in backward with the same kernels
     in the same order, so the step is the stored-activation step: the same loss, gradient norm,

@@ -72,13 +72,14 @@ def test_table_rows_in_order_with_the_parts_indented():
     assert rows[0][1] is s["plain"]["step_s"] and rows[-1][1] is s["ratio_learner_over_plain"]
     result = {
         "config": {"model": "tiny", "params": 1000, "method": "snapshot", "dtype": "float32", "threads": 1,
-                   "device": "cpu", "batch": 2, "prompt": 4, "completion": 3, "repeats": 3},
-        "batch": {"padded_tokens": 14, "real_tokens": 12, "padded_over_real": 14 / 12, "trained_tokens": 5},
+                   "device": "cpu", "batch": 2, "prompt": 4, "completion": 3, "repeats": 3, "pack": False},
+        "batch": {"padded_tokens": 14, "real_tokens": 12, "padded_over_real": 14 / 12, "trained_tokens": 5,
+                  "packed_tokens": 14, "packed_over_real": 14 / 12},
         "tokens": {"plain": 5.0, "learner": 5.0},
         "summary": s,
     }  # fmt: skip
     text = format_table(result)
-    assert "padded 14, real 12 (padded / real 1.167), trained 5" in text
+    assert "padded 14, real 12 (padded / real 1.167), packed 14 (packed / real 1.167; the learner pads), trained 5" in text
     assert "2 measured repeat(s)" in text
     line = next(x for x in text.splitlines() if x.startswith("ratio learner / plain (paired)"))
     assert line.split()[-3:] == ["1.9500", "1.5000", "2.4000"]

@@ -156,6 +156,8 @@ class LearnerCore:
         """Applied optimizer steps since version 0: the learning-rate schedule's step count."""
         self.entropy_control = EntropyControl(settings.loss)
         """The entropy coefficient of the next version (adaptive under ``loss.entropy_target``)."""
+        self._scoring = {"chunk_bytes": settings.logprob_chunk_bytes, "packed": settings.pack_sequences}
+        """How every learner log-prob is computed (:func:`modelkit.scoring.sequence_logprobs`)."""
         self.last_publish: dict[str, float] = {}
         self.last_optimizer_steps: list[dict[str, float]] = []
         """Per optimizer step metrics of the last :meth:`train_batch` (before :func:`combine_step_metrics`)."""
@@ -203,9 +205,7 @@ class LearnerCore:
         assert self.ewma is not None
         model = self._scorer if self._scorer is not None else self.engine.module
         with scoring_mode(model), self.ewma.swapped_into(model):
-            return sequence_logprobs(
-                model, mb.token_ids, mb.attention_mask, mb.temperature, first, self.settings.logprob_chunk_bytes
-            )
+            return sequence_logprobs(model, mb.token_ids, mb.attention_mask, mb.temperature, first, **self._scoring)
 
     # -- training -------------------------------------------------------------------------------
 
@@ -343,9 +343,7 @@ class LearnerCore:
             # the first ceil(rows / mbs) micro-batches are this rank's rows in order, the rest padding
             for k, mb in enumerate(local.micro_batches(mbs, n_micro)):
                 mb = mb.to(self.engine.device)
-                lp = sequence_logprobs(
-                    model, mb.token_ids, mb.attention_mask, mb.temperature, first, self.settings.logprob_chunk_bytes
-                )
+                lp = sequence_logprobs(model, mb.token_ids, mb.attention_mask, mb.temperature, first, **self._scoring)
                 rows = local_rows[k * mbs : k * mbs + mb.size] if k * mbs < local.size else local_rows[:0]
                 ref[rows, : lp.shape[1]] = lp[: len(rows)].to(ref.device)
         return replace(batch, recompute_logprobs=self._gather_rows(ref))
@@ -452,13 +450,12 @@ class LearnerCore:
         ref_lp = None
         if self.reference is not None:
             ref_lp = self.reference.logprobs(
-                self.engine.module, mb.token_ids, mb.attention_mask, mb.temperature, first,
-                self.settings.logprob_chunk_bytes,
-            )  # fmt: skip
+                self.engine.module, mb.token_ids, mb.attention_mask, mb.temperature, first, **self._scoring
+            )
         tb = time.perf_counter()
         lp, entropy = sequence_logprobs_and_entropy(
             self.engine, mb.token_ids, mb.attention_mask, mb.temperature, first,
-            chunk_bytes=self.settings.logprob_chunk_bytes, entropy_grad=cfg.entropy_coef > 0,
+            entropy_grad=cfg.entropy_coef > 0, **self._scoring,
         )  # fmt: skip
         old = torch.where(mb.current_mask, lp.detach(), mb.old_logprobs)
         loss, m = compute_policy_loss(
@@ -539,9 +536,8 @@ class LearnerCore:
         with scoring_mode(self.engine.module) as model:
             on_device = batch.to(self.engine.device)
             return sequence_logprobs(
-                model, on_device.token_ids, on_device.attention_mask, batch.temperature,
-                chunk_bytes=self.settings.logprob_chunk_bytes,
-            ).float().cpu()  # fmt: skip
+                model, on_device.token_ids, on_device.attention_mask, batch.temperature, **self._scoring
+            ).float().cpu()
 
     def state_dict_full(self) -> dict[str, torch.Tensor]:
         """See :func:`trainer.learner.publication.state_dict_full`."""

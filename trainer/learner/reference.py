@@ -62,12 +62,13 @@ class ReferencePolicy:
         temperature: float,
         first: int,
         chunk_bytes: int,
+        packed: bool = False,
     ) -> torch.Tensor:
         """``[batch, seq]`` fp32 log-probs (nats) of the reference, no gradient, eval mode, at the
-        sampling temperature, vocabulary logits from position ``first`` on
-        (:func:`modelkit.scoring.sequence_logprobs`). ``engine_module`` is the trained module (used
+        sampling temperature, vocabulary logits from position ``first`` on, rows packed with
+        ``packed`` (:func:`modelkit.scoring.sequence_logprobs`). ``engine_module`` is the trained module (used
         with LoRA, its adapter disabled for the forward and its train/eval mode restored)."""
         model = self._copy if self._copy is not None else engine_module
         switch = model.disable_adapter() if self.lora else contextlib.nullcontext()
         with scoring_mode(model), switch:
-            return sequence_logprobs(model, token_ids, attention_mask, temperature, first, chunk_bytes)
+            return sequence_logprobs(model, token_ids, attention_mask, temperature, first, chunk_bytes, packed)

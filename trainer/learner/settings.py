@@ -68,6 +68,13 @@ class LearnerOptions(BaseModel):
     """Largest fp32 ``[micro-batch, chunk, vocab]`` logits tensor of every learner log-prob, bytes:
     the output projection and the log-softmax run over chunks of positions and backward recomputes
     them (:mod:`modelkit.scoring`); 0 keeps whole-sequence logits for backward."""
+    pack_sequences: bool = False
+    """Pack each micro-batch's right-padded rows, first-fit decreasing, into as few rows of the
+    padded width as hold them, before every learner forward (training, EWMA, reference, recompute):
+    no compute on padding, the output projection only at the wanted positions, and HF's
+    block-diagonal causal mask from the restarted position ids (:mod:`modelkit.scoring`). Log-probs
+    and gradients equal the padded path's up to rounding (~1e-6 in fp32); the old-logit service
+    keeps the padded layout, so exact old logits and the learner's differ by that rounding too."""
     shuffle_mini_batches: bool = True
     """Split each pass over a rollout batch into mini-batches in a seeded random row order, drawn
     anew for every epoch from (``seed``, consuming version, epoch), identical on every rank; False
