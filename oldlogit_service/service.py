@@ -100,6 +100,8 @@ class OldLogitService:
             adapters: the folder's weights are kept once as the base and every version is an adapter
             (see the module docstring); publications must then carry this same ``manifest.adapter``.
             None (default): every version is a full copy of the weights.
+        packed: pack each forward's right-padded rows into as few rows as hold them, as a learner
+            with ``pack_sequences`` does (:mod:`modelkit.scoring`): no compute on padding.
 
     Raises:
         ValueError: an unknown route, negative ``max_staleness`` / budget, or an unknown dtype
@@ -116,6 +118,7 @@ class OldLogitService:
         dtype: str = "float32",
         initial_version: int | None = 0,
         adapter: AdapterSpec | Mapping[str, Any] | None = None,
+        packed: bool = False,
     ) -> None:
         if route not in ROUTES:
             raise ValueError(f"route: {route!r} is not one of {list(ROUTES)}")
@@ -132,6 +135,8 @@ class OldLogitService:
         self.memory_budget_bytes = memory_budget_bytes
         self.device = torch.device(device)
         self.dtype = torch_dtype(dtype)
+        self.packed = packed
+        """Pack each forward's rows as the learner does (``learner.pack_sequences``, :mod:`modelkit.scoring`)."""
         self._store_device = torch.device("cpu") if self.holding.on_host else self.device
         self.adapter = None if adapter is None else AdapterSpec.from_wire(adapter, "adapter")
         """The adapter spec when versions are LoRA adapters over one kept base, else None."""
@@ -369,7 +374,7 @@ class OldLogitService:
         self.forwards += 1
         assert self.model is not None
         return sequence_logprobs(
-            BoundModel(self.model, weights), ids.to(self.device), mask.to(self.device), temperature
+            BoundModel(self.model, weights), ids.to(self.device), mask.to(self.device), temperature, packed=self.packed
         ).cpu()  # type: ignore[arg-type]
 
     def _score_items(

@@ -133,6 +133,19 @@ def test_snapshot_equals_learner_forward_exactly(tiny_model_path, learner):
     assert np.allclose(ans.old_logprobs[0][3:], learner.logprobs(3, i, m)[0].numpy()[3:], atol=1e-5, rtol=0)
 
 
+def test_packed_service_scores_as_the_padded_one(tiny_model_path, learner):
+    """``packed=True``: items of 5, 7 and 9 tokens at versions 1-2 get the padded service's old
+    logits to fp32 round-off, with the same status per token."""
+    items = [make_item("a", [1, 2], seed=1), make_item("b", [1, 1, 2, 2], seed=2), make_item("c", [2] * 6, seed=3)]
+    answers = [
+        svc_at(tiny_model_path, learner, [1, 2], route="snapshot", packed=packed).score(request(*items))
+        for packed in (False, True)
+    ]
+    for r in range(len(items)):
+        assert np.array_equal(answers[0].status[r], answers[1].status[r])
+        np.testing.assert_allclose(answers[1].old_logprobs[r], answers[0].old_logprobs[r], rtol=0, atol=2e-5)
+
+
 def test_case13_three_forwards_then_evicted(tiny_model_path, learner):
     svc = svc_at(tiny_model_path, learner, [3, 4, 5], route="snapshot", max_staleness=2)
     assert svc.versions_held == [3, 4, 5]

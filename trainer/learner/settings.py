@@ -72,9 +72,11 @@ class LearnerOptions(BaseModel):
     """Pack each micro-batch's right-padded rows, first-fit decreasing, into as few rows of the
     padded width as hold them, before every learner forward (training, EWMA, reference, recompute):
     no compute on padding, the output projection only at the wanted positions, and HF's
-    block-diagonal causal mask from the restarted position ids (:mod:`modelkit.scoring`). Log-probs
-    and gradients equal the padded path's up to rounding (~1e-6 in fp32); the old-logit service
-    keeps the padded layout, so exact old logits and the learner's differ by that rounding too."""
+    block-diagonal causal mask from the restarted position ids (:mod:`modelkit.scoring`). The job's
+    old-logit service packs its forwards too. Log-probs and gradients equal the padded path's up to
+    rounding (~1e-6 in fp32); a row packed beside other rows is no longer bit-identical between the
+    service and the learner, so the first optimizer step's ratio on exact tokens is 1 to that
+    rounding rather than exactly."""
     shuffle_mini_batches: bool = True
     """Split each pass over a rollout batch into mini-batches in a seeded random row order, drawn
     anew for every epoch from (``seed``, consuming version, epoch), identical on every rank; False

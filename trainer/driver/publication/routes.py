@@ -193,7 +193,8 @@ def start_service(cfg: JobConfig, model_path: Path, console: Console) -> Any:
     """The old-logit service's Ray handle, started and ready; None on the ``none`` route. Its
     settings come from the route and the job: ``loss.oldlogit_route``, the versions it keeps
     (``controller.max_staleness``), ``oldlogit.memory_budget_bytes``, the LoRA adapter spec,
-    ``learner.dtype`` (the learner's numerics: an exact pi_old is the learner's own value), and its threads and CPU priority
+    ``learner.dtype`` and ``learner.pack_sequences`` (the learner's numerics: an exact pi_old is the
+    learner's own value), and its threads and CPU priority
     (:meth:`JobConfig.thread_plan`: ``oldlogit.threads``, ``machine.yield_to_learner``).
 
     Raises:
@@ -215,6 +216,7 @@ def start_service(cfg: JobConfig, model_path: Path, console: Console) -> Any:
             memory_budget_bytes=cfg.oldlogit.memory_budget_bytes,
             adapter=cfg.lora.spec() if cfg.lora.enabled else None,
             dtype=cfg.learner.dtype,
+            packed=cfg.learner.pack_sequences,
             torch_threads=plan.oldlogit,
             yield_cpu=plan.yield_to_learner,
         )
