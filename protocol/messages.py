@@ -271,6 +271,11 @@ class Trajectory(Message):
         v = self.versions[self.loss_mask.astype(bool)]
         return int(v.min()) if v.size else NO_VERSION
 
+    def max_version(self) -> int:
+        """Newest version that produced any sampled token (:data:`NO_VERSION` if none)."""
+        v = self.versions[self.loss_mask.astype(bool)]
+        return int(v.max()) if v.size else NO_VERSION
+
     def segments(self) -> list[tuple[int, int]]:
         """``(version, start_offset)`` of each run of sampled tokens with one version."""
         out: list[tuple[int, int]] = []

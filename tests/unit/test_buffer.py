@@ -7,6 +7,7 @@ from protocol import Trajectory
 from trainer.driver.sources.buffer import (
     TrajectoryBuffer,
     admission_capacity,
+    newest_token_staleness,
     sequence_staleness,
     spanning_sequences,
     token_staleness_histogram,
@@ -49,6 +50,22 @@ def test_case4b_queue_time_counts():
         b.note_submitted(1)
         b.offer(t)
         assert (b.take(1, consuming_version=7) is not None) is ok
+
+
+def test_a_partly_stale_trajectory_is_kept_when_stale_tokens_are_masked():
+    """Bound 1 at version 5: a session with tokens at [3, 3, 4, 4] (oldest 2 versions back, newest
+    1) is dropped as stale by its oldest token, but kept with ``keep_partly_stale`` (its newest is
+    within the bound); one with every token at 3 is dropped either way."""
+    spanning, old = traj("a", [3, 3, 4, 4], group="ga"), traj("b", [3, 3], group="gb")
+    assert (sequence_staleness(spanning, 5), newest_token_staleness(spanning, 5)) == (2, 1)
+    for keep, taken_ids, stale in ((False, None, 2), (True, ["a"], 1)):
+        b = TrajectoryBuffer(capacity=4, max_staleness=1, keep_partly_stale=keep)
+        b.note_submitted(2)
+        b.offer(spanning)
+        b.offer(old)
+        got = b.take(1, consuming_version=5)
+        assert (None if got is None else [t.trajectory_id for t in got]) == taken_ids
+        assert b.dropped["stale"] == stale and b.accounting_ok()
 
 
 def test_case4d_overflow_is_refused_and_counted():

@@ -98,8 +98,8 @@ def test_learner_options_are_declared_once_for_the_config_and_the_settings():
     assert issubclass(LearnerConfig, LearnerOptions) and issubclass(LearnerSettings, LearnerOptions)
     assert sorted(LearnerOptions.model_fields) == [
         "dtype", "grad_clip", "gradient_checkpointing", "logprob_chunk_bytes", "lr", "lr_decay_steps",
-        "lr_min_ratio", "lr_schedule", "lr_warmup_steps", "micro_batch_size", "overlong_filter", "ppo_epochs",
-        "ppo_mini_batches", "shuffle_mini_batches", "weight_decay", "zero_stage",
+        "lr_min_ratio", "lr_schedule", "lr_warmup_steps", "micro_batch_size", "overlong_filter", "pack_sequences",
+        "ppo_epochs", "ppo_mini_batches", "shuffle_mini_batches", "weight_decay", "zero_stage",
     ]  # fmt: skip
     cfg = load_config(
         None,
@@ -258,3 +258,17 @@ def test_cli_run_without_a_c_compiler_for_the_loopback_cluster_is_a_config_error
         "config error: ray.loopback_only: no C compiler (cc/gcc) on PATH to build the bind interposer (install a "
         "C compiler, or accept a cluster on every interface with --set ray.loopback_only=false)"
     )
+
+
+def test_masking_stale_tokens_sets_the_per_token_limit_to_the_bound():
+    """``stale_trajectories = "mask"``: the learner's per-token limit is ``max_staleness`` (3) unless
+    ``max_token_staleness`` is set (1); with ``drop`` it is only what is set (None by default)."""
+    base = ["controller.max_staleness=3", 'model.path="/m"']
+    cases = [([], None), (['controller.stale_trajectories="mask"'], 3),
+             (['controller.stale_trajectories="mask"', "controller.max_token_staleness=1"], 1)]  # fmt: skip
+    for extra, limit in cases:
+        cfg = load_config(None, [*base, *extra])
+        assert cfg.token_staleness_limit == limit
+        assert learner_settings(cfg, "/m").max_token_staleness == limit
+    with pytest.raises(pydantic.ValidationError, match="stale_trajectories"):
+        load_config(None, ['controller.stale_trajectories="keep"'])

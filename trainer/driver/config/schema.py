@@ -170,7 +170,15 @@ class ControllerConfig(_Section):
     max_staleness: int = Field(2, ge=0)
     """Largest allowed ``consuming version - oldest token version``; 0 is the synchronous baseline."""
     max_token_staleness: int | None = Field(None, ge=0)
-    """Per-token limit: tokens older than this are masked out of the loss (kept as context)."""
+    """Per-token limit: tokens older than this are masked out of the loss (kept as context).
+    ``None``: no limit, or ``max_staleness`` with ``stale_trajectories = "mask"``."""
+    stale_trajectories: Literal["drop", "mask"] = "drop"
+    """What happens to a finished trajectory whose tokens outgrew ``max_staleness`` while it waited
+    (a long agent session that spans versions, a step skipped): ``drop`` drops it once its oldest
+    sampled token is past the bound (``dropped["stale"]``); ``mask`` keeps it while its newest token
+    is within the bound and masks the older tokens out of the loss (the per-token limit, kept as
+    context), so a session's fresh turns still train; it is dropped only when every token is past
+    the bound."""
     buffer_capacity: int = Field(256, ge=1)
     """Trajectories the buffer holds; beyond it, offers are refused (backpressure) and counted."""
     dynamic_sampling: bool = False
@@ -462,6 +470,15 @@ class JobConfig(_Section):
     @property
     def oldlogit_route(self) -> str:
         return self.loss.oldlogit_route
+
+    @property
+    def token_staleness_limit(self) -> int | None:
+        """The learner's per-token staleness limit: ``controller.max_token_staleness``, or with
+        ``stale_trajectories = "mask"`` and none set, ``controller.max_staleness``."""
+        c = self.controller
+        if c.max_token_staleness is None and c.stale_trajectories == "mask":
+            return c.max_staleness
+        return c.max_token_staleness
 
     @property
     def current_from_learner(self) -> bool:

@@ -61,7 +61,9 @@ def start_job(cfg: JobConfig, console: Console) -> Job:
         console.print(f"[yellow]{msg}[/yellow]")
     model_path = resolve_model(cfg)
     vocab_size = int(json.loads((model_path / "config.json").read_text())["vocab_size"])
-    buffer = TrajectoryBuffer(capacity=c.buffer_capacity, max_staleness=c.max_staleness)
+    buffer = TrajectoryBuffer(
+        capacity=c.buffer_capacity, max_staleness=c.max_staleness, keep_partly_stale=c.stale_trajectories == "mask"
+    )
     learner = start_learner(cfg, learner_settings(cfg, model_path), console)
     route = make_route(
         cfg.oldlogit_route,
@@ -174,7 +176,7 @@ def learner_settings(cfg: JobConfig, model_path: Path) -> LearnerSettings:
         loss=cfg.loss,
         ewma=ewma,
         temperature=s.temperature,
-        max_token_staleness=c.max_token_staleness,
+        max_token_staleness=cfg.token_staleness_limit,
         seed=c.seed,
         torch_threads=cfg.thread_plan().learner,
         lora=cfg.lora,

@@ -24,7 +24,7 @@ Record fields (one JSON object per line):
   tokens); ``exact``: per token, 1 where a trained token's pi_old was exact (the old-logit answer
   said exact, or a scorer route attached it), 0 elsewhere (a trained token with 0 used the proxy);
 - ``spans``: ``[start, end)`` offsets into ``token_ids`` of the runs of trained tokens (sampled,
-  within ``controller.max_token_staleness``, not removed by the overlong filter, never position 0);
+  within the per-token staleness limit (``JobConfig.token_staleness_limit``), not removed by the overlong filter, never position 0);
 - ``segments``: the completion cut where trained, exact or version changes, each
   ``{"start", "end", "text", "trained", "exact", "version"}`` (what ``vintage samples`` prints).
 """
@@ -65,7 +65,7 @@ def learner_batch(
     cfg: JobConfig, trajectories: Sequence[Trajectory], consumed_version: int, answer: OldLogitAnswer | None
 ) -> Batch:
     """The batch the learner collated for ``trajectories`` at ``consumed_version``: the same
-    :func:`collate` call with the learner's settings (temperature, ``controller.max_token_staleness``,
+    :func:`collate` call with the learner's settings (temperature, the per-token staleness limit,
     ``learner.overlong_filter``, ``loss.advantage``) and the snapshot route's ``answer`` (None: each
     trajectory's attached ``old_logprobs``)."""
     return collate(
@@ -73,7 +73,7 @@ def learner_batch(
         consumed_version,
         old_logits=answer,
         temperature=cfg.rollout.sampling.temperature,
-        max_token_staleness=cfg.controller.max_token_staleness,
+        max_token_staleness=cfg.token_staleness_limit,
         overlong_filter=cfg.learner.overlong_filter,
         advantage=cfg.loss.advantage,
         current_from_learner=cfg.current_from_learner,

@@ -52,6 +52,14 @@ def sequence_staleness(traj: Trajectory, consuming_version: int) -> int:
     return 0 if oldest == NO_VERSION else consuming_version - oldest
 
 
+def newest_token_staleness(traj: Trajectory, consuming_version: int) -> int:
+    """``consuming_version`` minus the trajectory's newest token version: how stale its freshest
+    sampled token is (0 with no sampled token). Example: tokens at ``[3, 3, 4, 4]`` consumed at 5
+    give 1 (their sequence staleness is 2)."""
+    newest = traj.max_version()
+    return 0 if newest == NO_VERSION else consuming_version - newest
+
+
 def admission_capacity(learner_version: int, max_staleness: int, batch_size: int, scheduled: int) -> int:
     """How many more trajectories may be submitted now without breaking the staleness bound.
 
@@ -88,6 +96,11 @@ class TrajectoryBuffer:
     """Whole groups of equal rewards that :meth:`filter_groups` kept because its per-version bound was reached."""
     filter_step: tuple[int, int] = (NO_VERSION, 0)
     """``(learner version, groups filtered at it)``: the count :meth:`filter_groups` bounds."""
+    keep_partly_stale: bool = False
+    """Judge a trajectory by its newest sampled token instead of its oldest
+    (:func:`newest_token_staleness`): it stays consumable while any of its tokens is within
+    ``max_staleness``, and the learner masks the older ones out of the loss
+    (``controller.stale_trajectories = "mask"``)."""
     _items: OrderedDict = field(default_factory=OrderedDict)
     _held: dict = field(default_factory=dict)
 
@@ -150,9 +163,15 @@ class TrajectoryBuffer:
         self.ledger("buffered", [traj.trajectory_id], stamps=[[traj.policy_version, traj.served_fingerprint]])
         return True
 
+    def _stale(self, t: Trajectory, consuming_version: int) -> bool:
+        """Whether ``t`` is past the bound at ``consuming_version`` (by its oldest token, or by its
+        newest with :attr:`keep_partly_stale`)."""
+        judge = newest_token_staleness if self.keep_partly_stale else sequence_staleness
+        return judge(t, consuming_version) > self.max_staleness
+
     def drop_stale(self, consuming_version: int) -> int:
-        """Drop every buffered trajectory whose staleness at ``consuming_version`` exceeds the bound."""
-        stale = [k for k, t in self._items.items() if sequence_staleness(t, consuming_version) > self.max_staleness]
+        """Drop every buffered trajectory that is stale at ``consuming_version`` (:meth:`_stale`)."""
+        stale = [k for k, t in self._items.items() if self._stale(t, consuming_version)]
         for k in stale:
             del self._items[k]
         self._drop("stale", len(stale))
@@ -255,7 +274,7 @@ class TrajectoryBuffer:
         """
         groups: OrderedDict[str, list[str]] = OrderedDict()
         for k, t in self._items.items():
-            if sequence_staleness(t, consuming_version) <= self.max_staleness:
+            if not self._stale(t, consuming_version):
                 groups.setdefault(t.group_id, []).append(k)
         chosen: list[str] = []
         used = 0
