@@ -17,7 +17,7 @@ import pytest
 from tests.tiny_job import TINY_JOB
 from trainer.driver.config.schema import load_config
 from trainer.driver.loop.job import run_job
-from trainer.driver.loop.parts import Job
+from trainer.driver.loop.pinned_eval import PinnedEvaluation
 from trainer.driver.records.ledger import fates, lineage, read_ledger
 from trainer.driver.records.metrics_log import read_metrics
 
@@ -45,14 +45,15 @@ def test_an_evaluation_whose_worker_is_scaled_away_completes(tmp_path, tiny_mode
         ],
     )
     on_removed: dict = {}
-    start_eval = Job.start_eval
+    start_eval = PinnedEvaluation.start
 
-    def start_eval_then_scale_down(job: Job, tag: str) -> bool:
+    def start_eval_then_scale_down(evals: PinnedEvaluation, tag: str) -> bool:
         """The evaluation at version 2 is sent; note what rollout-1 holds, then ask for 1 worker."""
-        started = start_eval(job, tag)
+        started = start_eval(evals, tag)
         if tag == "during" and not on_removed:
-            with job.pool._lock:
-                held = dict(job.pool._held.get("rollout-1", {}))
+            pool = evals.source.pool
+            with pool._lock:
+                held = dict(pool._held.get("rollout-1", {}))
             on_removed["eval"] = sorted(r for r in held if r.startswith("eval-"))
             on_removed["train"] = sum(n for r, n in held.items() if not r.startswith("eval-"))
             url = json.loads((tmp_path / "server.json").read_text())["url"]
@@ -60,7 +61,7 @@ def test_an_evaluation_whose_worker_is_scaled_away_completes(tmp_path, tiny_mode
             httpx.post(f"{url}/v1/workers", json={"num_workers": 1}, headers=auth, timeout=10).raise_for_status()
         return started
 
-    monkeypatch.setattr(Job, "start_eval", start_eval_then_scale_down)
+    monkeypatch.setattr(PinnedEvaluation, "start", start_eval_then_scale_down)
     summary = run_job(cfg)
     assert summary["state"] == "finished", summary.get("error")
     assert summary["steps"] == 4

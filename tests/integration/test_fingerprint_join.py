@@ -21,7 +21,7 @@ from modelkit.modelhub import load_causal_lm
 from modelkit.weights import pack_weights
 from trainer.driver.cluster.server import StatusBoard
 from trainer.driver.config.schema import load_config
-from trainer.driver.loop.parts import Job
+from trainer.driver.loop.supervision import WorkerSupervisor
 from trainer.driver.publication.fingerprint_check import FingerprintCheck
 from trainer.driver.publication.fingerprints import FINGERPRINT_MISMATCH
 from trainer.driver.publication.routes import Route
@@ -31,10 +31,10 @@ from trainer.driver.sources.source import EnvSource
 pytestmark = pytest.mark.integration
 
 
-def _admit_all(j: Job, board: StatusBoard, timeout_s: float = 300) -> None:
+def _admit_all(j: WorkerSupervisor, board: StatusBoard, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while j.pool.starting and time.monotonic() < deadline:
-        j.admit_started_workers(board)
+        j.admit_started(board)
         time.sleep(0.2)
     assert not j.pool.starting, "a worker did not start in time"
 
@@ -46,13 +46,9 @@ def test_a_joiner_that_skips_its_catch_up_load_is_killed_replaced_and_counted(ra
 
     engine = EngineConfig(kind="transformers", model_path=str(tiny_model_path))
     pool = WorkerPool(engine)
-    j = Job.__new__(Job)  # the parts the worker controls use; the pool and its workers are real
-    j.cfg = load_config(None, ["rollout.num_workers=2", "rollout.max_restarts=2"])
-    j.console, j.pool = Console(quiet=True), pool
-    j.workers_wanted, j.restarts, j.route = 2, 0, Route()
-    j.fingerprints = FingerprintCheck(j.cfg, j.console, pool, j.route)
-    j.buffer = TrajectoryBuffer(capacity=16, max_staleness=1)
-    j.source = EnvSource(j.cfg, pool, j.buffer, lambda: 1)
+    cfg, console = load_config(None, ["rollout.num_workers=2", "rollout.max_restarts=2"]), Console(quiet=True)
+    source = EnvSource(cfg, pool, TrajectoryBuffer(capacity=16, max_staleness=1), lambda: 1)
+    j = WorkerSupervisor(cfg, console, pool, source, FingerprintCheck(cfg, console, pool, Route()))  # the pool is real
     board = StatusBoard()
     try:
         assert pool.scale_to(1)[0] == ["rollout-0"]
@@ -72,7 +68,7 @@ def test_a_joiner_that_skips_its_catch_up_load_is_killed_replaced_and_counted(ra
         assert pool._died == {"rollout-1": (0, FINGERPRINT_MISMATCH)}  # reported to the next controls
 
         pool.engine_config = engine  # the replacement loads what it is sent
-        j.replace_dead_workers(board)
+        j.replace_dead(board)
         assert board.status().scale_note == (
             "rollout worker(s) rollout-1 served other weights than its version's (fingerprint mismatch) "
             "(0 samples lost); 1 of 2 running, 1 starting, 1 of 2 restarts used"
@@ -82,7 +78,7 @@ def test_a_joiner_that_skips_its_catch_up_load_is_killed_replaced_and_counted(ra
         reports = pool.fingerprints()
         want = {"version": 1, "served": manifest.fingerprint, "applied": manifest.fingerprint}
         assert reports == {"rollout-0": want, "rollout-2": want}
-        assert sum(j.buffer.dropped.values()) == 0 and j.buffer.accounting_ok()  # no sample was in flight on it
+        assert sum(source.buffer.dropped.values()) == 0 and source.buffer.accounting_ok()  # no sample was in flight on it
     finally:
         pool.shutdown()
 

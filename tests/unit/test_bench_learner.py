@@ -79,7 +79,9 @@ def test_table_rows_in_order_with_the_parts_indented():
         "summary": s,
     }  # fmt: skip
     text = format_table(result)
-    assert "padded 14, real 12 (padded / real 1.167), packed 14 (packed / real 1.167; the learner pads), trained 5" in text
+    assert (
+        "padded 14, real 12 (padded / real 1.167), packed 14 (packed / real 1.167; the learner pads), trained 5" in text
+    )
     assert "2 measured repeat(s)" in text
     line = next(x for x in text.splitlines() if x.startswith("ratio learner / plain (paired)"))
     assert line.split()[-3:] == ["1.9500", "1.5000", "2.4000"]

@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 from protocol import JobStatus
 from trainer.driver.config.schema import load_config
 from trainer.driver.loop.parts import Job
+from trainer.driver.loop.pinned_eval import PinnedEvaluation
 from trainer.driver.loop.report import best_line, best_status, best_summary
 from trainer.driver.records.export import ExportError, best_version, checkpoint_tag
 from trainer.driver.records.heldout import BestEval, beats, eval_due
@@ -114,23 +115,24 @@ def make_job(run_dir: Path, *overrides: str, scores=SCORES, version=0, run_segme
         cfg, run_dir, j.learner, j.ledger, version=version, run_segment=run_segment,
         driver_state=lambda folder: write_driver_state(folder, j.buffer, j.source),
     )  # fmt: skip
+    j.evals = PinnedEvaluation(j.source, j.keeper, j.times, j.wait_published, lambda: j.version)
     return j
 
 
 def run_loop(j: Job, until: int, on_version=None) -> None:
     """The loop's order (trainer.driver.loop.job._loop) from ``j.version`` to ``until``."""
     c = j.cfg.controller
-    j.evaluate("before")
+    j.evals.evaluate("before")
     while j.version < until:
         j.version += 1  # the learner's step applied
-        j.finish_eval()  # the evaluation pinned to the outgoing version ends before the next publication
+        j.evals.finish()  # the evaluation pinned to the outgoing version ends before the next publication
         if c.checkpoint_every and j.version % c.checkpoint_every == 0:
             j.checkpoint()
         if eval_due(j.version, c.eval_every, c.total_steps):
-            j.start_eval("during")
+            j.evals.start("during")
         if on_version:
             on_version(j)
-    j.finish_eval("after") if j.eval_running else j.evaluate("after")
+    j.evals.finish("after") if j.evals.running else j.evals.evaluate("after")
     j.checkpoint()  # the run's final checkpoint
 
 
@@ -228,12 +230,12 @@ def test_a_resumed_run_compares_against_the_best_so_far(tmp_path):
     (0.90), removing v20, which was saved only for its evaluation."""
     ckpt = tmp_path / "checkpoints"
     j = make_job(tmp_path, "controller.total_steps=60")
-    j.evaluate("before")
+    j.evals.evaluate("before")
     for v in (10, 20, 30):
         j.version = v
-        j.finish_eval()
-        j.start_eval("during")
-    j.finish_eval()  # v30's result: not the best, its checkpoint goes; the resume point is v20 again
+        j.evals.finish()
+        j.evals.start("during")
+    j.evals.finish()  # v30's result: not the best, its checkpoint goes; the resume point is v20 again
     assert latest_tag(ckpt) == "v20" and checkpointed_versions(ckpt) == [20]
     r = make_job(
         tmp_path,

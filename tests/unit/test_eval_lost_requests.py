@@ -1,7 +1,7 @@
 """Held-out evaluation requests held by a rollout worker that is lost (scaled down, died, hung,
 killed for a fingerprint mismatch) are sent again, at most three times each, and never counted as
 lost training samples: the driver's real :class:`WorkerPool`, :class:`EnvSource` and
-:class:`Job` controls, with stand-ins only for the Ray actor handles and Ray's ``get``/``wait``/``kill``
+:class:`WorkerSupervisor`, with stand-ins only for the Ray actor handles and Ray's ``get``/``wait``/``kill``
 on them (every remote call answers at once)."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from rollout.engine import EngineConfig
 from rollout.worker import sample_id
 from trainer.driver.cluster.server import StatusBoard
 from trainer.driver.config.schema import load_config
-from trainer.driver.loop.parts import Job
+from trainer.driver.loop.supervision import WorkerSupervisor
+from trainer.driver.publication.fingerprint_check import FingerprintCheck
 from trainer.driver.publication.fingerprints import FINGERPRINT_MISMATCH
 from trainer.driver.records.heldout import EVAL_RESUBMITS, EvalLostError, eval_record
 from trainer.driver.sources.buffer import TrajectoryBuffer
@@ -105,7 +106,7 @@ def trajectory(tid: str, request, wid: str) -> Trajectory:
     )
 
 
-def parts(workers: int, *overrides: str) -> tuple[WorkerPool, EnvSource, Job, StatusBoard]:
+def parts(workers: int, *overrides: str) -> tuple[WorkerPool, EnvSource, WorkerSupervisor, StatusBoard]:
     """A pool of ``workers`` stand-in workers, the env source over it at version 0 (training groups
     of one sample, one group per held-out seed is ``eval-during-<seed>``), and the job's controls."""
     cfg = load_config(
@@ -115,6 +116,7 @@ def parts(workers: int, *overrides: str) -> tuple[WorkerPool, EnvSource, Job, St
             "rollout.sampling.n=1",
             "controller.max_staleness=0",
             "rollout.max_restarts=0",  # no replacement: nothing is launched
+            f"rollout.num_workers={workers}",
             *overrides,
         ],
     )
@@ -123,10 +125,13 @@ def parts(workers: int, *overrides: str) -> tuple[WorkerPool, EnvSource, Job, St
         add_worker(pool, i)
     buffer = TrajectoryBuffer(capacity=16, max_staleness=0)
     source = EnvSource(cfg, pool, buffer, lambda: 0)
-    j = Job.__new__(Job)  # the parts the worker controls use
-    j.cfg, j.pool, j.buffer, j.source = cfg, pool, buffer, source
-    j.console, j.workers_wanted, j.restarts = Console(quiet=True), workers, 0
-    return pool, source, j, StatusBoard()
+    console = Console(quiet=True)
+    return (
+        pool,
+        source,
+        WorkerSupervisor(cfg, console, pool, source, FingerprintCheck(cfg, console, pool, None)),
+        StatusBoard(),
+    )
 
 
 def add_worker(pool: WorkerPool, i: int) -> Worker:
@@ -155,18 +160,18 @@ def test_lost_eval_requests_are_sent_again_and_never_counted_as_training_samples
         ["v0-1-1", "eval-during-11"],
         ["v0-2-2", "eval-during-12"],
     ]
-    assert j.buffer.submitted == 3 and j.buffer.in_flight == 3  # held-out samples are not training samples
+    assert source.buffer.submitted == 3 and source.buffer.in_flight == 3  # held-out samples are not training samples
 
     board.request_scale(2)
     j.apply_controls(board)  # rollout-2 is removed: its training sample is lost, its held-out request is not
-    assert dict(j.buffer.dropped) == {"worker_removed": 1} and j.buffer.accounting_ok()
+    assert dict(source.buffer.dropped) == {"worker_removed": 1} and source.buffer.accounting_ok()
     assert source.poll() == [] and took(w0)[-1] == "eval-during-12"  # sent again at once, to rollout-0
 
     w1.dead = True
     assert source.poll() == []  # rollout-1 is found dead: its held-out request goes to rollout-0 too
-    j.replace_dead_workers(board)
-    assert dict(j.buffer.dropped) == {"worker_removed": 1, "worker_died": 1}
-    assert j.buffer.in_flight == 1 and j.buffer.accounting_ok()  # rollout-0's training sample
+    j.replace_dead(board)
+    assert dict(source.buffer.dropped) == {"worker_removed": 1, "worker_died": 1}
+    assert source.buffer.in_flight == 1 and source.buffer.accounting_ok()  # rollout-0's training sample
     assert board.status().scale_note.startswith("rollout worker(s) rollout-1 died (1 samples lost)")
     assert took(w0) == ["v0-0-0", "eval-during-10", "eval-during-12", "eval-during-11"]
     assert source.eval_resubmitted == 2
@@ -177,8 +182,8 @@ def test_lost_eval_requests_are_sent_again_and_never_counted_as_training_samples
     assert (scores["episodes"], scores["reward"], scores["resubmitted"]) == (3, 0.5, 2)
     assert eval_record("during", scores, 1.0, 0.5)["eval_resubmitted"] == 2
     (train,) = source.poll()  # held back while the evaluation finished
-    assert train.trajectory_id == "v0-0-0" and j.buffer.offer(train)
-    assert j.buffer.in_flight == 0 and j.buffer.accounting_ok()
+    assert train.trajectory_id == "v0-0-0" and source.buffer.offer(train)
+    assert source.buffer.in_flight == 0 and source.buffer.accounting_ok()
     assert pool.take_lost_requests() == []  # every lost id was taken by the source
 
 

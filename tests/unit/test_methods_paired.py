@@ -229,7 +229,12 @@ def test_spanning_grid_runs_agent_sessions_that_wait_on_their_tool():
     from trainer.driver.config.schema import load_config
 
     cells = grid("spanning")
-    assert [(c.method, c.seed) for c in cells][:4] == [("recompute", 0), ("snapshot", 0), ("ppo_ewma", 0), ("recompute", 1)]
+    assert [(c.method, c.seed) for c in cells][:4] == [
+        ("recompute", 0),
+        ("snapshot", 0),
+        ("ppo_ewma", 0),
+        ("recompute", 1),
+    ]
     cfg = load_config(None, cells[1].overrides(Path("/tmp/x")))
     assert (cfg.loss.method, cfg.model.path, cfg.agent.path) == ("snapshot", "smollm2", "rollout.agents.retail:run")
     assert cfg.env.kwargs == {"level": "easy", "max_turns": 3, "closing_turn": True}

@@ -8,7 +8,7 @@ from rich.console import Console
 
 from trainer.driver.cluster.server import StatusBoard
 from trainer.driver.config.schema import load_config
-from trainer.driver.loop.parts import Job
+from trainer.driver.loop.supervision import WorkerSupervisor
 from trainer.driver.publication.fingerprint_check import FingerprintCheck
 from trainer.driver.sources.buffer import TrajectoryBuffer
 from trainer.driver.sources.source import EnvSource
@@ -63,27 +63,26 @@ class Pool:
 
 
 def test_hung_and_dead_workers_are_dropped_with_their_reason_and_replaced():
-    j = Job.__new__(Job)  # the parts a real Job starts are not needed here
-    j.cfg = load_config(None, ["rollout.max_restarts=3", "rollout.hang_timeout_s=30"])
-    j.pool, j.console, j.workers_wanted, j.restarts = Pool(), Console(quiet=True), 3, 0
-    j.fingerprints = FingerprintCheck(j.cfg, j.console, j.pool, None)
-    j.buffer = TrajectoryBuffer(capacity=64, max_staleness=1)
-    j.source = EnvSource(j.cfg, j.pool, j.buffer, lambda: 0)
-    j.buffer.note_submitted(16)
+    cfg = load_config(None, ["rollout.num_workers=3", "rollout.max_restarts=3", "rollout.hang_timeout_s=30"])
+    pool, console = Pool(), Console(quiet=True)
+    buffer = TrajectoryBuffer(capacity=64, max_staleness=1)
+    source = EnvSource(cfg, pool, buffer, lambda: 0)
+    w = WorkerSupervisor(cfg, console, pool, source, FingerprintCheck(cfg, console, pool, None))
+    buffer.note_submitted(16)
     board = StatusBoard()
-    j.replace_dead_workers(board)
-    assert j.pool.killed == 1
-    assert dict(j.buffer.dropped) == {"worker_hung": 8, "worker_died": 3}
-    assert j.buffer.in_flight == 5 and j.buffer.accounting_ok()
-    assert (j.restarts, len(j.pool), sorted(j.pool.starting)) == (2, 1, ["rollout-3", "rollout-4"])
+    w.replace_dead(board)
+    assert pool.killed == 1
+    assert dict(buffer.dropped) == {"worker_hung": 8, "worker_died": 3}
+    assert buffer.in_flight == 5 and buffer.accounting_ok()
+    assert (w.restarts, len(pool), sorted(pool.starting)) == (2, 1, ["rollout-3", "rollout-4"])
     assert board.status().scale_note == (
         "rollout worker(s) rollout-0 hung (no finished trajectory in 30 s), rollout-2 died (11 samples lost); "
         "1 of 3 running, 2 starting, 2 of 3 restarts used"
     )
-    j.admit_started_workers(board)  # the loop's next turn: one replacement is ready, one was not placed
+    w.admit_started(board)  # the loop's next turn: one replacement is ready, one was not placed
     assert board.status().scale_note == (
         "rollout worker(s) rollout-3 started; rollout-4 not placed and started within "
         "rollout.start_timeout_s = 300 s, given up; 2 of 3 running"
     )
-    j.admit_started_workers(board)  # nothing new: the note stays
+    w.admit_started(board)  # nothing new: the note stays
     assert board.status().scale_note.endswith("; 2 of 3 running")

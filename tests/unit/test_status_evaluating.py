@@ -36,12 +36,12 @@ def test_the_state_is_evaluating_and_the_gateway_figures_are_live_during_an_eval
         version=2, run_segment=0, route=SimpleNamespace(name="none"), pool=SimpleNamespace(statuses=lambda: []),
         buffer=buf, last_publish={}, source=SimpleNamespace(status=gw.status), oldlogit_status=lambda: None,
         fingerprints=SimpleNamespace(mismatches=0, unverified=0),
-        evaluate=evaluate,
+        evals=SimpleNamespace(evaluate=evaluate),
     )  # fmt: skip
     board.follow_gateway(job.source.status)  # as run_job does once the parts are up
     assert board.status().state == "starting" and board.status().gateway.calls == 0
 
-    assert evaluate_reported(job, board, lambda: job.evaluate("before")) == {"reward": 0.5}
+    assert evaluate_reported(job, board, lambda: job.evals.evaluate("before")) == {"reward": 0.5}
     first, second = seen
     assert (first.state, first.learner_version, first.in_flight, first.gateway.calls) == ("evaluating", 2, 4, 0)
     assert (second.state, second.gateway.calls, second.gateway.tokens_sampled) == ("evaluating", 3, 42)

@@ -535,9 +535,10 @@ class LearnerCore:
         """
         with scoring_mode(self.engine.module) as model:
             on_device = batch.to(self.engine.device)
-            return sequence_logprobs(
+            lp = sequence_logprobs(
                 model, on_device.token_ids, on_device.attention_mask, batch.temperature, **self._scoring
-            ).float().cpu()
+            )
+            return lp.float().cpu()
 
     def state_dict_full(self) -> dict[str, torch.Tensor]:
         """See :func:`trainer.learner.publication.state_dict_full`."""

@@ -24,7 +24,7 @@
                       are all at versions <= V, which the service holds)
         wait          ``Job.finish_train``: the step's metrics; the version moves up by one when
                       the step is applied
-        publish       ``Job.finish_eval`` (a held-out evaluation pinned to the outgoing version ends
+        publish       ``Job.evals.finish`` (a held-out evaluation pinned to the outgoing version ends
                       before the version is replaced), ``Job.await_old_logits`` (the service answers
                       the next batch before it takes the new version: one call at a time),
                       ``route.before_publish`` (scorer routes collect first), then ``Job.publish``
@@ -33,7 +33,7 @@
                       ``samples.jsonl`` (:mod:`trainer.driver.records.samples`)
         checkpoint    every ``controller.checkpoint_every`` versions: the learner's state and every
                       finished trajectory not yet consumed (``Job.checkpoint``)
-        evaluate      every ``controller.eval_every`` versions: ``Job.start_eval`` sends the held-out
+        evaluate      every ``controller.eval_every`` versions: ``Job.evals.start`` sends the held-out
                       requests at the version just published and returns; the learner trains the
                       next step while they run (:mod:`trainer.driver.records.heldout`)
     score held-out episodes (reward after), write summary, plots, checkpoint
@@ -151,7 +151,7 @@ def _loop(
     cfg, console = job.cfg, job.console
     if job.version > 0:  # resumed: consumers loaded the folder (version 0); give them the resumed weights
         job.publish()
-    before = evaluate_reported(job, board, lambda: job.evaluate("before"))
+    before = evaluate_reported(job, board, lambda: job.evals.evaluate("before"))
     log_eval(log, board, before)
     console.print(f"held-out reward before training: {before}")
     board.update(state="running", **status_fields(job, job.oldlogit_status()))
@@ -162,9 +162,9 @@ def _loop(
     while job.version < cfg.controller.total_steps and not stop.requested:
         if deadline is not None and time.perf_counter() >= deadline:
             break
-        job.apply_controls(board)  # control requests: scale workers, pause
-        job.admit_started_workers(board)  # workers started in the background join at the current version
-        job.replace_dead_workers(board)  # a worker process died: count its samples, start a replacement
+        job.workers.apply_controls(board)  # control requests: scale workers, pause
+        job.workers.admit_started(board)  # workers started in the background join at the current version
+        job.workers.replace_dead(board)  # a worker process died: count its samples, start a replacement
         if held_by_pause(board):  # POST /v1/pause: no batch is taken until /v1/resume
             time.sleep(0.2)
             continue
@@ -182,7 +182,7 @@ def _loop(
         nxt = job.take_ahead(step)  # the next batch, for version + 1, scored while the learner trains
         learned = job.finish_train(step)  # the step's metrics: version + 1 when applied
         if learned["applied"]:
-            held = job.finish_eval()  # an evaluation pinned to the outgoing version ends before it is replaced
+            held = job.evals.finish()  # an evaluation pinned to the outgoing version ends before it is replaced
             log_eval(log, board, held)
             if deadline is not None and held:
                 deadline += held["waited_s"]  # the loop's wait for an evaluation is outside its budget
@@ -201,7 +201,7 @@ def _loop(
         board.update(**status_fields(job, report.oldlogit, m))
         console.print(step_line(m, job.version))
         if learned["applied"] and eval_due(job.version, cfg.controller.eval_every, cfg.controller.total_steps):
-            job.start_eval("during")  # pinned to this version; the learner trains the next step meanwhile
+            job.evals.start("during")  # pinned to this version; the learner trains the next step meanwhile
     t_end = time.perf_counter()
     job.return_taken(nxt)  # taken ahead, never trained on: back to the buffer, unconsumed
     reason = end_reason(job.version, cfg.controller.total_steps, stop.requested)
@@ -210,7 +210,7 @@ def _loop(
         after = {}
     else:  # one started at the last version (the budget ended the loop) is its evaluation after
         after = evaluate_reported(
-            job, board, lambda: job.finish_eval("after") if job.eval_running else job.evaluate("after")
+            job, board, lambda: job.evals.finish("after") if job.evals.running else job.evals.evaluate("after")
         )
         log_eval(log, board, after)
         console.print(f"held-out reward after training: {after}")

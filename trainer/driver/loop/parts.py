@@ -3,8 +3,10 @@
 :class:`Job` holds the learner, the old-logit route, the rollout worker pool, the trajectory buffer
 and the trajectory source, started by :func:`trainer.driver.loop.assembly.start_job`; the loop
 (:func:`trainer.driver.loop.job._loop`) calls its operations in order: admit (:meth:`Job.top_up`),
-collect, take, train, take ahead, wait, publish, checkpoint, and between iterations the worker
-controls (scale, replace dead or hung workers, admit started ones).
+collect, take, train, take ahead, wait, publish, checkpoint; between iterations its
+:attr:`Job.workers` (:mod:`trainer.driver.loop.supervision`) scale, admit and replace rollout
+workers, and its :attr:`Job.evals` (:mod:`trainer.driver.loop.pinned_eval`) run held-out
+evaluations pinned to a version.
 
 Invariants: the learner's version rises by exactly one per applied step and is published whole to
 every consumer before the next version is published (one publication is applied at a time); a
@@ -37,9 +39,9 @@ from rich.console import Console
 
 from oldlogit_service.calls import PendingCall
 from protocol import OldLogitAnswer, OldLogitServiceStatus, Trajectory
-from trainer.driver.cluster.server import StatusBoard
 from trainer.driver.config.schema import JobConfig
-from trainer.driver.loop import worker_notes
+from trainer.driver.loop.pinned_eval import PinnedEvaluation
+from trainer.driver.loop.supervision import WorkerSupervisor
 from trainer.driver.publication.fingerprint_check import FingerprintCheck
 from trainer.driver.publication.fingerprints import FINGERPRINT_MISMATCH, ExpectedFingerprints, trajectory_mismatch
 from trainer.driver.publication.routes import Route
@@ -48,7 +50,6 @@ from trainer.driver.records.ledger import Ledger
 from trainer.driver.sources.buffer import TrajectoryBuffer
 from trainer.driver.sources.resume import write_driver_state
 from trainer.driver.sources.source import TrajectorySource
-from trainer.driver.workers.pool import WORKER_REMOVED
 
 if TYPE_CHECKING:
     from trainer.driver.workers.pool import WorkerPool
@@ -138,9 +139,6 @@ class Job:
     _applying: threading.Thread | None = None
     """The publication being applied in the background (:meth:`publish`)."""
     _apply_error: BaseException | None = None
-    _eval_tag, _eval_started, _eval_blocked = "", 0.0, 0.0
-    """The running evaluation's tag, ``time.perf_counter()`` at its start and the seconds its start
-    blocked (:meth:`start_eval`)."""
 
     def __init__(
         self,
@@ -174,7 +172,6 @@ class Job:
         self.run_segment = run_segment
         """0 for a fresh run, +1 at every resume: (segment, version) names one set of weights even
         when a resumed run re-reaches a version number it had passed before the resume point."""
-        self.workers_wanted, self.restarts = cfg.rollout.num_workers, 0
         self.times = Counter()
         self.train_steps = self.taken_ahead = 0
         self.first_launch: float | None = None  # perf_counter at the first learner step's launch
@@ -188,6 +185,10 @@ class Job:
         self.ledger = ledger
         self.source: TrajectorySource = source(self)
         """Where training trajectories come from (:mod:`trainer.driver.sources.source`): it admits, collects and evaluates."""
+        self.workers = WorkerSupervisor(cfg, console, pool, self.source, self.fingerprints)
+        """Scale requests, workers started in the background, dead or hung workers (:mod:`trainer.driver.loop.supervision`)."""
+        self.evals = PinnedEvaluation(self.source, self.keeper, self.times, self.wait_published, lambda: self.version)
+        """Held-out evaluations pinned to a version (:mod:`trainer.driver.loop.pinned_eval`)."""
 
     # -- the parts of one iteration (the loop in :func:`trainer.driver.loop.job._loop` calls them in order) --
 
@@ -390,69 +391,6 @@ class Job:
         calls = self.route.calls
         return calls.status() if calls is not None else None
 
-    def evaluate(self, tag: str) -> dict[str, float]:
-        """Held-out scores at the current version, blocking: :meth:`start_eval` then :meth:`finish_eval`
-        (``{}`` when there is nothing to evaluate). Its seconds count as ``times["eval"]``.
-
-        Raises:
-            TimeoutError: the env loop's episodes did not all finish within ``env.eval_timeout_s``.
-        """
-        return self.finish_eval() if self.start_eval(tag) else {}
-
-    def start_eval(self, tag: str) -> bool:
-        """Start a held-out evaluation pinned to the current version, once every consumer has
-        applied it (:meth:`wait_published`); returns without waiting for the episodes (the agent
-        source runs its evaluation here, blocking). False when there is nothing to evaluate.
-
-        Pinning: nothing is published until :meth:`finish_eval` returned (the loop calls it before
-        its next :meth:`publish`), so every episode is sampled by this version alone, which
-        :meth:`finish_eval` checks token by token; the learner meanwhile trains on the next batch.
-
-        With ``controller.keep_best`` the version is checkpointed once the evaluation has started,
-        unless a checkpoint of it exists already, so that its weights are on disk when its result
-        arrives (:meth:`CheckpointKeeper.save_for_eval`, :meth:`CheckpointKeeper.note_best`). The
-        evaluation after training (``tag = "after"``) is of the final version, which the run's
-        final checkpoint saves.
-        """
-        self.wait_published()  # every worker serves the version being evaluated
-        self._eval_tag, self._eval_started = tag, time.perf_counter()
-        started = self.source.start_eval(tag)
-        self._eval_blocked = time.perf_counter() - self._eval_started
-        if started and tag != "after":
-            self.keeper.save_for_eval(self.version)  # saved while the episodes run
-        return started
-
-    @property
-    def eval_running(self) -> bool:
-        """An evaluation was started and not finished (the next publication must wait for it)."""
-        return self.source.eval_running
-
-    def finish_eval(self, tag: str | None = None) -> dict[str, float]:
-        """Wait for the running evaluation: its scores (``reward``, ``success_rate``, ``episodes``,
-        ``version``) plus ``tag`` (``tag`` or the one it started with), ``seconds`` (from its start)
-        and ``waited_s`` (what of it the loop waited: this call and :meth:`start_eval`); ``{}`` when none runs. The wait counts as
-        ``times["eval"]``, the rest of its seconds (run beside training) as ``times["eval_overlapped"]``.
-
-        Raises:
-            TimeoutError: its episodes did not all finish within ``env.eval_timeout_s`` of its start.
-            trainer.driver.records.heldout.OffVersionError: an episode holds a token of another version.
-            trainer.driver.records.heldout.EvalLostError: a request was lost with its rollout worker once
-                more after :data:`trainer.driver.records.heldout.EVAL_RESUBMITS` resubmissions.
-        """
-        if not self.source.eval_running:
-            return {}
-        t0 = time.perf_counter()
-        scores = self.source.finish_eval()
-        waited = time.perf_counter() - t0 + self._eval_blocked
-        seconds = time.perf_counter() - self._eval_started
-        self.times["eval"] += waited
-        self.times["eval_overlapped"] += max(0.0, seconds - waited)
-        # the agent source's scores carry no version: its evaluation blocked the loop, so it is the current one
-        tag = tag or self._eval_tag
-        result = {"version": self.version, **scores, "tag": tag, "seconds": seconds, "waited_s": waited}
-        self.keeper.note_best(result)
-        return result
-
     def checkpoint(self) -> str:
         """Save the current version's checkpoint and return its folder
         (:meth:`CheckpointKeeper.checkpoint`: the learner's state, every finished trajectory not yet
@@ -464,69 +402,6 @@ class Job:
         """A Hugging Face folder of the current version at ``<run_dir>/exports/v{version}``
         (:meth:`CheckpointKeeper.export`), checkpointing the version first if needed."""
         return self.keeper.export(self.version)
-
-    # -- the rollout workers between iterations ---------------------------------------------------
-
-    def replace_dead_workers(self, board: StatusBoard) -> None:
-        """Rollout workers whose process died, or that hung (no finished trajectory for longer than
-        ``rollout.hang_timeout_s`` with samples in flight: killed here): their in-flight training
-        samples are lost to the source (:meth:`TrajectorySource.note_worker_loss`, reason
-        ``worker_died`` / ``worker_hung``; held-out requests they held are submitted again by the
-        source) and replacements start, at most ``rollout.max_restarts`` over the run; past that the
-        job goes on with fewer and ``scale_note`` says so."""
-        self.pool.kill_hung()
-        deaths = self.pool.take_deaths()
-        if not deaths:
-            return
-        for lost, reason in deaths.values():
-            self.source.note_worker_loss(lost, reason)
-        have = len(self.pool) + len(self.pool.starting)
-        add = min(self.workers_wanted - have, self.cfg.rollout.max_restarts - self.restarts)
-        if add > 0:
-            self.pool.request(have + add)  # started in the background: admit_started_workers
-            self.restarts += add
-        self.report_workers(
-            board,
-            worker_notes.lost_workers_note(
-                self.pool, self.workers_wanted, deaths, self.restarts, self.cfg.rollout.max_restarts
-            ),
-        )
-
-    def apply_controls(self, board: StatusBoard) -> None:
-        """Apply the latest scale request (one that arrives meanwhile stays pending for the next call).
-        Extra workers are removed now, their in-flight training samples lost to the source
-        (:meth:`TrajectorySource.note_worker_loss`, reason ``worker_removed``; held-out requests they
-        held are submitted again by the source); new ones start in the background
-        (:meth:`admit_started_workers`), so the loop never waits for a placement."""
-        want = board.take_scale_request()
-        if want is None:
-            return
-        self.workers_wanted = want
-        removed = self.pool.request(want)
-        for _wid, lost in removed.items():
-            self.source.note_worker_loss(lost, WORKER_REMOVED)
-        self.report_workers(board, worker_notes.scaled_note(self.pool, want, len(removed)))
-
-    def admit_started_workers(self, board: StatusBoard) -> None:
-        """Rollout workers started in the background that are ready join at the current version;
-        those not placed and started within ``rollout.start_timeout_s`` are given up (the job goes on
-        with fewer). ``scale_note`` says which. Then every worker that applied a publication
-        outside :meth:`publish` is fingerprint-checked (:meth:`FingerprintCheck.check_joined_workers`)."""
-        joined, gave_up = self.pool.admit_started()
-        self.fingerprints.check_joined_workers()
-        if not joined and not gave_up:
-            return
-        self.report_workers(
-            board,
-            worker_notes.started_note(
-                self.pool, self.workers_wanted, joined, gave_up, self.cfg.rollout.start_timeout_s
-            ),
-        )
-
-    def report_workers(self, board: StatusBoard, note: str) -> None:
-        """Print ``note`` and show it as ``/v1/status`` ``scale_note`` with the workers now."""
-        self.console.print(note)
-        board.update(scale_note=note, workers=self.pool.statuses())
 
     def shutdown(self) -> None:
         """Stop every part, each even when the one before failed: wait for the publication being

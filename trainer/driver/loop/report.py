@@ -245,7 +245,7 @@ def run_summary(
         "buffered": len(job.buffer) + job.buffer.held,
         "in_flight": job.buffer.in_flight,
         "accounting_ok": job.buffer.accounting_ok(),
-        "worker_restarts": job.restarts,
+        "worker_restarts": job.workers.restarts,
         "fingerprint_mismatch": job.fingerprints.mismatches,
         "fingerprint_unverified": job.fingerprints.unverified,
         "eval_resubmitted": job.source.eval_resubmitted,

@@ -92,7 +92,7 @@ class FingerprintCheck:
     def check_fingerprints(self, manifest: WeightManifest, scorer_weights: ScorerWeights | None) -> None:
         """After a publication is applied, restart every consumer that serves other weights than
         it (:mod:`trainer.driver.publication.fingerprints`) and count each in :attr:`mismatches`: a rollout
-        worker is killed and replaced like a dead one (:meth:`trainer.driver.loop.parts.Job.replace_dead_workers`,
+        worker is killed and replaced like a dead one (:meth:`trainer.driver.loop.supervision.WorkerSupervisor.replace_dead`,
         its in-flight samples dropped as ``fingerprint_mismatch``); the old-logit service is killed
         for Ray to restart it (only while ``oldlogit.max_restarts`` > 0; otherwise it is counted and
         named on the console) and given the publication again. A worker that did not answer is
@@ -157,7 +157,7 @@ class FingerprintCheck:
         """Check the rollout workers that applied a publication outside a publish (a joiner's
         catch-up, a late worker's update taken in later: :meth:`WorkerPool.take_unverified`) as
         :meth:`check_fingerprints` checks a publication's: a mismatched one is killed, replaced like
-        a dead one (:meth:`trainer.driver.loop.parts.Job.replace_dead_workers`) and counted. One that
+        a dead one (:meth:`trainer.driver.loop.supervision.WorkerSupervisor.replace_dead`) and counted. One that
         does not answer is asked again next time. Returns the killed ids."""
         pending = self.pool.take_unverified()
         if not pending:

@@ -9,7 +9,7 @@ evaluations (:class:`trainer.driver.sources.source.EnvSource`) and ``vintage eva
 
 An evaluation is pinned to one published version: every sampled token of every episode must carry
 that version (:func:`held_out_scores` checks it). The job guarantees it by publishing nothing while
-an evaluation runs (:meth:`trainer.driver.loop.parts.Job.finish_eval`).
+an evaluation runs (:meth:`trainer.driver.loop.pinned_eval.PinnedEvaluation.finish`).
 
 A held-out request held by a rollout worker that is lost (died, hung, removed by a scale request,
 killed for a fingerprint mismatch) is submitted again (:meth:`PendingEval.put_back`), at most

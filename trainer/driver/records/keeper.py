@@ -188,7 +188,7 @@ class CheckpointKeeper:
 
     def note_best(self, scores: dict[str, Any]) -> None:
         """Keep the checkpoint of the best pinned held-out evaluation (:attr:`keeps_best`), given one
-        evaluation's result ``scores`` (:meth:`trainer.driver.loop.parts.Job.finish_eval`: ``version``,
+        evaluation's result ``scores`` (:meth:`trainer.driver.loop.pinned_eval.PinnedEvaluation.finish`: ``version``,
         ``reward``, ``tag``).
 
         Rule: an evaluation whose mean reward beats the best so far (:func:`trainer.driver.records.heldout.beats`:
