@@ -193,19 +193,34 @@ def _chunked(
     )
     hidden = out.hidden_states[-1][:, first - 1 : T - 1]  # [B, T - first, H]: predicts tokens first..T-1
     targets = token_ids[:, first:]  # [B, T - first]
-    head = lm.get_output_embeddings()
     step = max(1, int(chunk_bytes) // (B * int(config.vocab_size) * 4))
+    return _head_in_chunks(lm.get_output_embeddings(), hidden, targets, temperature, step, entropy, entropy_grad)
+
+
+def _head_in_chunks(
+    head: Any,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    step: int,
+    entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``([rows, n] log-probs, entropies or None)`` of ``targets`` ``[rows, n]`` from the final
+    hidden states ``[rows, n, H]`` that predict them: the output projection ``head``, the
+    temperature and the log-softmax over ``step`` positions at a time, each chunk recomputed in
+    backward (``torch.utils.checkpoint``) when the hidden states carry a gradient."""
     recompute = torch.is_grad_enabled() and hidden.requires_grad
 
     def chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # a contiguous [B, c, H] block: on a strided view the CPU matmul's rounding depended on
+        # a contiguous [rows, c, H] block: on a strided view the CPU matmul's rounding depended on
         # where the weight sits in memory, so two copies of the same weights disagreed by ~1e-6.
         # One expression, so the projection's output is freed once divided by the temperature.
-        log_p = torch.log_softmax(head(h.contiguous()).float() / temperature, dim=-1)  # [B, c, V]
+        log_p = torch.log_softmax(head(h.contiguous()).float() / temperature, dim=-1)  # [rows, c, V]
         return _token_logprobs(log_p, t, entropy, entropy_grad)
 
     lps, ents = [], []
-    for s in range(0, max(T - first, 1), step):  # one (empty) chunk when no position is wanted
+    for s in range(0, max(hidden.shape[1], 1), step):  # one (empty) chunk when no position is wanted
         h, t = hidden[:, s : s + step], targets[:, s : s + step]
         lp, ent = checkpoint(chunk, h, t, use_reentrant=False) if recompute else chunk(h, t)
         lps.append(lp)
@@ -296,25 +311,12 @@ def _packed(
     )  # fmt: skip
     hidden = out.hidden_states[-1].reshape(-1, out.hidden_states[-1].shape[-1])[src_i][None]  # [1, K, H]
     targets = token_ids.reshape(-1)[dst_i][None]  # [1, K]
-    head = lm.get_output_embeddings()
     K = int(src_i.numel())
     step = max(1, int(chunk_bytes) // (int(config.vocab_size) * 4)) if chunk_bytes else max(K, 1)
-    recompute = torch.is_grad_enabled() and hidden.requires_grad
-
-    def chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        log_p = torch.log_softmax(head(h.contiguous()).float() / temperature, dim=-1)  # [1, c, V]
-        return _token_logprobs(log_p, t, entropy, entropy_grad)
-
-    lps, ents = [], []
-    for s in range(0, max(K, 1), step):
-        h, t = hidden[:, s : s + step], targets[:, s : s + step]
-        lp, ent = checkpoint(chunk, h, t, use_reentrant=False) if recompute else chunk(h, t)
-        lps.append(lp)
-        ents.append(ent)
+    lp, ent = _head_in_chunks(lm.get_output_embeddings(), hidden, targets, temperature, step, entropy, entropy_grad)
     flat = torch.zeros(B * T, dtype=torch.float32, device=device)
-    lp_out = flat.index_put((dst_i,), torch.cat(lps, dim=1)[0]).view(B, T)
-    ent_out = flat.index_put((dst_i,), torch.cat(ents, dim=1)[0]).view(B, T) if entropy else None
-    return lp_out, ent_out
+    lp_out = flat.index_put((dst_i,), lp[0]).view(B, T)
+    return lp_out, flat.index_put((dst_i,), ent[0]).view(B, T) if ent is not None else None
 
 
 def _token_logprobs(
