@@ -76,13 +76,17 @@ def score_by_version(
     held: Collection[int],
     forward: Callable[[int, Tensor, Tensor], Tensor],
     missing_reason: Callable[[int], TokenStatus],
+    max_tokens: int | None = None,
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Per item ``(old_logprobs [seq] float32, status [seq] int8)``.
 
     A scored token (``loss_mask`` 1) of a version in ``held`` is ``EXACT`` with the value of
     ``forward(v, ids [rows, end], mask [rows, end]) -> [rows, end]`` (nats) at its position; one of
     another version gets ``missing_reason(v)`` and NaN; an unscored token is ``CONTEXT`` and NaN.
-    ``forward`` is called once per distinct held version present, over the rows that contain it.
+    ``forward`` is called once per distinct held version present, over the rows that contain it,
+    cut after the last token of that version; with ``max_tokens``, over consecutive runs of those
+    rows (:func:`row_chunks`) of at most ``max_tokens`` positions each (rows x the run's own padded
+    length), so one forward's activations stay under a bound.
     """
     lps = [np.full(len(it.token_ids), np.nan, np.float32) for it in items]
     sts = [
@@ -100,13 +104,32 @@ def score_by_version(
         for v in scored:
             sel = [it.loss_mask.astype(bool) & (it.versions == v) for it in items]
             rows = [r for r, s in enumerate(sel) if s.any()]
-            end = max(int(np.flatnonzero(sel[r]).max()) for r in rows) + 1  # causal: later tokens are not needed
-            lp = forward(v, ids[rows, :end], mask[rows, :end]).numpy()
-            for k, r in enumerate(rows):
-                s = sel[r]
-                lps[r][s] = lp[k, : len(s)][s[:end]]
-                sts[r][s] = TokenStatus.EXACT
+            ends = [int(np.flatnonzero(sel[r]).max()) + 1 for r in rows]  # causal: later tokens are not needed
+            for chunk in row_chunks(ends, max_tokens):
+                part = [rows[k] for k in chunk]
+                end = max(ends[k] for k in chunk)
+                lp = forward(v, ids[part, :end], mask[part, :end]).numpy()
+                for k, r in enumerate(part):
+                    s = sel[r]
+                    lps[r][s] = lp[k, : len(s)][s[:end]]
+                    sts[r][s] = TokenStatus.EXACT
     return lps, sts
+
+
+def row_chunks(ends: Sequence[int], max_tokens: int | None) -> list[list[int]]:
+    """Consecutive runs of the indices of rows needing ``ends[i]`` positions each, every run at
+    most ``max_tokens`` positions when padded to its longest row (a row longer than that alone);
+    one run of all rows with ``max_tokens`` None. Example: ends [4, 6, 3, 5], 12 tokens ->
+    [[0, 1], [2, 3]] (2 x 6 = 12, then 2 x 5 = 10)."""
+    if max_tokens is None:
+        return [list(range(len(ends)))] if ends else []
+    runs: list[list[int]] = []
+    for i, e in enumerate(ends):
+        if runs and (len(runs[-1]) + 1) * max(e, *(ends[k] for k in runs[-1])) <= max_tokens:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 def count_statuses(statuses: Sequence[np.ndarray]) -> tuple[int, Counter[str]]:

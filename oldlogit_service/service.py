@@ -102,6 +102,8 @@ class OldLogitService:
             None (default): every version is a full copy of the weights.
         packed: pack each forward's right-padded rows into as few rows as hold them, as a learner
             with ``pack_sequences`` does (:mod:`modelkit.scoring`): no compute on padding.
+        micro_batch_tokens: most positions (rows x padded length) in one scoring forward; a
+            version's rows are scored in consecutive runs under it. None: one forward per version.
 
     Raises:
         ValueError: an unknown route, negative ``max_staleness`` / budget, or an unknown dtype
@@ -119,11 +121,14 @@ class OldLogitService:
         initial_version: int | None = 0,
         adapter: AdapterSpec | Mapping[str, Any] | None = None,
         packed: bool = False,
+        micro_batch_tokens: int | None = None,
     ) -> None:
         if route not in ROUTES:
             raise ValueError(f"route: {route!r} is not one of {list(ROUTES)}")
         if not isinstance(max_staleness, int) or max_staleness < 0:
             raise ValueError(f"max_staleness: must be an int >= 0, got {max_staleness!r}")
+        if micro_batch_tokens is not None and micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens: must be >= 1 or None, got {micro_batch_tokens}")
         if memory_budget_bytes is not None and memory_budget_bytes < 0:
             raise ValueError(f"memory_budget_bytes: must be >= 0 or None, got {memory_budget_bytes}")
         if initial_version is not None and initial_version < 0:
@@ -136,6 +141,8 @@ class OldLogitService:
         self.device = torch.device(device)
         self.dtype = torch_dtype(dtype)
         self.packed = packed
+        self.micro_batch_tokens = micro_batch_tokens
+        """Most positions in one scoring forward (:func:`oldlogit_service.scoring.row_chunks`); None: one per version."""
         """Pack each forward's rows as the learner does (``learner.pack_sequences``, :mod:`modelkit.scoring`)."""
         self._store_device = torch.device("cpu") if self.holding.on_host else self.device
         self.adapter = None if adapter is None else AdapterSpec.from_wire(adapter, "adapter")
@@ -386,8 +393,9 @@ class OldLogitService:
             raise ValueError(f"temperature: must be > 0, got {temperature}")
         validate_items(items, self.vocab_size)
         lps, sts = score_by_version(
-            items, self.store.held, lambda v, ids, mask: self._forward(v, ids, mask, temperature), self._missing_reason
-        )
+            items, self.store.held, lambda v, ids, mask: self._forward(v, ids, mask, temperature), self._missing_reason,
+            self.micro_batch_tokens,
+        )  # fmt: skip
         exact, missing = count_statuses(sts)
         self.tokens_exact += exact
         self.tokens_missing.update(missing)

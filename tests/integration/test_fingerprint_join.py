@@ -78,7 +78,9 @@ def test_a_joiner_that_skips_its_catch_up_load_is_killed_replaced_and_counted(ra
         reports = pool.fingerprints()
         want = {"version": 1, "served": manifest.fingerprint, "applied": manifest.fingerprint}
         assert reports == {"rollout-0": want, "rollout-2": want}
-        assert sum(source.buffer.dropped.values()) == 0 and source.buffer.accounting_ok()  # no sample was in flight on it
+        assert (
+            sum(source.buffer.dropped.values()) == 0 and source.buffer.accounting_ok()
+        )  # no sample was in flight on it
     finally:
         pool.shutdown()
 

@@ -14,6 +14,7 @@ from modelkit.modelhub import load_causal_lm
 from modelkit.scoring import sequence_logprobs
 from modelkit.weights import pack_weights
 from oldlogit_service import OldLogitService, status_from_old_logprobs
+from oldlogit_service.scoring import row_chunks
 from protocol import OldLogitRequest, ProtocolError, TokenStatus, Trajectory
 
 T = 0.7
@@ -144,6 +145,30 @@ def test_packed_service_scores_as_the_padded_one(tiny_model_path, learner):
     for r in range(len(items)):
         assert np.array_equal(answers[0].status[r], answers[1].status[r])
         np.testing.assert_allclose(answers[1].old_logprobs[r], answers[0].old_logprobs[r], rtol=0, atol=2e-5)
+
+
+def test_rows_split_into_runs_under_a_token_bound():
+    assert row_chunks([4, 6, 3, 5], 12) == [[0, 1], [2, 3]]
+    assert row_chunks([4, 6, 3, 5], None) == [[0, 1, 2, 3]] and row_chunks([], 8) == []
+    assert row_chunks([9, 2, 2], 8) == [[0], [1, 2]]  # a row over the bound goes alone
+
+
+def test_micro_batched_scoring_forwards_each_run_and_agrees_with_one_forward(tiny_model_path, learner):
+    """Three items of 5, 7 and 9 tokens, 12 positions per forward: version 1's rows a and b (cut at 4
+    and 5 positions) take one forward (2 x 5 = 10), version 2's rows (5, 7, 9 positions) three
+    (2 x 7 > 12); the values agree with one forward per version to fp32 round-off, the statuses
+    exactly."""
+    items = [make_item("a", [1, 2], seed=1), make_item("b", [1, 1, 2, 2], seed=2), make_item("c", [2] * 6, seed=3)]
+    whole = svc_at(tiny_model_path, learner, [1, 2], route="snapshot")
+    split = svc_at(tiny_model_path, learner, [1, 2], route="snapshot", micro_batch_tokens=12)
+    calls = count_forwards(split)
+    a, b = whole.score(request(*items)), split.score(request(*items))
+    assert len(calls) == 4
+    for r in range(len(items)):
+        assert np.array_equal(a.status[r], b.status[r])
+        np.testing.assert_allclose(b.old_logprobs[r], a.old_logprobs[r], rtol=0, atol=2e-5)
+    with pytest.raises(ValueError, match=r"micro_batch_tokens: must be >= 1 or None, got 0"):
+        OldLogitService(tiny_model_path, micro_batch_tokens=0)
 
 
 def test_case13_three_forwards_then_evicted(tiny_model_path, learner):

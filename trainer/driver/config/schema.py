@@ -152,6 +152,11 @@ class OldLogitConfig(_Placement):
     """Times Ray restarts the old-logit server after its process dies (calls in flight are retried
     on the restarted one). A restarted server holds no version until the next publication: tokens of
     earlier versions are answered ``missing`` (never stored) and the learner uses its proxy for them."""
+    micro_batch_tokens: int | None = Field(None, ge=1)
+    """Most positions (rows x padded length) in one scoring forward of the old-logit server: a
+    version's rows are scored in consecutive runs under it, each padded only to its own longest
+    row, so one forward's activations stay bounded (long agent sessions). ``None``: one forward per
+    version over all its rows."""
     restart_timeout_s: float = Field(600.0, gt=0.0)
     """Seconds a call to the old-logit server (the driver's, and a rollout worker's on
     ``interrupt_sync``) waits for it to come back once the call failed because the server is

@@ -217,6 +217,7 @@ def start_service(cfg: JobConfig, model_path: Path, console: Console) -> Any:
             adapter=cfg.lora.spec() if cfg.lora.enabled else None,
             dtype=cfg.learner.dtype,
             packed=cfg.learner.pack_sequences,
+            micro_batch_tokens=cfg.oldlogit.micro_batch_tokens,
             torch_threads=plan.oldlogit,
             yield_cpu=plan.yield_to_learner,
         )
