@@ -32,6 +32,7 @@ from trainer.driver.records.heldout import BestEval, beats, eval_due
 from trainer.driver.records.keeper import CheckpointKeeper
 from trainer.driver.sources.buffer import TrajectoryBuffer
 from trainer.driver.sources.resume import write_driver_state
+from trainer.driver.sources.source import SourceState
 from trainer.learner.checkpoint import (
     BEST_FILE,
     DEEPSPEED_LATEST_FILE,
@@ -76,22 +77,12 @@ class Source:
         self.running = self.job.version
         return True
 
-    @property
-    def eval_running(self) -> bool:
-        return self.running is not None
-
     def finish_eval(self) -> dict:
         v, self.running = self.running, None
         return {"reward": self.scores[v], "success_rate": 0.5, "episodes": 4, "version": v}
 
-    def pending(self) -> list:
-        return []
-
-    def cursor(self) -> dict:
-        return {}
-
-    def pending_units(self) -> int:
-        return 0
+    def state(self) -> SourceState:
+        return SourceState({}, [], 0)
 
 
 def make_job(run_dir: Path, *overrides: str, scores=SCORES, version=0, run_segment=0) -> Job:

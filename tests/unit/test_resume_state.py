@@ -192,15 +192,15 @@ def test_env_source_cursor_continues_across_a_resume_no_seed_repeated_or_skipped
     src = _source(b, pool)
     src.top_up()  # room for 5 groups, the pool takes 1: the other seeds stay for later
     src.top_up()
-    assert [r.env.seed for r in pool.requests] == [0, 1] and src.cursor() == {"next_seed": 2}
+    assert [r.env.seed for r in pool.requests] == [0, 1] and src.state().cursor == {"next_seed": 2}
     held = [traj("h", [0], "h")]
     src._held_back = list(held)
-    assert src.pending() == held
+    assert src.state().pending == held and src.state().units == len(held)
     b2 = TrajectoryBuffer(capacity=64, max_staleness=3)
     b2.load_state_dict(b.state_dict(), pending=1)
     pool2 = _Pool(room=10)
     src2 = _source(b2, pool2, segment=1)
-    src2.restore(src.cursor(), src.pending())
+    src2.restore(src.state().cursor, src.state().pending)
     assert b2.in_flight == 1 and b2.dropped["lost_at_restart"] == 3 and b2.accounting_ok()
     src2.top_up()
     assert [r.env.seed for r in pool2.requests] == [2, 3, 4, 0]  # continues, modulo train_seeds

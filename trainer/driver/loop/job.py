@@ -206,7 +206,7 @@ def _loop(
     job.return_taken(nxt)  # taken ahead, never trained on: back to the buffer, unconsumed
     reason = end_reason(job.version, cfg.controller.total_steps, stop.requested)
     if stop.requested:  # an interrupted run stops promptly
-        job.source.abandon_eval()
+        job.evals.abandon()
         after = {}
     else:  # one started at the last version (the budget ended the loop) is its evaluation after
         after = evaluate_reported(

@@ -41,6 +41,7 @@ class PinnedEvaluation:
         self.source, self.keeper, self.times = source, keeper, times
         self.wait_published, self.version = wait_published, version
         self._tag, self._started, self._blocked = "", 0.0, 0.0
+        self._running = False
 
     def evaluate(self, tag: str) -> dict[str, float]:
         """Held-out scores at the current version, blocking: :meth:`start` then :meth:`finish`
@@ -59,7 +60,7 @@ class PinnedEvaluation:
         it)."""
         self.wait_published()  # every worker serves the version being evaluated
         self._tag, self._started = tag, time.perf_counter()
-        started = self.source.start_eval(tag)
+        started = self._running = self.source.start_eval(tag)
         self._blocked = time.perf_counter() - self._started
         if started and tag != "after":
             self.keeper.save_for_eval(self.version())  # saved while the episodes run
@@ -68,7 +69,12 @@ class PinnedEvaluation:
     @property
     def running(self) -> bool:
         """An evaluation was started and not finished (the next publication must wait for it)."""
-        return self.source.eval_running
+        return self._running
+
+    def abandon(self) -> None:
+        """Forget the running evaluation (the job stops; :meth:`TrajectorySource.abandon_eval`)."""
+        self.source.abandon_eval()
+        self._running = False
 
     def finish(self, tag: str | None = None) -> dict[str, float]:
         """Wait for the running evaluation: its scores (``reward``, ``success_rate``, ``episodes``,
@@ -82,10 +88,11 @@ class PinnedEvaluation:
             trainer.driver.records.heldout.EvalLostError: a request was lost with its rollout worker once
                 more after :data:`trainer.driver.records.heldout.EVAL_RESUBMITS` resubmissions.
         """
-        if not self.source.eval_running:
+        if not self._running:
             return {}
         t0 = time.perf_counter()
         scores = self.source.finish_eval()
+        self._running = False
         waited = time.perf_counter() - t0 + self._blocked
         seconds = time.perf_counter() - self._started
         self.times["eval"] += waited

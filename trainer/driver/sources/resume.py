@@ -75,14 +75,14 @@ def write_driver_state(folder: str | Path, buffer: TrajectoryBuffer, source: Tra
     job takes it again) or held back by the source - written there (:func:`write_trajectories`);
     returns the state that lists them, ``{"buffer": buffer.state_dict() (its ``buffered_ids``),
     "source": {"cursor", "held_back_ids", "held_back_units"}}``."""
-    pending = source.pending()
-    write_trajectories(folder, buffer.saved(), pending)
+    state = source.state()
+    write_trajectories(folder, buffer.saved(), state.pending)
     return {
         "buffer": buffer.state_dict(),
         "source": {
-            "cursor": source.cursor(),
-            "held_back_ids": [t.trajectory_id for t in pending],
-            "held_back_units": source.pending_units(),
+            "cursor": state.cursor,
+            "held_back_ids": [t.trajectory_id for t in state.pending],
+            "held_back_units": state.units,
         },
     }
 

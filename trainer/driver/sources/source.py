@@ -8,15 +8,18 @@ operation                   :class:`EnvSource` (the built-in     :class:`AgentSo
 ==========================  ===================================  ==================================
 ``top_up``                  submits groups of env seeds          starts agent episodes (sessions)
 ``poll``                    the pool's finished trajectories     ended sessions' trajectories
-``evaluate``                held-out env seeds, one sample each  the agent on held-out tasks
-``start_eval`` /            submits them and returns; the        runs :meth:`evaluate` at once
-``finish_eval``             episodes come back with ``poll``     (blocking); returns its scores
+``start_eval``              submits the held-out env seeds, one  runs the agent on its held-out
+                            sample each, and returns             tasks at once (blocking)
+``finish_eval``             waits for the episodes (they come    returns the scores kept
+                            back with ``poll``); their scores
+``abandon_eval``            forgets the running evaluation       forgets the kept scores
+``eval_resubmitted``        held-out requests sent again         0: the gateway resends calls
 ``note_worker_loss``        drops the training samples           nothing: sessions end on their own
                             (worker's reason)
 ``status``                  None                                 the gateway's sessions and calls
-``cursor`` / ``pending``    next env seed / held-back            ``{}`` / none: task ids continue
-                            trajectories (kept by a checkpoint)  from the session count
-``restore``                 both, from a checkpoint              nothing
+``state``                   next env seed, held-back             no cursor (task ids continue from
+                            trajectories (kept by a checkpoint)  the session count), held sessions
+``restore``                 both, from a checkpoint              the held sessions
 ``close``                   nothing (the job stops the pool)     stops the agents and the gateway
 ==========================  ===================================  ==================================
 
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from protocol import EnvRef, GatewayStatus, RolloutRequest, Trajectory
@@ -46,6 +50,20 @@ from trainer.driver.sources.buffer import TrajectoryBuffer, admission_capacity
 if TYPE_CHECKING:
     from trainer.driver.sources.agent_runner import AgentRunner
     from trainer.driver.workers.pool import WorkerPool
+
+
+@dataclass(frozen=True)
+class SourceState:
+    """What a checkpoint keeps of a trajectory source."""
+
+    cursor: dict[str, int]
+    """Where the source goes on after a resume (plain values, saved in the checkpoint's state)."""
+    pending: list[Trajectory]
+    """Finished training trajectories taken from the workers that ``poll`` has not returned yet
+    (saved with the checkpoint; still in flight for the buffer's accounting)."""
+    units: int
+    """How many of the buffer's in-flight units ``pending`` stands for (a trajectory each, or a
+    session each where the buffer counts sessions)."""
 
 
 class TrajectorySource(Protocol):
@@ -60,20 +78,14 @@ class TrajectorySource(Protocol):
     def poll(self) -> list[Trajectory]:
         """Training trajectories finished since the last call (accounting kept)."""
 
-    def evaluate(self, tag: str) -> dict[str, float]:
-        """Held-out scores (``reward``, ``success_rate``, ``episodes``, ...); ``{}`` when there is nothing
-        to evaluate. ``tag`` names the evaluation (``"before"``, ``"during"``, ``"after"``)."""
-
     def start_eval(self, tag: str) -> bool:
         """Start a held-out evaluation at the current version (False: nothing to evaluate); the
-        driver publishes nothing until :meth:`finish_eval` returned."""
-
-    @property
-    def eval_running(self) -> bool:
-        """An evaluation was started and not finished."""
+        driver publishes nothing until :meth:`finish_eval` returned. ``tag`` names it (``"before"``,
+        ``"during"``, ``"after"``)."""
 
     def finish_eval(self) -> dict[str, float]:
-        """Wait for the running evaluation; its scores (``{}`` when none runs)."""
+        """Wait for the running evaluation; its scores (``reward``, ``success_rate``, ``episodes``,
+        ...; ``{}`` when none runs)."""
 
     def abandon_eval(self) -> None:
         """Forget the running evaluation (the job stops)."""
@@ -86,16 +98,8 @@ class TrajectorySource(Protocol):
     def status(self) -> GatewayStatus | None:
         """The source's own ``/v1/status`` record (``JobStatus.gateway``); None when it has none."""
 
-    def cursor(self) -> dict[str, int]:
-        """Where the source goes on after a resume (plain values, saved in a checkpoint's state)."""
-
-    def pending(self) -> list[Trajectory]:
-        """Finished training trajectories taken from the workers that ``poll`` has not returned yet
-        (saved with a checkpoint; still in flight for the buffer's accounting)."""
-
-    def pending_units(self) -> int:
-        """How many of the buffer's in-flight units :meth:`pending` stands for (a trajectory each, or
-        a session each where the buffer counts sessions)."""
+    def state(self) -> SourceState:
+        """What a checkpoint keeps of the source (:class:`SourceState`)."""
 
     def restore(self, cursor: dict[str, int], pending: list[Trajectory]) -> None:
         """Go on from a checkpoint's ``cursor`` and ``pending`` trajectories (returned by the next ``poll``)."""
@@ -251,7 +255,7 @@ class EnvSource:
 
     def evaluate(self, tag: str) -> dict[str, float]:
         """:meth:`start_eval` then :meth:`finish_eval`: the held-out scores at the current version;
-        ``{}`` without held-out seeds or workers."""
+        ``{}`` without held-out seeds or workers (``vintage eval env`` and tests evaluate this way)."""
         return self.finish_eval() if self.start_eval(tag) else {}
 
     def abandon_eval(self) -> None:
@@ -297,17 +301,10 @@ class EnvSource:
         """None: nothing of its own to report."""
         return None
 
-    def cursor(self) -> dict[str, int]:
-        """``{"next_seed": ...}``."""
-        return {"next_seed": self.next_seed}
-
-    def pending(self) -> list[Trajectory]:
-        """The training trajectories held back during an evaluation."""
-        return list(self._held_back)
-
-    def pending_units(self) -> int:
-        """One unit per held-back trajectory."""
-        return len(self._held_back)
+    def state(self) -> SourceState:
+        """Cursor ``{"next_seed": ...}``; pending: the training trajectories held back during an
+        evaluation, one unit each."""
+        return SourceState({"next_seed": self.next_seed}, list(self._held_back), len(self._held_back))
 
     def restore(self, cursor: dict[str, int], pending: list[Trajectory]) -> None:
         """Continue at ``cursor["next_seed"]`` (when saved); ``pending`` comes first in the next :meth:`poll`."""
@@ -346,21 +343,13 @@ class AgentSource:
         """Trajectories of the training sessions ended since the last call (:meth:`AgentRunner.poll`)."""
         return self.runner.poll()
 
-    def evaluate(self, tag: str) -> dict[str, float]:
-        """The agent on its held-out tasks (:meth:`AgentRunner.evaluate`)."""
-        return self.runner.evaluate(tag)
-
     def start_eval(self, tag: str) -> bool:
-        """Run :meth:`evaluate` now, blocking (the agents' episodes are not polled by the loop), and
-        keep its scores for :meth:`finish_eval`; False when there is nothing to evaluate."""
+        """Run the agent on its held-out tasks now (:meth:`AgentRunner.evaluate`), blocking (the
+        agents' episodes are not polled by the loop), and keep its scores for :meth:`finish_eval`;
+        False when there is nothing to evaluate."""
         self._scores = self.runner.evaluate(tag)
         if not self._scores:
             self._scores = None
-        return self._scores is not None
-
-    @property
-    def eval_running(self) -> bool:
-        """Scores kept by :meth:`start_eval` and not returned yet."""
         return self._scores is not None
 
     def finish_eval(self) -> dict[str, float]:
@@ -375,17 +364,12 @@ class AgentSource:
     def note_worker_loss(self, samples: int, reason: str) -> None:
         """Nothing: the sessions whose calls were lost end on their own (see the class docstring)."""
 
-    def cursor(self) -> dict[str, int]:
-        """``{}``: task ids go on from the buffer's session count (:class:`AgentRunner`)."""
-        return {}
-
-    def pending(self) -> list[Trajectory]:
-        """The trajectories of ended sessions the gateway holds for their groups (every segment)."""
-        return [t for e in self.runner.gateway.held_sessions() for t in e.trajectories]
-
-    def pending_units(self) -> int:
-        """One unit per held session: the buffer counts a session once until its segments are polled."""
-        return len(self.runner.gateway.held_sessions())
+    def state(self) -> SourceState:
+        """Cursor ``{}`` (task ids go on from the buffer's session count, :class:`AgentRunner`);
+        pending: the trajectories of ended sessions the gateway holds for their groups (every
+        segment), one unit per session (the buffer counts a session once until its segments are polled)."""
+        held = self.runner.gateway.held_sessions()
+        return SourceState({}, [t for e in held for t in e.trajectories], len(held))
 
     def restore(self, cursor: dict[str, int], pending: list[Trajectory]) -> None:
         """The sessions held at the checkpoint go to the next :meth:`poll`, their groups released at
