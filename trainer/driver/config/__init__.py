@@ -1,2 +1,3 @@
-"""The job's settings: the pydantic models and their validation (``schema``) and the generated
-configuration reference (``reference``). Imports no other room of the driver."""
+"""The job's settings: the pydantic models and their validation (``schema``, its sections' building
+blocks in ``base`` and the agent's sections in ``agent``) and the generated configuration reference
+(``reference``). Imports no other room of the driver."""

