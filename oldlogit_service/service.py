@@ -141,9 +141,9 @@ class OldLogitService:
         self.device = torch.device(device)
         self.dtype = torch_dtype(dtype)
         self.packed = packed
+        """Pack each forward's rows as the learner does (``learner.pack_sequences``, :mod:`modelkit.scoring`)."""
         self.micro_batch_tokens = micro_batch_tokens
         """Most positions in one scoring forward (:func:`oldlogit_service.scoring.row_chunks`); None: one per version."""
-        """Pack each forward's rows as the learner does (``learner.pack_sequences``, :mod:`modelkit.scoring`)."""
         self._store_device = torch.device("cpu") if self.holding.on_host else self.device
         self.adapter = None if adapter is None else AdapterSpec.from_wire(adapter, "adapter")
         """The adapter spec when versions are LoRA adapters over one kept base, else None."""
