@@ -59,10 +59,12 @@ import torch
 from torch import Tensor
 
 from modelkit.scoring import sequence_logprobs
-from modelkit.weights import PackedWeights, torch_dtype, unpack_weights
+from modelkit.weights import torch_dtype, unpack_weights
+from oldlogit_service.intake import already_published, check_shapes, owned_copy
 from oldlogit_service.items import as_item, merge_old_logprobs, nan_extended
 from oldlogit_service.scoring import BoundModel, count_statuses, score_by_version, validate_items
-from oldlogit_service.store import Holding, VersionStore, dedup, unique_bytes
+from oldlogit_service.store import Holding, VersionStore, unique_bytes
+from oldlogit_service.template import load_template, peft_named
 from protocol import (
     OLDLOGIT_ROUTES,
     AdapterSpec,
@@ -71,7 +73,6 @@ from protocol import (
     OldLogitRequest,
     OldLogitRoute,
     OldLogitServiceStatus,
-    ProtocolError,
     TokenStatus,
     Trajectory,
     WeightManifest,
@@ -148,7 +149,6 @@ class OldLogitService:
         self.adapter = None if adapter is None else AdapterSpec.from_wire(adapter, "adapter")
         """The adapter spec when versions are LoRA adapters over one kept base, else None."""
         self._base: dict[str, Tensor] = {}  # adapter mode: the base weights, in the wrapped model's names
-        self._adapter_shapes: dict[str, tuple[int, ...]] = {}  # publication name -> shape
 
         self.store = VersionStore()
         """The held weight copies by version, their bytes and the eviction record."""
@@ -173,57 +173,12 @@ class OldLogitService:
             return
         if model_path is None:
             raise ValueError(f"model_path: required for route {route!r}")
-        self._load_template(model_path, initial_version)
-
-    def _load_template(self, model_path: str | Path, initial_version: int | None) -> None:
-        """Load the model folder: its weights become ``initial_version`` (unless None), its module
-        the weightless template every forward binds a held version to."""
-        from modelkit.modelhub import load_causal_lm
-
-        model = load_causal_lm(model_path, dtype=str(self.dtype).removeprefix("torch.")).to(self.device)
-        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
-        if self.adapter is not None:
-            model = self._adapter_template(model)
-        state = model.state_dict()
-        self._shapes = {k: tuple(v.shape) for k, v in state.items()}
-        if initial_version is not None:
-            # the folder's weights become the first held version (no copy: the template gives them up)
+        t = load_template(model_path, self.dtype, self.device, self._store_device, self.adapter)
+        self.model, self.vocab_size, self._shapes, self._base = t.model, t.vocab_size, t.shapes, t.base
+        self.store.base_bytes = unique_bytes(t.base)
+        if initial_version is not None:  # the folder's weights become the first held version
             self.latest_version = initial_version
-            if self.adapter is not None:  # the base with a zero adapter: exactly the base model
-                zero = {
-                    k: torch.zeros(shape, dtype=self.dtype, device=self._store_device)
-                    for k, shape in self._adapter_shapes.items()
-                }
-                self.store.put(initial_version, self._peft_named(zero))
-            else:
-                self.store.put(initial_version, {k: v.detach().to(self._store_device) for k, v in state.items()})
-        with torch.no_grad():  # the template keeps its code and buffers, not its weights
-            for p in model.parameters():
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-        model.requires_grad_(False)
-        self.model = model
-
-    def _adapter_template(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Wrap ``model`` with peft for :attr:`adapter` and keep its base weights (once) as :attr:`_base`."""
-        from modelkit.lora import peft_to_adapter, peft_to_hf, wrap_lora
-
-        assert self.adapter is not None
-        model = wrap_lora(model, self.adapter)
-        for name, t in model.state_dict().items():
-            key = peft_to_adapter(name)
-            if key is not None:
-                self._adapter_shapes[key] = tuple(t.shape)
-            elif peft_to_hf(name) is not None:
-                self._base[name] = t.detach().to(self._store_device)
-        self._base = dedup(self._base)
-        self.store.base_bytes = unique_bytes(self._base)
-        return model
-
-    @staticmethod
-    def _peft_named(adapter: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        from modelkit.lora import adapter_to_peft
-
-        return {adapter_to_peft(k): t for k, t in adapter.items()}
+            self.store.put(initial_version, t.folder_version)
 
     # ------------------------------------------------------------------------------------------
     # weights
@@ -285,79 +240,25 @@ class OldLogitService:
         manifest = WeightManifest.from_wire(manifest, "manifest")
         v = manifest.version
         try:
-            if self._already_published(manifest):
+            if already_published(manifest, self.latest_version, self.store, self.holding.weights, self.adapter):
                 return v
             if not self.holding.weights:
                 self.latest_version = v
                 return v
             full = unpack_weights(manifest, payload, verify=verify)
-            self._check_shapes(full)
+            check_shapes(full, self._shapes)
             self.store.replace(v)  # the folder's copy of this version gives way to the published one
             self.latest_version = v
             new_bytes = sum(math.prod(spec.shape) for spec in manifest.tensors) * self.dtype.itemsize
             if not self.store.make_room(v, new_bytes, self.holding.window, self.memory_budget_bytes):
                 return v
-            own = self._owned_copy(manifest, payload, full)
-            self.store.put(v, self._peft_named(own) if self.adapter is not None else own)
+            own = owned_copy(manifest, payload, full, self._store_device, self.dtype)
+            self.store.put(v, peft_named(own) if self.adapter is not None else own)
             self.store.checksums[v] = manifest.checksum
             self.store.published_names[v] = [spec.name for spec in manifest.tensors]
             return v
         finally:
             self.seconds["update"] += time.perf_counter() - t0
-
-    def _already_published(self, manifest: WeightManifest) -> bool:
-        """Whether ``manifest`` republishes the newest version (a no-op when its checksum matches).
-
-        Raises:
-            protocol.ProtocolError: full weights where this service holds adapters, or the reverse.
-            ValueError: an older version than the newest published, or the newest with another checksum.
-        """
-        if self.holding.weights and manifest.adapter != self.adapter:
-            have = "full weights" if self.adapter is None else f"adapters {self.adapter.model_dump()}"
-            got = "full weights (None)" if manifest.adapter is None else f"{manifest.adapter.model_dump()}"
-            raise ProtocolError(f"manifest.adapter: {got}, but this service holds {have}")
-        v, latest = manifest.version, self.latest_version
-        if latest is None:
-            return False
-        if v < latest:
-            raise ValueError(
-                f"manifest.version: {v} is older than the newest published version {latest}; versions only move forward"
-            )
-        checksums = self.store.checksums
-        if v == latest and (v in checksums or not self.holding.weights or v in self.evicted):
-            if checksums.get(v, manifest.checksum) != manifest.checksum:
-                raise ValueError(
-                    f"manifest.version: {v} republished with a different checksum ({manifest.checksum} != {checksums[v]})"
-                )
-            return True
-        return False
-
-    def _check_shapes(self, full: Mapping[str, Tensor]) -> None:
-        """Raise :class:`protocol.ProtocolError` unless ``full`` has exactly the model's (or the
-        adapter's) tensor names and shapes; the message names the tensor."""
-        shapes = self._adapter_shapes if self.adapter is not None else self._shapes
-        if set(full) != set(shapes):
-            missing, extra = sorted(set(shapes) - set(full)), sorted(set(full) - set(shapes))
-            raise ProtocolError(f"payload: tensors do not match the model: missing {missing}, unexpected {extra}")
-        for name, t in full.items():
-            if tuple(t.shape) != shapes[name]:
-                raise ProtocolError(f"payload[{name!r}].shape: {list(t.shape)} != model {list(shapes[name])}")
-
-    def _owned_copy(
-        self, manifest: WeightManifest, payload: Mapping[str, Tensor], full: Mapping[str, Tensor]
-    ) -> dict[str, Tensor]:
-        """The tensors to hold, tied aliases restored. The object store's read-only shared memory is
-        immutable: it is held as it is when it already has the store's device and dtype; anything
-        else is copied (the publisher may reuse it)."""
-        shared = isinstance(payload, PackedWeights) and payload.readonly
-        own: dict[str, Tensor] = {}
-        for spec in manifest.tensors:
-            t = full[spec.name].detach()
-            keep = shared and t.device == self._store_device and t.dtype == self.dtype
-            own[spec.name] = t if keep else t.to(self._store_device, self.dtype, copy=True)
-        for alias, src in manifest.tied.items():
-            own[alias] = own[src]
-        return own
 
     # ------------------------------------------------------------------------------------------
     # scoring
