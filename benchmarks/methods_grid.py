@@ -56,8 +56,8 @@ Grids:
   the demo's stabilisers (:data:`STABILISERS`; rows tagged ``mb2-stable``): how many still collapse.
   Run it into ``paper_real``'s folder to read the rows side by side.
 * ``spanning``: rollouts that span versions: ``paper_agent``'s retail agent with a closing turn and
-  a store that answers after 10 s (:data:`SPANNING`), decoupled PPO, snapshot and PPO-EWMA at W = 2,
-  seeds 0-2, :data:`SPANNING_STEPS` versions (rows tagged ``agent-latency10``; the methods of one
+  a store that answers after 30 s (:data:`SPANNING`), decoupled PPO, snapshot and PPO-EWMA at W = 2,
+  seeds 0-2, :data:`SPANNING_STEPS` versions (rows tagged ``agent-latency30``; the methods of one
   seed next to each other); the table's "sequences spanning versions" column says how many trained
   sequences carry tokens of two or more versions.
 * ``paper_agent``: the same comparison on a multi-turn task through the gateway, the retail agent
@@ -298,15 +298,19 @@ VERDICT_SEEDS = (0, 1, 2, 3, 4)
 
 SPANNING: tuple[str, ...] = (
     'env.kwargs={level="easy", max_turns=3, closing_turn=true}',
-    "agent.task_fields={tool_latency_s=10}",
+    "agent.task_fields={tool_latency_s=30}",
+    "agent.concurrency=48",
 )
 """Agent sessions that stay open across a publication: :data:`AGENT` with a closing turn (after the
 right tool call the store answers and the agent replies once more, so a solved episode takes two
-model calls) and a store that answers each reply after 10 s (``tool_latency_s``, an ``asyncio``
-wait). A session's calls then straddle the learner's steps, so its trajectory carries tokens of the
-versions in use at each call. Generation alone does not do it here: with 128-token replies on the
-tiny model the worker finished each batch within the learner's 7 s step and 0 of 32 sequences
-spanned versions."""
+model calls), a store that answers each reply after 30 s (``tool_latency_s``, an ``asyncio``
+wait), and 48 sessions at once, three batches of 16, so the sessions of the next batches are open
+while the learner trains (~55 s per step here). A session's calls then straddle the learner's
+steps, and its trajectory carries tokens of the versions in use at each call. Shorter waits do not
+do it: with a 10 s wait and 16 sessions at once, sessions started in a burst right after each
+publication and ended before the next (0 of 32 sequences spanned in 2 steps); generation alone
+neither: with 128-token replies on the tiny model the worker finished each batch within the
+learner's 7 s step (0 of 32 sequences in 18 steps)."""
 
 SPANNING_METHODS = ("recompute", "snapshot", "ppo_ewma")
 """Methods of the ``spanning`` grid: decoupled PPO, the exact snapshot route (each version's old
@@ -314,8 +318,8 @@ logits, whichever call of the session made the token) and PPO-EWMA. The interrup
 exact old logits only to calls in flight at a publication; a session waiting on its tool between
 calls holds none, so snapshot is the exact route for agent sessions."""
 
-SPANNING_STEPS = 16
-"""Versions per ``spanning`` run (~30 s per step here, plus two 32-task evaluations)."""
+SPANNING_STEPS = 12
+"""Versions per ``spanning`` run (~55 s per step here, plus two 32-task evaluations)."""
 
 CONFIRM_STEPS = 12
 """Steps per confirmation run: the demo's batch reward rises from ~0.4 to ~0.7 within ~12 steps."""
@@ -399,7 +403,7 @@ def grid(kind: str) -> list[Cell]:
     if kind == "spanning":
         extra = (*AGENT, *SPANNING)
         return [
-            Cell(m, 2, "bf16", s, SPANNING_STEPS, extra, model="smollm2", tag="agent-latency10")
+            Cell(m, 2, "bf16", s, SPANNING_STEPS, extra, model="smollm2", tag="agent-latency30")
             for s in (0, 1, 2)
             for m in SPANNING_METHODS
         ]
