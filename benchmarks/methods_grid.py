@@ -56,8 +56,8 @@ Grids:
   the demo's stabilisers (:data:`STABILISERS`; rows tagged ``mb2-stable``): how many still collapse.
   Run it into ``paper_real``'s folder to read the rows side by side.
 * ``spanning``: rollouts that span versions: ``paper_agent``'s retail agent with a closing turn and
-  a store that answers after 30 s (:data:`SPANNING`), decoupled PPO, snapshot and PPO-EWMA at W = 2,
-  seeds 0-2, :data:`SPANNING_STEPS` versions (rows tagged ``agent-latency30``; the methods of one
+  a store that answers after 60 s (:data:`SPANNING`), decoupled PPO, snapshot and PPO-EWMA at W = 2,
+  seeds 0-2, :data:`SPANNING_STEPS` versions (rows tagged ``agent-latency60``; the methods of one
   seed next to each other); the table's "sequences spanning versions" column says how many trained
   sequences carry tokens of two or more versions.
 * ``paper_agent``: the same comparison on a multi-turn task through the gateway, the retail agent
@@ -298,19 +298,19 @@ VERDICT_SEEDS = (0, 1, 2, 3, 4)
 
 SPANNING: tuple[str, ...] = (
     'env.kwargs={level="easy", max_turns=3, closing_turn=true}',
-    "agent.task_fields={tool_latency_s=30}",
+    "agent.task_fields={tool_latency_s=60}",
     "agent.concurrency=48",
 )
 """Agent sessions that stay open across a publication: :data:`AGENT` with a closing turn (after the
 right tool call the store answers and the agent replies once more, so a solved episode takes two
-model calls), a store that answers each reply after 30 s (``tool_latency_s``, an ``asyncio``
-wait), and 48 sessions at once, three batches of 16, so the sessions of the next batches are open
-while the learner trains (~55 s per step here). A session's calls then straddle the learner's
-steps, and its trajectory carries tokens of the versions in use at each call. Shorter waits do not
-do it: with a 10 s wait and 16 sessions at once, sessions started in a burst right after each
-publication and ended before the next (0 of 32 sequences spanned in 2 steps); generation alone
-neither: with 128-token replies on the tiny model the worker finished each batch within the
-learner's 7 s step (0 of 32 sequences in 18 steps)."""
+model calls), a store that answers each reply after 60 s (``tool_latency_s``, an ``asyncio``
+wait), and 48 sessions at once, three batches of 16. Sessions start in a burst when a publication
+opens admission; a session then outlasts the learner's step (~55 s here), so its second call comes
+after the next publication and its trajectory carries tokens of two versions. Shorter waits do not
+do it: with 10 s and 16 sessions at once, or 30 s and 48, every session ended before the next
+publication (0 of 32 and 0 of 48 sequences spanned in 2-3 steps); generation alone neither: with
+128-token replies on the tiny model the worker finished each batch within the learner's 7 s step
+(0 of 32 sequences in 18 steps)."""
 
 SPANNING_METHODS = ("recompute", "snapshot", "ppo_ewma")
 """Methods of the ``spanning`` grid: decoupled PPO, the exact snapshot route (each version's old
@@ -319,7 +319,7 @@ exact old logits only to calls in flight at a publication; a session waiting on 
 calls holds none, so snapshot is the exact route for agent sessions."""
 
 SPANNING_STEPS = 12
-"""Versions per ``spanning`` run (~55 s per step here, plus two 32-task evaluations)."""
+"""Versions per ``spanning`` run (~55-70 s per step here, plus two 32-task evaluations of ~2 min each)."""
 
 CONFIRM_STEPS = 12
 """Steps per confirmation run: the demo's batch reward rises from ~0.4 to ~0.7 within ~12 steps."""
@@ -403,7 +403,7 @@ def grid(kind: str) -> list[Cell]:
     if kind == "spanning":
         extra = (*AGENT, *SPANNING)
         return [
-            Cell(m, 2, "bf16", s, SPANNING_STEPS, extra, model="smollm2", tag="agent-latency30")
+            Cell(m, 2, "bf16", s, SPANNING_STEPS, extra, model="smollm2", tag="agent-latency60")
             for s in (0, 1, 2)
             for m in SPANNING_METHODS
         ]

@@ -238,5 +238,5 @@ def test_spanning_grid_runs_agent_sessions_that_wait_on_their_tool():
     cfg = load_config(None, cells[1].overrides(Path("/tmp/x")))
     assert (cfg.loss.method, cfg.model.path, cfg.agent.path) == ("snapshot", "smollm2", "rollout.agents.retail:run")
     assert cfg.env.kwargs == {"level": "easy", "max_turns": 3, "closing_turn": True}
-    assert (cfg.agent.task_fields, cfg.agent.concurrency) == ({"tool_latency_s": 30}, 48)
+    assert (cfg.agent.task_fields, cfg.agent.concurrency) == ({"tool_latency_s": 60}, 48)
     assert (cfg.controller.max_staleness, cfg.controller.total_steps, len(cells)) == (2, 12, 9)
