@@ -260,10 +260,14 @@ def packed_token_counts(attention_mask: torch.Tensor) -> tuple[int, int]:
     padded width (``width`` the fullest packed row). Example: lengths 5, 3, 4, 2, 6 padded to 6:
     5 x 6 = 30 padded; bins [[4], [0], [2, 3], [1]], 4 x 6 = 24 packed."""
     B, T = attention_mask.shape
-    lengths = attention_mask.sum(1).tolist()
-    bins = pack_rows([int(n) for n in lengths], T)
-    width = max((sum(int(lengths[i]) for i in b) for b in bins), default=0)
+    bins, width = _packed_layout([int(n) for n in attention_mask.sum(1).tolist()], T)
     return B * T, len(bins) * width
+
+
+def _packed_layout(lengths: list[int], capacity: int) -> tuple[list[list[int]], int]:
+    """``(bins, width)``: :func:`pack_rows` of ``lengths`` at ``capacity`` and the fullest bin's tokens (0 without any)."""
+    bins = pack_rows(lengths, capacity)
+    return bins, max((sum(lengths[i] for i in b) for b in bins), default=0)
 
 
 def _packed(
@@ -284,8 +288,8 @@ def _packed(
         row = int((lengths != attention_mask.cumprod(1).sum(1)).nonzero()[0, 0])
         raise ValueError(f"attention_mask: row {row} is not right-padded (packing needs its tokens first)")
     n = [int(x) for x in lengths.tolist()]
-    bins = pack_rows(n, T) or [[]]
-    width = max(1, max(sum(n[i] for i in b) for b in bins))
+    bins, width = _packed_layout(n, T)
+    bins, width = bins or [[]], max(1, width)  # no token at all: one empty row of width 1
     device = token_ids.device
     ids = torch.zeros((len(bins), width), dtype=token_ids.dtype, device=device)
     pos = torch.zeros((len(bins), width), dtype=torch.long, device=device)
