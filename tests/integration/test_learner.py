@@ -534,12 +534,18 @@ def test_adaptive_entropy_control_moves_the_coefficient_per_version_and_resumes_
     """Target 100 nats (every step is below it), start 0, delta 0.01: the first version trains
     with the starting coefficient 0 and raises it to 0.01; the second trains with 0.01 and raises
     it to 0.02; a learner resumed from the checkpoint after the first version trains the second
-    with 0.01 too. Without a target the control is off: the settings' own coefficient stays."""
-    loss = loss_config("grpo", entropy_target=100.0, entropy_coef_delta=0.01)
+    with 0.01 too. The control reads the versions' entropies smoothed (0.5): after the first version
+    its entropy is that version's, after the second the mean of the two, resumed or not. Without a
+    target the control is off: the settings' own coefficient stays."""
+    loss = loss_config(
+        "grpo", entropy_target=100.0, entropy_coef_delta=0.01, entropy_coef_backoff=0.5, entropy_smoothing=0.5
+    )
     s = settings(tiny_model_path, loss=loss)
     core = LearnerCore(s)
     m = core.train_step(make_trajs(seed=0))
     assert m["entropy_coef"] == 0.0 and core.entropy_control.coef == pytest.approx(0.01)
+    first = m["entropy"]
+    assert core.entropy_control.entropy == first
     core.save_checkpoint(str(tmp_path))
     resumed = LearnerCore(s.model_copy(update={"master_port": free_port()}))
     resumed.load_checkpoint(str(tmp_path))
@@ -547,6 +553,7 @@ def test_adaptive_entropy_control_moves_the_coefficient_per_version_and_resumes_
     for learner in (core, resumed):
         m = learner.train_step(make_trajs(seed=1, version=1))
         assert m["entropy_coef"] == pytest.approx(0.01) and learner.entropy_control.coef == pytest.approx(0.02)
+        assert learner.entropy_control.entropy == pytest.approx((first + m["entropy"]) / 2)
     fixed = LearnerCore(settings(tiny_model_path, loss=loss_config("grpo", entropy_coef=0.003)))
     m = fixed.train_step(make_trajs(seed=0))
     assert m["entropy_coef"] == 0.003 and fixed.entropy_control.coef == 0.003

@@ -8,7 +8,7 @@ import torch
 
 from modelkit.scoring import sequence_logprobs_and_entropy
 from trainer.algorithm.batch import shuffled_rows
-from trainer.algorithm.entropy_control import EntropyControl, adaptive_entropy_coef
+from trainer.algorithm.entropy_control import EntropyControl, adaptive_entropy_coef, smoothed_entropy
 from trainer.algorithm.loss_config import loss_config
 from trainer.algorithm.losses import K3_MAX, compute_policy_loss, kl_penalty, regularisers
 from trainer.learner.schedule import lr_multiplier
@@ -178,4 +178,44 @@ def test_the_entropy_bonus_stays_on_above_the_target_while_its_coefficient_falls
     assert ctl.loss_config().entropy_coef == 0.0
     resumed = EntropyControl(ctl.cfg)
     resumed.load_state_dict({"coef": 0.02})
-    assert resumed.loss_config().entropy_coef == 0.02
+    assert resumed.loss_config().entropy_coef == 0.02 and resumed.entropy is None
+
+
+def test_a_backoff_halves_the_coefficient_above_the_target_and_adds_below():
+    """Target 0.5, delta 0.002, ceiling 0.05, backoff 0.5: coef 0.04 with entropy 0.7 -> 0.02 (not
+    0.038), 0.02 with 0.3 -> 0.022, 0.004 with 0.5 (at the target) -> 0.002."""
+    assert adaptive_entropy_coef(0.04, 0.7, 0.5, 0.002, 0.05, 0.5) == pytest.approx(0.02)
+    assert adaptive_entropy_coef(0.02, 0.3, 0.5, 0.002, 0.05, 0.5) == pytest.approx(0.022)
+    assert adaptive_entropy_coef(0.004, 0.5, 0.5, 0.002, 0.05, 0.5) == pytest.approx(0.002)
+
+
+def test_the_smoothed_entropy_is_an_exponential_moving_average_started_by_the_first_version():
+    """Smoothing 0.5: None then 1.0 -> 1.0; then 0.2 -> 0.6; then NaN leaves 0.6; smoothing 0 reads
+    the last version alone."""
+    assert smoothed_entropy(None, 1.0, 0.5) == 1.0
+    assert smoothed_entropy(1.0, 0.2, 0.5) == pytest.approx(0.6)
+    assert smoothed_entropy(0.6, math.nan, 0.5) == 0.6
+    assert smoothed_entropy(None, math.nan, 0.5) is None
+    assert smoothed_entropy(0.6, 0.2, 0.0) == 0.2
+
+
+def test_the_control_reads_the_smoothed_entropy_and_resumes_it_from_its_state():
+    """Target 0.8, start 0, delta 0.03, ceiling 0.3, backoff 0.5, smoothing 0.5; version entropies
+    0.4, 1.6, 1.6, 0.2: smoothed 0.4, 1.0, 1.3, 0.75 -> coefficients 0.03, 0.015, 0.0075, 0.0375.
+    The single reading 1.6 after 0.4 halves once, where the last version alone would have read two
+    crossings. A resumed control continues from the saved smoothed entropy."""
+    cfg = loss_config(
+        "grpo", entropy_target=0.8, entropy_coef_delta=0.03, entropy_coef_max=0.3, entropy_coef_backoff=0.5,
+        entropy_smoothing=0.5,
+    )  # fmt: skip
+    ctl, coefs, smoothed = EntropyControl(cfg), [], []
+    for entropy in (0.4, 1.6, 1.6, 0.2):
+        ctl.after_version(entropy)
+        coefs.append(ctl.coef)
+        smoothed.append(ctl.entropy)
+    assert smoothed == pytest.approx([0.4, 1.0, 1.3, 0.75])
+    assert coefs == pytest.approx([0.03, 0.015, 0.0075, 0.0375])
+    resumed = EntropyControl(cfg)
+    resumed.load_state_dict(ctl.state_dict())
+    resumed.after_version(1.25)  # smoothed (0.75 + 1.25) / 2 = 1.0, above: halve
+    assert resumed.entropy == pytest.approx(1.0) and resumed.coef == pytest.approx(0.01875)

@@ -86,6 +86,16 @@ class LossConfig(BaseModel):
     """How much the adaptive entropy coefficient moves per version."""
     entropy_coef_max: float = Field(0.05, ge=0.0)
     """The adaptive entropy coefficient's ceiling."""
+    entropy_coef_backoff: float | None = Field(None, gt=0.0, lt=1.0)
+    """Above the target, multiply the adaptive coefficient by this factor (e.g. 0.5: halve it)
+    instead of subtracting ``entropy_coef_delta``, so the control lets go of an entropy that
+    overshoots faster than it grips one that falls (additive increase, multiplicative decrease);
+    unset: subtract."""
+    entropy_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
+    """Weight of the earlier versions in the entropy the adaptive control reads: an exponential
+    moving average ``s * previous + (1 - s) * last version's mean entropy``; 0 reads the last
+    version's alone (one batch's entropy is noisy: 16 samples of ~10 tokens swing by 0.8 nats
+    between consecutive SmolLM2 versions)."""
 
     @model_validator(mode="after")
     def _check(self) -> LossConfig:
