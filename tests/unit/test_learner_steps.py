@@ -5,8 +5,13 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
-from trainer.learner.core import combine_step_metrics
+from trainer.algorithm.loss_config import loss_config
+from trainer.algorithm.losses import proxy_diagnostics
+from trainer.learner.ranks import all_reduce_floats, gather_rows, micro_batch_count
+from trainer.learner.settings import LearnerSettings
+from trainer.learner.steps import combine_step_metrics, reduce_metrics
 
 
 def step(tokens, applied=1.0, **kw):
@@ -64,3 +69,63 @@ def test_a_step_without_loss_tokens_leaves_the_extremes_alone():
     assert (out["ratio_min"], out["ratio_max"], out["discrepancy_min"], out["discrepancy_max"]) == (0.7, 1.6, 0.9, 1.2)
     none = combine_step_metrics([empty])
     assert math.isnan(none["ratio_min"]) and math.isnan(none["ratio_max"])
+
+
+def test_micro_batch_count_is_the_largest_ranks_share_and_at_least_one():
+    """10 rows, 2 ranks, micro-batch 4: 5 rows on the larger rank -> 2; 0 rows -> 1; 8 rows, 1 rank,
+    micro-batch 4 -> 2; 9 -> 3."""
+    assert micro_batch_count(10, 2, 4) == 2
+    assert micro_batch_count(0, 2, 4) == 1
+    assert [micro_batch_count(n, 1, 4) for n in (8, 9)] == [2, 3]
+
+
+def test_with_one_rank_the_collectives_are_the_identity():
+    values = torch.tensor([[1.0, math.nan]])
+    assert all_reduce_floats([1.5, 2.0], 1, "max") == [1.5, 2.0]
+    assert gather_rows(values, 1) is values
+
+
+def test_reduce_metrics_gives_token_weighted_means_and_extremes():
+    """One rank: ratio_max with sums [2.5, weight 2, max 1.5, min 1.0] -> 1.5; entropy [3.0, 2, ...]
+    -> 3.0 / 2 = 1.5; ratio_min [1.6, 2, 0.9, 0.7] -> 0.7; a metric without weight -> 0."""
+    acc = {
+        "ratio_max": [2.5, 2.0, 1.5, 1.0], "entropy": [3.0, 2.0, 2.0, 1.0], "ratio_min": [1.6, 2.0, 0.9, 0.7],
+        "approx_kl": [0.0, 0.0, -math.inf, math.inf],
+    }  # fmt: skip
+    out = reduce_metrics(acc, lambda values, op: values)
+    assert out == {"ratio_max": 1.5, "entropy": 1.5, "ratio_min": 0.7, "approx_kl": 0.0}
+
+
+def test_proxy_diagnostics_sum_the_proxy_error_on_exact_tokens_and_the_ewma_keep():
+    """Proxy "behav": mu = [-1, -2, -3], exact old [-1.5, -2.5, ?] on the first two loss tokens
+    (the third is a loss token without an exact value): err = 0.5 + 0.5 = 1.0 over 2 tokens. The
+    EWMA's log-probs [-1, -2, -3 + ln 10] against mu: ratios 1, 1, 10; the band [0.5, 2] keeps 2 of
+    the 3 loss tokens."""
+    cfg = loss_config("grpo", proxy="behav", mask_low=0.5, mask_high=2.0)
+    mu = torch.tensor([[-1.0, -2.0, -3.0]])
+    old = torch.tensor([[-1.5, -2.5, math.nan]])
+    mask = torch.tensor([[True, True, True]])
+    exact = torch.tensor([[True, True, False]])
+    ewma = torch.tensor([[-1.0, -2.0, -3.0 + math.log(10.0)]])
+    out = proxy_diagnostics(cfg, mu.clone(), mu, old, mask, exact, ewma_logprobs=ewma)
+    assert out == pytest.approx({"err": 1.0, "err_n": 2.0, "ewma_keep": 2.0, "ewma_n": 3.0})
+    ewma_cfg = loss_config("grpo", proxy="ewma")
+    assert proxy_diagnostics(ewma_cfg, mu.clone(), mu, old, mask, exact) == {
+        "err": 0.0,
+        "err_n": 0.0,
+        "ewma_keep": 0.0,
+        "ewma_n": 0.0,
+    }  # the EWMA proxy without its forward: nothing measured
+
+
+def test_learner_settings_give_the_scheduled_rate_and_the_deepspeed_config():
+    """lr 1e-3, cosine over 10 steps after 2 warm-up steps, floor 0.1: step 0 -> 1e-3 / 3, step 2 ->
+    1e-3, step 7 (half way) -> 1e-3 * (0.1 + 0.9 * 0.5) = 0.55e-3. bf16 turns DeepSpeed's bf16 on."""
+    s = LearnerSettings(
+        model_path="m", lr=1e-3, lr_schedule="cosine", lr_warmup_steps=2, lr_decay_steps=12, lr_min_ratio=0.1,
+        dtype="bfloat16", micro_batch_size=4, zero_stage=2, grad_clip=1.0,
+    )  # fmt: skip
+    assert [s.lr_at(k) for k in (0, 2, 7)] == pytest.approx([1e-3 / 3, 1e-3, 0.55e-3])
+    ds = s.deepspeed_config()
+    assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["zero_optimization"] == {"stage": 2}
+    assert ds["bf16"] == {"enabled": True} and ds["gradient_clipping"] == 1.0

@@ -529,3 +529,42 @@ def compute_policy_loss(
     )  # fmt: skip
     metrics.update(_floats({**dmetrics, **rmetrics}))
     return loss + extra, metrics
+
+
+@torch.no_grad()
+def proxy_diagnostics(
+    cfg: LossConfig,
+    logprobs: Tensor,
+    behav_logprobs: Tensor,
+    old_logprobs: Tensor,
+    loss_mask: Tensor,
+    exact_mask: Tensor,
+    staleness: Tensor | None = None,
+    ewma_logprobs: Tensor | None = None,
+    recompute_logprobs: Tensor | None = None,
+) -> dict[str, float]:
+    """How well the configured proxy stands in for the exact pi_old on one micro-batch, as sums over
+    its tokens (all ``[B, T]``; log-probs in nats, masks bool):
+
+    * ``err``: sum over loss tokens with an exact old log-prob of |proxy - ``old_logprobs``|
+      (:func:`trainer.algorithm.proximal.proximal_reference`, ``cfg.proxy``), ``err_n`` their count;
+      both 0 when the proxy is "ewma" and its forward did not run (``ewma_logprobs`` None);
+    * ``ewma_keep``: loss tokens the discrepancy mask on pi_ewma / mu keeps (:func:`icepop_mask` at
+      ``cfg.mask_low`` / ``mask_high``), ``ewma_n`` the loss tokens; 0 without ``ewma_logprobs``.
+
+    Example: proxy "behav", mu = [-1, -2], exact old [-1.5, -2.5] on both loss tokens: err = 1.0,
+    err_n = 2.
+    """
+    out = {"err": 0.0, "err_n": 0.0, "ewma_keep": 0.0, "ewma_n": 0.0}
+    mask = loss_mask.bool()
+    exact = exact_mask & mask
+    if bool(exact.any()) and (ewma_logprobs is not None or cfg.proxy != "ewma"):
+        proxy = proximal_reference(
+            cfg.proxy, logprobs, behav_logprobs, staleness=staleness, ewma_logprobs=ewma_logprobs,
+            recompute_logprobs=recompute_logprobs,
+        )  # fmt: skip
+        out["err"], out["err_n"] = float((proxy - old_logprobs).abs()[exact].sum()), float(exact.sum())
+    if ewma_logprobs is not None:
+        keep = icepop_mask(discrepancy_ratio(ewma_logprobs, behav_logprobs, loss_mask), cfg.mask_low, cfg.mask_high)
+        out["ewma_keep"], out["ewma_n"] = float((keep.bool() & mask).sum()), float(mask.sum())
+    return out

@@ -60,7 +60,6 @@ import torch
 
 from modelkit.cores import torch_threads
 from modelkit.scoring import (
-    enable_gradient_checkpointing,
     scoring_mode,
     sequence_logprobs,
     sequence_logprobs_and_entropy,
@@ -70,14 +69,14 @@ from protocol import OldLogitAnswer, Trajectory, WeightManifest
 from trainer.algorithm.batch import Batch, collate, first_loss_position, shuffled_rows
 from trainer.algorithm.entropy_control import EntropyControl
 from trainer.algorithm.ewma import EwmaProximal
-from trainer.algorithm.losses import compute_policy_loss, discrepancy_ratio, icepop_mask
-from trainer.algorithm.proximal import RECOMPUTE_PROXIES, proximal_reference
+from trainer.algorithm.losses import compute_policy_loss, proxy_diagnostics
+from trainer.algorithm.proximal import RECOMPUTE_PROXIES
 from trainer.learner import checkpoint, publication
-from trainer.learner.guard import StepGuard
-from trainer.learner.reference import ReferencePolicy, frozen_copy
-from trainer.learner.schedule import lr_multiplier
+from trainer.learner.guard import StepGuard, stage0_grad_norm
+from trainer.learner.models import ewma_logprobs, load_learner_models
+from trainer.learner.ranks import all_reduce_floats, gather_rows, micro_batch_count
 from trainer.learner.settings import LearnerSettings, init_distributed
-from trainer.learner.steps import combine_step_metrics, sum_max_min
+from trainer.learner.steps import combine_step_metrics, reduce_metrics, sum_max_min
 
 
 class LearnerCore:
@@ -102,47 +101,19 @@ class LearnerCore:
     def __init__(self, settings: LearnerSettings, rank: int = 0, world_size: int = 1) -> None:
         import deepspeed
 
-        from modelkit.modelhub import load_causal_lm
-
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         self.settings, self.rank, self.world_size = settings, rank, world_size
         init_distributed(settings, rank, world_size)
         torch.manual_seed(settings.seed)
-        model = load_causal_lm(settings.model_path, "float32")
-        model.config.use_cache = False
-        self.pad_token_id = int(model.config.pad_token_id if model.config.pad_token_id is not None else 0)
-        lora = settings.lora
-        if lora.enabled:  # base frozen, A/B factors trainable (B = 0: version 0 is the base model)
-            from modelkit.lora import wrap_lora
-
-            model = wrap_lora(model, lora.spec(), dropout=lora.dropout)
-        # the KL penalty's frozen reference: version 0, before any step (LoRA: the adapter switched off)
-        self.reference = ReferencePolicy(model, self._torch_dtype, lora.enabled) if settings.loss.kl_coef > 0 else None
-        use_ewma = settings.loss.proxy == "ewma"
-        scorer = None
-        if use_ewma and not lora.enabled:
-            # a plain copy for EWMA forwards; like DeepSpeed, cast parameters only (buffers stay fp32).
-            # With LoRA there is no copy: the EWMA adapter is swapped into the engine's own module.
-            scorer = frozen_copy(model, self._torch_dtype)
-        if settings.gradient_checkpointing:
-            enable_gradient_checkpointing(model)
-        model.train()
+        models = load_learner_models(settings, self._torch_dtype)
+        model, scorer = models.policy, models.ewma_scorer
+        self.pad_token_id, self.reference = models.pad_token_id, models.reference
         self._optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=settings.lr, betas=settings.betas,
             eps=settings.adam_eps, weight_decay=settings.weight_decay, fused=settings.fused_adam or None,
         )  # fmt: skip
         self._guard = StepGuard(self._optimizer, self._all_reduce)
-        ds_config: dict[str, Any] = {
-            "train_micro_batch_size_per_gpu": settings.micro_batch_size,
-            "gradient_accumulation_steps": 1,
-            "gradient_clipping": settings.grad_clip,
-            "zero_optimization": {"stage": settings.zero_stage},
-            "zero_allow_untested_optimizer": True,
-            "steps_per_print": 2**31 - 1,
-            "wall_clock_breakdown": False,
-        }
-        if settings.dtype == "bfloat16":
-            ds_config["bf16"] = {"enabled": True}
+        ds_config = settings.deepspeed_config()
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self._optimizer, config=ds_config)
         if scorer is not None:  # the EWMA forwards run where the engine's do
             scorer.to(self.engine.device)
@@ -164,12 +135,12 @@ class LearnerCore:
         self._device_payloads: deque = deque(maxlen=2)  # CUDA IPC publications consumers may still read
         self.ewma: EwmaProximal | None = None
         self._scorer = scorer
-        if use_ewma:
+        if settings.loss.proxy == "ewma":
             # the decay is set in versions; the EWMA folds weights in per optimizer step
             steps = settings.ppo_epochs * settings.ppo_mini_batches
             with self._full_params():
                 self.ewma = EwmaProximal(
-                    self.engine.module, settings.ewma, trainable_only=lora.enabled, steps_per_version=steps
+                    self.engine.module, settings.ewma, trainable_only=settings.lora.enabled, steps_per_version=steps
                 )
 
     # -- helpers --------------------------------------------------------------------------------
@@ -187,25 +158,7 @@ class LearnerCore:
         return contextlib.nullcontext()
 
     def _all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
-        if self.world_size == 1 or not values:
-            return values
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
-        return t.tolist()
-
-    def _ewma_logprobs(self, mb: Batch, first: int = 1) -> torch.Tensor:
-        """``[b, T]`` log-probs under the EWMA weights (no grad, eval mode, learner numerics and temperature),
-        vocabulary logits from position ``first`` on (:func:`modelkit.scoring.sequence_logprobs`).
-
-        Full-weight training runs a separate scorer copy; with LoRA the EWMA adapter is swapped
-        into the engine's own module for the forward (the frozen base is shared, nothing is copied)
-        and the trained adapter is put back bit for bit."""
-        assert self.ewma is not None
-        model = self._scorer if self._scorer is not None else self.engine.module
-        with scoring_mode(model), self.ewma.swapped_into(model):
-            return sequence_logprobs(model, mb.token_ids, mb.attention_mask, mb.temperature, first, **self._scoring)
+        return all_reduce_floats(values, self.world_size, op)
 
     # -- training -------------------------------------------------------------------------------
 
@@ -323,11 +276,6 @@ class LearnerCore:
             return batch
         return batch.select(shuffled_rows(batch.size, self.settings.seed, batch.consuming_version, epoch))
 
-    def _micro_count(self, batch: Batch) -> int:
-        """Micro-batches every rank runs for ``batch`` (the largest rank's share; at least one)."""
-        rows_per_rank = -(-batch.size // self.world_size)
-        return max(1, -(-rows_per_rank // self.settings.micro_batch_size))
-
     def _with_recompute(self, batch: Batch) -> Batch:
         """``batch`` with ``recompute_logprobs`` filled on this rank's rows: the current weights'
         log-probs (eval mode, learner numerics), micro-batch by micro-batch; other ranks' rows stay NaN.
@@ -336,7 +284,7 @@ class LearnerCore:
         local_rows = torch.arange(self.rank, batch.size, self.world_size)
         local = batch.select(local_rows)
         mbs = self.settings.micro_batch_size
-        n_micro = self._micro_count(batch)
+        n_micro = micro_batch_count(batch.size, self.world_size, mbs)
         first = first_loss_position(local)
         ref = torch.full_like(batch.behav_logprobs, float("nan"))
         with scoring_mode(self.engine.module) as model:
@@ -346,21 +294,7 @@ class LearnerCore:
                 lp = sequence_logprobs(model, mb.token_ids, mb.attention_mask, mb.temperature, first, **self._scoring)
                 rows = local_rows[k * mbs : k * mbs + mb.size] if k * mbs < local.size else local_rows[:0]
                 ref[rows, : lp.shape[1]] = lp[: len(rows)].to(ref.device)
-        return replace(batch, recompute_logprobs=self._gather_rows(ref))
-
-    def _gather_rows(self, values: torch.Tensor) -> torch.Tensor:
-        """``[batch, seq]`` with every rank's rows filled in (each rank holds its own, NaN elsewhere),
-        so a later pass may give any row to any rank; the input itself with one rank."""
-        if self.world_size == 1:
-            return values
-        import torch.distributed as dist
-
-        filled = torch.isfinite(values)
-        total = torch.where(filled, values, 0.0).double()
-        count = filled.double()
-        dist.all_reduce(total)
-        dist.all_reduce(count)
-        return torch.where(count > 0, total, float("nan")).to(values.dtype)
+        return replace(batch, recompute_logprobs=gather_rows(ref, self.world_size))
 
     def _optimizer_step(self, batch: Batch, probe: bool, use_recompute: bool) -> dict[str, float]:
         """One optimizer step on one mini-batch (the whole rollout batch with one step per batch).
@@ -376,7 +310,8 @@ class LearnerCore:
         library's token-weighted means and extremes (``entropy`` among them), proxy error sums,
         ``ewma_kept_frac``, ``ewma_reset``, phase seconds and micro-batch counts."""
         local = batch.shard(self.rank, self.world_size) if self.world_size > 1 else batch
-        split = local.micro_batches(self.settings.micro_batch_size, self._micro_count(batch))
+        mbs = self.settings.micro_batch_size
+        split = local.micro_batches(mbs, micro_batch_count(batch.size, self.world_size, mbs))
         micro = [m.to(self.engine.device) for m in split]
         first = first_loss_position(local)  # one for every micro-batch: their sums match a single pass
         n_tok, n_seq = self._all_reduce([float(local.n_tokens), float(local.loss_mask.any(-1).sum())])
@@ -390,11 +325,14 @@ class LearnerCore:
             self.engine.set_gradient_accumulation_boundary(i == len(micro) - 1)
             recompute = mb.recompute_logprobs if use_recompute else None
             ewma_runs += self._micro_step(mb, first, (n_tok, n_seq), probe and i == 0, recompute, acc, sums, timing)
-        grad_norm = self._stage0_grad_norm()
+        s = self.settings
+        grad_norm = stage0_grad_norm(self.engine.module) if s.zero_stage == 0 and s.dtype == "float32" else None
         keys = sorted(sums)
         glob = dict(zip(keys, self._all_reduce([sums[k] for k in keys]), strict=True))
         local_bad = not math.isfinite(sums["loss"]) or bool(self._guard.grad_bad)
-        lr = self._set_lr()
+        lr = s.lr_at(self.optimizer_steps)  # the schedule's rate for this step
+        for group in self._optimizer.param_groups:
+            group["lr"] = lr
         applied, rolled_back, timing["optimizer_s"] = self._guard.step(self.engine, local_bad)
         self.nonfinite_weight_steps += int(rolled_back)
         self.optimizer_steps += int(applied)
@@ -406,7 +344,7 @@ class LearnerCore:
         ewma_reset = self._fold_into_ewma(batch, kept) if applied else False
         self.skipped_steps += int(not applied)
         timing["ewma_update_s"] = time.perf_counter() - td
-        out = self._reduce_metrics(acc)
+        out = reduce_metrics(acc, self._all_reduce)
         out.update(timing)
         out.update(
             loss=glob["loss"], applied=float(applied), grad_norm=grad_norm if applied else math.nan, tokens=n_tok,
@@ -414,17 +352,6 @@ class LearnerCore:
             micro_batches=float(len(micro)), ewma_forward_micro_batches=float(ewma_runs), lr=lr,
         )  # fmt: skip
         return out
-
-    def _set_lr(self) -> float:
-        """Set every parameter group's learning rate for the next optimizer step from the schedule
-        (:func:`trainer.learner.schedule.lr_multiplier` at :attr:`optimizer_steps`); returns it."""
-        s = self.settings
-        lr = s.lr * lr_multiplier(
-            self.optimizer_steps, s.lr_schedule, s.lr_warmup_steps, s.lr_decay_steps, s.lr_min_ratio
-        )
-        for group in self._optimizer.param_groups:
-            group["lr"] = lr
-        return lr
 
     def _micro_step(
         self,
@@ -445,7 +372,8 @@ class LearnerCore:
         ta = time.perf_counter()
         ewma_lp = None
         if self.ewma is not None and (bool((mask & ~exact_mask).any()) or probe):
-            ewma_lp = self._ewma_logprobs(mb, first)
+            model = self._scorer if self._scorer is not None else self.engine.module
+            ewma_lp = ewma_logprobs(self.ewma, model, mb, first, self._scoring)
         tr = time.perf_counter()
         ref_lp = None
         if self.reference is not None:
@@ -474,19 +402,11 @@ class LearnerCore:
         sums["loss"] += float(loss.detach())
         m["entropy"] = float(entropy.detach()[mask].sum() / mask.sum().clamp(min=1))
         sum_max_min(m, float(mask.sum()), acc)
-        with torch.no_grad():
-            exact = exact_mask & mask
-            if bool(exact.any()) and (ewma_lp is not None or self.ewma is None):
-                proxy = proximal_reference(
-                    cfg.proxy, lp, mb.behav_logprobs, staleness=mb.staleness, ewma_logprobs=ewma_lp,
-                    recompute_logprobs=recompute,
-                )  # fmt: skip
-                sums["err"] += float((proxy - old).abs()[exact].sum())
-                sums["err_n"] += float(exact.sum())
-            if ewma_lp is not None:
-                keep = icepop_mask(discrepancy_ratio(ewma_lp, mb.behav_logprobs, mask), cfg.mask_low, cfg.mask_high)
-                sums["ewma_keep"] += float((keep.bool() & mask).sum())
-                sums["ewma_n"] += float(mask.sum())
+        diag = proxy_diagnostics(
+            cfg, lp, mb.behav_logprobs, old, mask, exact_mask, mb.staleness, ewma_lp, recompute
+        )  # the proxy's error against the exact tokens, the EWMA's discrepancy mask
+        for k, v in diag.items():
+            sums[k] += v
         return int(ewma_lp is not None)
 
     def _fold_into_ewma(self, batch: Batch, kept: float) -> bool:
@@ -501,29 +421,6 @@ class LearnerCore:
         with self._full_params():
             self.ewma.update(self.engine.module)
             return self.ewma.maybe_reset(kept, self.engine.module)
-
-    def _stage0_grad_norm(self) -> float | None:
-        """Pre-clip global gradient norm for stage 0 fp32 (DeepSpeed does not keep it there)."""
-        if self.settings.zero_stage != 0 or self.settings.dtype != "float32":
-            return None
-        sq = [p.grad.detach().float().square().sum() for p in self.engine.module.parameters() if p.grad is not None]
-        return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
-
-    def _reduce_metrics(self, acc: dict[str, list[float]]) -> dict[str, float]:
-        """Token-weighted means (``*_max``/``*_min``: extremes) of the loss metrics over micro-batches and ranks."""
-        keys = sorted(acc)
-        sums = self._all_reduce([acc[k][0] for k in keys] + [acc[k][1] for k in keys])
-        hi = self._all_reduce([acc[k][2] for k in keys] + [-acc[k][3] for k in keys], "max")
-        out = {}
-        for j, k in enumerate(keys):
-            w = sums[len(keys) + j]
-            if k.endswith("_max"):
-                out[k] = hi[j] if w > 0 else 0.0
-            elif k.endswith("_min"):
-                out[k] = -hi[len(keys) + j] if w > 0 else 0.0
-            else:
-                out[k] = sums[j] / w if w > 0 else 0.0
-        return out
 
     # -- inspection and publication -------------------------------------------------------------
 

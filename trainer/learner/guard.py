@@ -21,6 +21,13 @@ AllReduce = Callable[[list[float], str], list[float]]
 """``(values, op)`` -> the values reduced over the data-parallel ranks (``op`` "sum" or "max")."""
 
 
+def stage0_grad_norm(module: torch.nn.Module) -> float:
+    """The global L2 norm of ``module``'s gradients before clipping, in fp32 (0 without any). For
+    ZeRO stage 0 in fp32, where DeepSpeed does not keep it."""
+    sq = [p.grad.detach().float().square().sum() for p in module.parameters() if p.grad is not None]
+    return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
+
+
 class StepGuard:
     """Wraps ``optimizer.step`` and watches the gradients of ``params``.
 

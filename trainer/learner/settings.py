@@ -11,12 +11,13 @@ import contextlib
 import io
 import os
 import socket
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainer.algorithm.loss_config import EwmaConfig, LossConfig, loss_config
 from trainer.learner.lora_config import LoraSettings, lora_zero_refusal
+from trainer.learner.schedule import lr_multiplier
 
 LOGPROB_CHUNK_BYTES = 64 * 2**20
 """Default of :attr:`LearnerOptions.logprob_chunk_bytes`, 64 MiB (``modelkit.scoring.DEFAULT_CHUNK_BYTES``)."""
@@ -130,6 +131,32 @@ class LearnerSettings(LearnerOptions):
     """torch.distributed backend; None: gloo on CPU, the accelerator's own otherwise."""
     lora: LoraSettings = Field(default_factory=LoraSettings)
     """Train a LoRA adapter on the frozen base instead of every weight (``trainer.learner.lora_config``)."""
+
+    def lr_at(self, optimizer_steps: int) -> float:
+        """The learning rate of the optimizer step after ``optimizer_steps`` applied ones: ``lr``
+        times :func:`trainer.learner.schedule.lr_multiplier` of the schedule settings."""
+        f = lr_multiplier(
+            optimizer_steps, self.lr_schedule, self.lr_warmup_steps, self.lr_decay_steps, self.lr_min_ratio
+        )
+        return self.lr * f
+
+    def deepspeed_config(self) -> dict[str, Any]:
+        """The DeepSpeed engine's configuration: one micro-batch of ``micro_batch_size`` rows per
+        engine step (the learner accumulates over micro-batches itself), ``grad_clip``, ZeRO
+        ``zero_stage`` with the torch optimizer the learner builds, bf16 when ``dtype`` says so, and
+        DeepSpeed's own step printing and timers off."""
+        cfg: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": self.micro_batch_size,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": self.grad_clip,
+            "zero_optimization": {"stage": self.zero_stage},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False,
+        }
+        if self.dtype == "bfloat16":
+            cfg["bf16"] = {"enabled": True}
+        return cfg
 
     @model_validator(mode="after")
     def _check(self) -> LearnerSettings:

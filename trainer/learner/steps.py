@@ -1,10 +1,10 @@
 """Metrics of one learner step: micro-batch metrics folded per optimizer step, optimizer steps
-combined per rollout batch. Pure functions over floats (no torch, no collectives)."""
+combined per rollout batch. Pure functions over floats (no torch; the ranks' reduction is passed in)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 
 def sum_max_min(means: dict[str, float], weight: float, acc: dict[str, list[float]]) -> None:
@@ -26,6 +26,29 @@ _SUMMED = (
     "ewma_forward_micro_batches", "proxy_err_sum", "proxy_err_tokens",
 )  # fmt: skip
 _OWN_RULE = ("tokens", "applied", "grad_norm", "ewma_kept_frac", "lr")
+
+
+def reduce_metrics(
+    acc: dict[str, list[float]], all_reduce: Callable[[list[float], str], list[float]]
+) -> dict[str, float]:
+    """The loss metrics of one optimizer step from :func:`sum_max_min`'s accumulator, over
+    micro-batches and ranks (``all_reduce(values, op)`` with ``op`` "sum" or "max"): token-weighted
+    means, ``*_max`` / ``*_min`` the extremes; 0 for a metric no micro-batch with tokens gave.
+    Example (one rank): ``{"ratio_max": [2.5, 2, 1.5, 1.0], "entropy": [3.0, 2, 2.0, 1.0]}`` ->
+    ``{"ratio_max": 1.5, "entropy": 1.5}``."""
+    keys = sorted(acc)
+    sums = all_reduce([acc[k][0] for k in keys] + [acc[k][1] for k in keys], "sum")
+    hi = all_reduce([acc[k][2] for k in keys] + [-acc[k][3] for k in keys], "max")
+    out = {}
+    for j, k in enumerate(keys):
+        w = sums[len(keys) + j]
+        if k.endswith("_max"):
+            out[k] = hi[j] if w > 0 else 0.0
+        elif k.endswith("_min"):
+            out[k] = -hi[len(keys) + j] if w > 0 else 0.0
+        else:
+            out[k] = sums[j] / w if w > 0 else 0.0
+    return out
 
 
 def _mean_or_nan(values: list[float]) -> float:
