@@ -27,8 +27,8 @@ Invariants:
   from that base, never from the previous version;
 * after every applied update (and at the start) the worker reads its engine's weights back
   (:meth:`rollout.engine.GenerationEngine.served_fingerprint`) into ``served_fingerprint``, which
-  every trajectory it emits carries, and keeps ``applied_fingerprint``, that of the tensors it
-  handed to the engine (the merged weights for an adapter); :meth:`fingerprint` reports both;
+  every trajectory it emits carries, and keeps the applied fingerprint, that of the tensors it
+  handed to the engine (the merged weights for an adapter; both in :class:`rollout.served_weights.ServedWeights`); :meth:`fingerprint` reports both;
 * every submitted sample leaves exactly once through :meth:`poll`, finished (``stop``/``length``)
   or ``abort`` with the reason in ``info["error"]``.
 """
@@ -45,10 +45,11 @@ from typing import Any
 
 import numpy as np
 
-from protocol import AdapterSpec, OldLogitItem, RolloutRequest, Trajectory, WeightManifest, WorkerStatus
+from protocol import OldLogitItem, RolloutRequest, Trajectory, WeightManifest, WorkerStatus
 from rollout.agent import ChatFormat, Episode, TemplateChatFormat
 from rollout.engine import EngineRequest, GenerationEngine
 from rollout.envs import check_reset, check_step, load_env
+from rollout.served_weights import ServedWeights
 
 PrefixScorer = Callable[[list[OldLogitItem], float, list[np.ndarray | None]], list[np.ndarray]]
 
@@ -63,6 +64,50 @@ def request_of(trajectory_id: str, held: Mapping[str, int]) -> str:
     """The inverse of :func:`sample_id` against the request ids in ``held``: the id itself when it
     is held (an ``n = 1`` request), else the part before its last ``/``."""
     return trajectory_id if trajectory_id in held else trajectory_id.rsplit("/", 1)[0]
+
+
+def first_prompt(ep: Episode, chat: ChatFormat) -> list[int]:
+    """The prompt token ids of a new episode's request: its ``prompt`` text, its chat ``messages``
+    or its ``prompt_ids``, or else the first observation of its environment, which is loaded and
+    reset into ``ep.env`` (the reset's info in ``ep.info["env"]``).
+
+    Raises:
+        ValueError, TypeError: the request cannot be rendered or its environment refused it (the
+            message names the request), or the prompt renders to no tokens.
+    """
+    r = ep.request
+    try:
+        if r.prompt is not None:
+            prompt = chat.text_ids(r.prompt)
+        elif r.messages is not None:
+            prompt = chat.prompt_ids(r.messages)
+        elif r.prompt_ids is not None:
+            prompt = [int(x) for x in r.prompt_ids]
+        else:
+            ep.env = load_env(r.env.path, **r.env.kwargs)
+            msgs, info = check_reset(ep.env.reset(r.env.seed), r.env.path)
+            ep.info["env"] = {"path": r.env.path, "seed": r.env.seed, **info}
+            prompt = chat.prompt_ids(msgs)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"request {r.request_id!r}: {e}") from e
+    if not prompt:
+        raise ValueError(f"request {r.request_id!r}: prompt renders to no tokens")
+    return prompt
+
+
+def prefix_item(held: Episode | Trajectory) -> tuple[float, OldLogitItem]:
+    """A held sequence (an unfinished episode or an unpolled trajectory) as the scoring request for
+    its old logits, with its sampling temperature."""
+    if isinstance(held, Episode):
+        item = OldLogitItem(
+            trajectory_id=held.trajectory_id, token_ids=np.asarray(held.token_ids, np.int32),
+            loss_mask=np.asarray(held.loss_mask, np.int8), versions=np.asarray(held.versions, np.int32),
+        )  # fmt: skip
+        return held.request.sampling.temperature, item
+    item = OldLogitItem(
+        trajectory_id=held.trajectory_id, token_ids=held.token_ids, loss_mask=held.loss_mask, versions=held.versions
+    )
+    return float(held.info["temperature"]), item
 
 
 class RolloutWorkerCore:
@@ -115,11 +160,8 @@ class RolloutWorkerCore:
         self.last_update_seconds: float | None = None
         self.last_error = ""
         self.state = "running"
-        self._base: dict[str, Any] | None = None  # pristine base weights, kept once an adapter arrives
-        self.applied_fingerprint: str | None = None
-        """Fingerprint of the tensors handed to the engine at the last update (None before one)."""
-        self.served_fingerprint: str | None = self._read_fingerprint()
-        """Fingerprint of the weights the engine serves, read back from it after the last update."""
+        self.weights = ServedWeights(engine, self._record_error)
+        """The served and applied fingerprints, and the base adapters merge into."""
 
     # --- public API --------------------------------------------------------------------------
 
@@ -127,6 +169,11 @@ class RolloutWorkerCore:
     def version(self) -> int:
         """Weight version now serving."""
         return self.engine.version
+
+    @property
+    def served_fingerprint(self) -> str | None:
+        """Fingerprint of the weights the engine serves, read back from it after the last update."""
+        return self.weights.served
 
     def submit(self, requests: list[RolloutRequest] | RolloutRequest) -> int:
         """Queue requests (``n`` samples each). Returns the number of samples queued.
@@ -181,7 +228,7 @@ class RolloutWorkerCore:
 
         ``payload`` is ``{hf_name: tensor}`` from ``modelkit.weights.pack_weights``; it is verified
         (checksum, shapes) before anything is interrupted. An adapter publication is merged into
-        the kept base first (:meth:`merged_adapter`).
+        the kept base first (:meth:`rollout.served_weights.ServedWeights.merged_adapter`).
 
         Raises:
             protocol.ProtocolError: the payload does not match the manifest.
@@ -196,7 +243,7 @@ class RolloutWorkerCore:
             )
         named = unpack_weights(manifest, payload)
         if manifest.adapter is not None:
-            named = self.merged_adapter(named, manifest.adapter)
+            named = self.weights.merged_adapter(named, manifest.adapter)
         t0 = time.perf_counter()
         with self._locked():
             self._interrupt()
@@ -207,30 +254,11 @@ class RolloutWorkerCore:
                 except Exception as e:  # those tokens stay NaN: the learner uses its proxy, and says so
                     self._record_error(f"score_prefixes failed: {e!r}")
             self.engine.update_weights(named, manifest.version)
-            self.applied_fingerprint = self._fingerprint_of(named)
-            self.served_fingerprint = self._read_fingerprint()
+            self.weights.record_update(named)
             self.updates += 1
             self.last_update_seconds = time.perf_counter() - t0
         self._wake.set()
         return self.engine.version
-
-    def merged_adapter(self, adapter: Mapping[str, Any], spec: AdapterSpec) -> dict[str, Any]:
-        """Full weights ``W0 + (alpha / r) * B @ A`` of an adapter version, from the kept base.
-
-        The base (the engine's model folder, cast to the engine dtype) is loaded at the first call
-        and kept unchanged: merging is always from it, never cumulative.
-
-        Raises:
-            ValueError: the adapter does not fit the base (names, shapes; the message names the module).
-        """
-        import torch
-
-        from modelkit.lora import load_base_weights, merged_weights
-
-        if self._base is None:
-            dtype = getattr(torch, self.engine.config.dtype)
-            self._base = {k: v.to(dtype) for k, v in load_base_weights(self.engine.config.model_path).items()}
-        return merged_weights(self._base, adapter, spec)
 
     def fingerprint(self) -> dict[str, Any]:
         """``{"version", "served", "applied"}``: the serving version, the fingerprint read back from
@@ -239,25 +267,9 @@ class RolloutWorkerCore:
         with self._locked():
             return {
                 "version": self.engine.version,
-                "served": self.served_fingerprint,
-                "applied": self.applied_fingerprint,
+                "served": self.weights.served,
+                "applied": self.weights.applied,
             }
-
-    def _read_fingerprint(self) -> str | None:
-        try:
-            return self.engine.served_fingerprint()
-        except Exception as e:  # an engine that cannot be read back serves unknown weights: say so
-            self._record_error(f"served_fingerprint failed: {e!r}")
-            return None
-
-    def _fingerprint_of(self, named: Mapping[str, Any]) -> str | None:
-        from modelkit.fingerprint import weights_fingerprint
-
-        try:
-            names = self.engine.expected_weights()
-        except (FileNotFoundError, OSError):  # an engine without a checkpoint folder (test fakes)
-            return None
-        return weights_fingerprint({n: named[n] for n in names}, self.engine.config.dtype)
 
     def status(self) -> WorkerStatus:
         """Version, in-flight samples, throughput (tokens / second spent stepping) and errors."""
@@ -377,22 +389,7 @@ class RolloutWorkerCore:
     def _new_episode(self, r: RolloutRequest, tid: str) -> Episode:
         seed = r.sampling.seed if r.sampling.n == 1 else None
         ep = Episode(trajectory_id=tid, request=r, seed=seed)
-        try:
-            if r.prompt is not None:
-                prompt = self.chat.text_ids(r.prompt)
-            elif r.messages is not None:
-                prompt = self.chat.prompt_ids(r.messages)
-            elif r.prompt_ids is not None:
-                prompt = [int(x) for x in r.prompt_ids]
-            else:
-                ep.env = load_env(r.env.path, **r.env.kwargs)
-                msgs, info = check_reset(ep.env.reset(r.env.seed), r.env.path)
-                ep.info["env"] = {"path": r.env.path, "seed": r.env.seed, **info}
-                prompt = self.chat.prompt_ids(msgs)
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"request {r.request_id!r}: {e}") from e
-        if not prompt:
-            raise ValueError(f"request {r.request_id!r}: prompt renders to no tokens")
+        prompt = first_prompt(ep, self.chat)
         ep.add_context(prompt)
         ep.prompt_len = len(prompt)
         if not self._start_turn(ep):
@@ -493,22 +490,11 @@ class RolloutWorkerCore:
         seqs += [i for i, t in enumerate(self._done) if (t.versions == version).any()]
         by_temp: dict[float, list] = {}
         for x in seqs:
-            if isinstance(x, Episode):
-                if version not in x.versions:
-                    continue
-                item = OldLogitItem(
-                    trajectory_id=x.trajectory_id,
-                    token_ids=np.asarray(x.token_ids, np.int32),
-                    loss_mask=np.asarray(x.loss_mask, np.int8),
-                    versions=np.asarray(x.versions, np.int32),
-                )
-                by_temp.setdefault(x.request.sampling.temperature, []).append((x, item, x.old_logprobs))
-            else:
-                t = self._done[x]
-                item = OldLogitItem(
-                    trajectory_id=t.trajectory_id, token_ids=t.token_ids, loss_mask=t.loss_mask, versions=t.versions
-                )
-                by_temp.setdefault(float(t.info["temperature"]), []).append((x, item, t.old_logprobs))
+            if isinstance(x, Episode) and version not in x.versions:
+                continue
+            held = x if isinstance(x, Episode) else self._done[x]
+            temperature, item = prefix_item(held)
+            by_temp.setdefault(temperature, []).append((x, item, held.old_logprobs))
         for temperature, group in by_temp.items():
             lps = self.score_prefixes([g[1] for g in group], temperature, [g[2] for g in group])
             for (target, _, _), lp in zip(group, lps, strict=True):

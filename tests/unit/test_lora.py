@@ -356,6 +356,6 @@ def test_worker_merges_each_version_from_the_pristine_base(tiny_model_path, lora
         ref = lora_learner.logprobs(v, ids, torch.ones_like(ids))
         assert float((lp - ref).abs().max()) < 1e-5
     # the kept base is the folder's, untouched by two merges
-    assert all(torch.equal(worker._base[k], base[k]) for k in worker._base)
+    assert all(torch.equal(worker.weights.base[k], base[k]) for k in worker.weights.base)
     # base_state of a wrapped model names the HF weights (tied embedding under both names)
     assert set(base_state(lora_learner.model)) == set(base)
