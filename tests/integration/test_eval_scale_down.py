@@ -53,7 +53,7 @@ def test_an_evaluation_whose_worker_is_scaled_away_completes(tmp_path, tiny_mode
         if tag == "during" and not on_removed:
             pool = evals.source.pool
             with pool._lock:
-                held = dict(pool._held.get("rollout-1", {}))
+                held = dict(pool.held.by_worker.get("rollout-1", {}))
             on_removed["eval"] = sorted(r for r in held if r.startswith("eval-"))
             on_removed["train"] = sum(n for r, n in held.items() if not r.startswith("eval-"))
             url = json.loads((tmp_path / "server.json").read_text())["url"]

@@ -34,15 +34,15 @@ def test_a_lost_worker_hands_out_the_requests_it_still_held_once():
         pool._hold("rollout-0", "b", 2)
         pool._hold("rollout-1", "c", 1)
         pool._hold("rollout-9", "z", 1)  # not a live worker: nothing held
-        pool._release("rollout-0", [traj("a"), traj("b/0")])  # a done, one of b's two samples done
-    assert pool._held == {"rollout-0": {"b": 1}, "rollout-1": {"c": 1}}
+        pool.held.release("rollout-0", [traj("a"), traj("b/0")])  # a done, one of b's two samples done
+    assert pool.held.by_worker == {"rollout-0": {"b": 1}, "rollout-1": {"c": 1}}
     pool.in_flight["rollout-0"] = 1
     pool._bury("rollout-0")
     assert pool.take_deaths() == {"rollout-0": (1, WORKER_DIED)}
     assert pool.take_lost_requests() == ["b"]
     assert pool.take_lost_requests() == []  # each id once
     with pool._lock:
-        pool._release("rollout-1", [traj("c")])
+        pool.held.release("rollout-1", [traj("c")])
     pool._bury("rollout-1")
     assert pool.take_lost_requests() == []  # it had delivered everything it took
-    assert pool._held == {}
+    assert pool.held.by_worker == {}

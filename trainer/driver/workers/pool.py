@@ -38,7 +38,6 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -46,8 +45,8 @@ import ray
 
 from protocol import RolloutRequest, Trajectory, WeightManifest, WorkerStatus
 from rollout.engine import EngineConfig
-from rollout.worker import request_of
 from rollout.worker_actor import RolloutWorker
+from trainer.driver.workers.held import HeldRequests
 
 CALL_WAIT_S = 5.0
 """Longest wait, seconds, for a worker's answer to a poll, status or submission when hang detection
@@ -56,10 +55,6 @@ is on; a healthy worker answers within one engine step. An answer that comes lat
 WORKER_DIED, WORKER_HUNG, WORKER_REMOVED = "worker_died", "worker_hung", "worker_removed"
 """Reasons a worker's in-flight samples are lost: its process died; it hung and was killed; a scale
 request removed it."""
-
-LOST_REQUESTS_KEPT = 65536
-"""Ids of requests lost with a worker kept for :meth:`WorkerPool.take_lost_requests` (oldest dropped
-first, so a job whose driver never asks keeps a bounded list)."""
 
 
 def _number(wid: str) -> int:
@@ -129,9 +124,8 @@ class WorkerPool:
         self._late: dict[str, list[tuple[str, Any, int]]] = {}  # wid -> [(method, ref, samples)], call order
         self._behind: set[str] = set()  # late workers that missed a publication
         self._unverified: dict[str, WeightManifest] = {}  # applied outside update_weights' answers
-        self._held: dict[str, dict[str, int]] = {}  # wid -> {request id: samples not polled yet}
-        self._held_eval: set[str] = set()  # the held request ids of purpose "eval"
-        self._lost_requests: deque[tuple[str, str]] = deque(maxlen=LOST_REQUESTS_KEPT)  # (id, reason)
+        self.held = HeldRequests()
+        """The requests each worker holds and those lost with a worker (under the lock)."""
 
     def __len__(self) -> int:
         return len(self.workers)
@@ -174,7 +168,7 @@ class WorkerPool:
             while len(self.workers) > n:
                 wid = max(self.workers, key=_number)
                 actor = self.workers.pop(wid)
-                removed[wid] = max(0, self.in_flight.pop(wid) - self._lose_held(wid, WORKER_REMOVED))
+                removed[wid] = max(0, self.in_flight.pop(wid) - self.held.lose(wid, WORKER_REMOVED))
                 self.last_progress.pop(wid, None)
                 self._late.pop(wid, None)
                 self._behind.discard(wid)
@@ -237,41 +231,16 @@ class WorkerPool:
         with self._lock:
             if wid in self.workers:
                 del self.workers[wid]
-                self._died[wid] = (max(0, self.in_flight.pop(wid, 0) - self._lose_held(wid, reason)), reason)
+                self._died[wid] = (max(0, self.in_flight.pop(wid, 0) - self.held.lose(wid, reason)), reason)
                 self.last_progress.pop(wid, None)
                 self._late.pop(wid, None)
                 self._behind.discard(wid)
                 self._unverified.pop(wid, None)
 
-    def _lose_held(self, wid: str, reason: str) -> int:
-        """The request ids ``wid`` held become lost with ``reason``; returns how many of its samples
-        were of evaluation requests (lock held)."""
-        held = self._held.pop(wid, {})
-        self._lost_requests.extend((rid, reason) for rid in held)
-        evals = [rid for rid in held if rid in self._held_eval]
-        self._held_eval.difference_update(evals)
-        return sum(held[rid] for rid in evals)
-
     def _hold(self, wid: str, request_id: str, n: int, purpose: str = "train") -> None:
-        """``wid`` took ``n`` samples of ``request_id``, a request of ``purpose`` (lock held)."""
-        if n > 0 and wid in self.workers:
-            held = self._held.setdefault(wid, {})
-            held[request_id] = held.get(request_id, 0) + n
-            if purpose == "eval":
-                self._held_eval.add(request_id)
-
-    def _release(self, wid: str, trajectories: list[Trajectory]) -> None:
-        """``wid`` delivered ``trajectories``: their requests are no longer held there (lock held)."""
-        held = self._held.get(wid)
-        if not held:
-            return
-        for t in trajectories:
-            rid = request_of(t.trajectory_id, held)
-            if rid in held:
-                held[rid] -= 1
-                if held[rid] <= 0:
-                    del held[rid]
-                    self._held_eval.discard(rid)
+        """``wid`` took ``n`` samples of ``request_id``, a request of ``purpose``, if it is live (lock held)."""
+        if wid in self.workers:
+            self.held.hold(wid, request_id, n, purpose)
 
     def take_lost(self) -> list[tuple[str, str]]:
         """``(request id, reason)`` of the requests a worker held when it died, hung, was killed or
@@ -279,9 +248,7 @@ class WorkerPool:
         :meth:`take_lost_requests`), in the order lost; each once. ``reason`` is the worker's
         (:data:`WORKER_DIED`, :data:`WORKER_HUNG`, :data:`WORKER_REMOVED`, or the reason it was killed with)."""
         with self._lock:
-            out = list(self._lost_requests)
-            self._lost_requests.clear()
-        return out
+            return self.held.take_lost()
 
     def take_lost_requests(self) -> list[str]:
         """The ids of :meth:`take_lost`."""
@@ -470,7 +437,7 @@ class WorkerPool:
                     self.in_flight[wid] -= len(g)
                     if g:
                         self.last_progress[wid] = now
-                self._release(wid, g)
+                self.held.release(wid, g)
                 out += g
         return out
 
