@@ -18,6 +18,54 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from protocol import GatewayStatus, JobStatus, ScaleRequest, ScaleResponse, WorkerStatus
 from rollout.httpserve import BodyLimit, ThreadedServer, bearer_token, is_loopback_host, token_matches
 
+JOB_GAUGES: dict[str, tuple[str, str]] = {
+    "learner_version": ("vintage_learner_version", "Current learner policy version"),
+    "buffer_size": ("vintage_buffer_size", "Trajectories waiting in the buffer"),
+    "in_flight": ("vintage_in_flight", "Trajectories being generated"),
+    "tokens_per_s": ("vintage_tokens_per_s", "Trained tokens per second"),
+    "proxy_fraction": ("vintage_proxy_fraction", "Fraction of tokens whose reference was a proxy"),
+    "mask_kept_fraction": ("vintage_mask_kept_fraction", "Discrepancy-mask kept fraction of the last batch"),
+    "workers": ("vintage_rollout_workers", "Rollout workers"),
+    "last_publish_s": ("vintage_last_publish_seconds", "Seconds of the last weight publication"),
+    "ewma_resets": ("vintage_ewma_resets", "EWMA resets so far"),
+    "skipped_steps": ("vintage_skipped_steps", "Non-finite steps skipped"),
+    "fingerprint_mismatch": ("vintage_fingerprint_mismatch", "Consumers found serving other weights than published"),
+    "fingerprint_unverified": (
+        "vintage_fingerprint_unverified",
+        "Consumer reports whose served fingerprint could not be judged after a publication",
+    ),
+    "eval_resubmitted": (
+        "vintage_eval_resubmitted",
+        "Held-out evaluation requests submitted again because their rollout worker was lost",
+    ),
+    "held_out": ("vintage_held_out_reward", "Mean reward of the latest held-out evaluation"),
+    "held_out_version": ("vintage_held_out_version", "Policy version of the latest held-out evaluation"),
+    "best_version": ("vintage_best_version", "Policy version of the best pinned held-out evaluation (kept)"),
+    "best_held_out": ("vintage_best_held_out_reward", "Mean reward of the best pinned held-out evaluation"),
+    "generated": ("vintage_trajectories_generated", "Trajectories submitted to workers"),
+    "consumed": ("vintage_trajectories_consumed", "Trajectories trained on"),
+    "filtered_groups": ("vintage_filtered_groups", "Groups of equal rewards dropped by dynamic sampling"),
+    "zero_variance_admitted": (
+        "vintage_zero_variance_admitted",
+        "Groups of equal rewards trained on because the per-step filter bound was reached",
+    ),
+}
+"""The job's Prometheus gauges: status field -> (metric name, help)."""
+
+GATEWAY_GAUGES: dict[str, tuple[str, str]] = {
+    "tool_call_errors": ("vintage_gateway_tool_call_errors", "Gateway replies answered with a tool-call error note"),
+    "calls_pending": ("vintage_gateway_calls_pending", "Gateway calls waiting for a worker"),
+    "sessions_waiting_for_group": (
+        "vintage_gateway_sessions_waiting_for_group",
+        "Ended gateway sessions held until their GRPO group fills or waits gateway.group_wait_s",
+    ),
+    "groups_partial": (
+        "vintage_gateway_groups_partial",
+        "Gateway groups trained short of rollout.sampling.n sessions, with a baseline",
+    ),
+}
+"""The gateway's Prometheus gauges: :class:`GatewayStatus` field -> (metric name, help)."""
+
 
 class StatusBoard:
     """Thread-safe holder of the job's latest :class:`JobStatus` and of pending control requests.
@@ -34,57 +82,7 @@ class StatusBoard:
         self.paused = False
         self.registry = CollectorRegistry()
         r = self.registry
-        self._g = {
-            "learner_version": Gauge("vintage_learner_version", "Current learner policy version", registry=r),
-            "buffer_size": Gauge("vintage_buffer_size", "Trajectories waiting in the buffer", registry=r),
-            "in_flight": Gauge("vintage_in_flight", "Trajectories being generated", registry=r),
-            "tokens_per_s": Gauge("vintage_tokens_per_s", "Trained tokens per second", registry=r),
-            "proxy_fraction": Gauge(
-                "vintage_proxy_fraction", "Fraction of tokens whose reference was a proxy", registry=r
-            ),
-            "mask_kept_fraction": Gauge(
-                "vintage_mask_kept_fraction", "Discrepancy-mask kept fraction of the last batch", registry=r
-            ),
-            "workers": Gauge("vintage_rollout_workers", "Rollout workers", registry=r),
-            "last_publish_s": Gauge(
-                "vintage_last_publish_seconds", "Seconds of the last weight publication", registry=r
-            ),
-            "ewma_resets": Gauge("vintage_ewma_resets", "EWMA resets so far", registry=r),
-            "skipped_steps": Gauge("vintage_skipped_steps", "Non-finite steps skipped", registry=r),
-            "fingerprint_mismatch": Gauge(
-                "vintage_fingerprint_mismatch", "Consumers found serving other weights than published", registry=r
-            ),
-            "fingerprint_unverified": Gauge(
-                "vintage_fingerprint_unverified",
-                "Consumer reports whose served fingerprint could not be judged after a publication",
-                registry=r,
-            ),
-            "eval_resubmitted": Gauge(
-                "vintage_eval_resubmitted",
-                "Held-out evaluation requests submitted again because their rollout worker was lost",
-                registry=r,
-            ),
-            "held_out": Gauge("vintage_held_out_reward", "Mean reward of the latest held-out evaluation", registry=r),
-            "held_out_version": Gauge(
-                "vintage_held_out_version", "Policy version of the latest held-out evaluation", registry=r
-            ),
-            "best_version": Gauge(
-                "vintage_best_version", "Policy version of the best pinned held-out evaluation (kept)", registry=r
-            ),
-            "best_held_out": Gauge(
-                "vintage_best_held_out_reward", "Mean reward of the best pinned held-out evaluation", registry=r
-            ),
-            "generated": Gauge("vintage_trajectories_generated", "Trajectories submitted to workers", registry=r),
-            "consumed": Gauge("vintage_trajectories_consumed", "Trajectories trained on", registry=r),
-            "filtered_groups": Gauge(
-                "vintage_filtered_groups", "Groups of equal rewards dropped by dynamic sampling", registry=r
-            ),
-            "zero_variance_admitted": Gauge(
-                "vintage_zero_variance_admitted",
-                "Groups of equal rewards trained on because the per-step filter bound was reached",
-                registry=r,
-            ),
-        }
+        self._g = {k: Gauge(name, doc, registry=r) for k, (name, doc) in JOB_GAUGES.items()}
         self._dropped = Gauge("vintage_trajectories_dropped", "Trajectories dropped, by reason", ["reason"], registry=r)
         self._exact = Gauge(
             "vintage_exact_token_fraction",
@@ -99,22 +97,7 @@ class StatusBoard:
             ["result"],
             registry=r,
         )
-        self._gw = {
-            "tool_call_errors": Gauge(
-                "vintage_gateway_tool_call_errors", "Gateway replies answered with a tool-call error note", registry=r
-            ),
-            "calls_pending": Gauge("vintage_gateway_calls_pending", "Gateway calls waiting for a worker", registry=r),
-            "sessions_waiting_for_group": Gauge(
-                "vintage_gateway_sessions_waiting_for_group",
-                "Ended gateway sessions held until their GRPO group fills or waits gateway.group_wait_s",
-                registry=r,
-            ),
-            "groups_partial": Gauge(
-                "vintage_gateway_groups_partial",
-                "Gateway groups trained short of rollout.sampling.n sessions, with a baseline",
-                registry=r,
-            ),
-        }
+        self._gw = {k: Gauge(name, doc, registry=r) for k, (name, doc) in GATEWAY_GAUGES.items()}
         self._gw_unavailable = Gauge(
             "vintage_gateway_unavailable", "Gateway calls answered 503, by reason", ["reason"], registry=r
         )
