@@ -252,7 +252,7 @@ def run(
     except (ValueError, OSError) as e:  # pydantic.ValidationError is a ValueError
         console.print(f"[red]config error:[/red] {one_line(e)}", soft_wrap=True)
         raise typer.Exit(2) from None
-    from trainer.driver.loop.job import run_job
+    from trainer.driver.loop.job import run_with_restarts
 
     if not cfg.ray.address and cfg.ray.loopback_only:
         from trainer.driver.cluster.netguard import LoopbackUnavailable, reexec_with_loopback
@@ -267,7 +267,7 @@ def run(
             )
             raise typer.Exit(2) from None
     try:
-        summary = run_job(cfg, console=console)
+        summary = run_with_restarts(cfg, console=console)
     except Exception as e:  # the summary (with end_reason and error) is already in <run_dir>/summary.json
         log = Path(cfg.logging.run_dir) / "error.log"
         log.write_text(traceback.format_exc())

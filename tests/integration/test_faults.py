@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from trainer.driver.config.schema import load_config
-from trainer.driver.loop.job import run_job
+from trainer.driver.loop.job import run_job, run_with_restarts
 from trainer.driver.records.metrics_log import read_metrics
 from trainer.learner.checkpoint import latest_tag
 
@@ -44,15 +44,16 @@ def _processes(name_part: str) -> list[psutil.Process]:
     return sorted(procs, key=lambda p: p.create_time())
 
 
-def _run_and_kill(tmp_path, overrides: list[str], name_part: str, expect: int) -> tuple[dict, int]:
-    """Run a job in a thread; after its second step SIGKILL the oldest of the ``expect`` processes
-    whose name holds ``name_part``. Returns the job's summary and the killed PID."""
+def _run_and_kill(tmp_path, overrides: list[str], name_part: str, expect: int, runner=run_job) -> tuple[dict, int]:
+    """Run a job in a thread (``runner``: :func:`run_job` or :func:`run_with_restarts`); after its
+    second step SIGKILL the oldest of the ``expect`` processes whose name holds ``name_part``.
+    Returns the job's summary and the killed PID."""
     cfg = load_config(None, [*BASE, f'logging.run_dir="{tmp_path}"', *overrides])
     result: dict = {}
 
     def job() -> None:
         try:
-            result.update(run_job(cfg))
+            result.update(runner(cfg))
         except Exception as e:  # a failed run: its summary.json says why
             result["raised"] = e
 
@@ -151,6 +152,25 @@ def test_killed_learner_fails_the_run_naming_it_and_resume_continues_from_the_la
     resumed = run_job(cfg)
     assert resumed["state"] == "finished" and resumed["end_reason"] == "completed" and resumed["steps"] == 5
     assert resumed["run_segment"] == 1 and resumed["accounting_ok"] and 1 <= saved < 5  # the last complete one
+
+
+def test_a_killed_learner_is_restarted_in_the_run_from_its_last_checkpoint(
+    tmp_path, tiny_model_path, ray_cluster, monkeypatch
+):
+    """With ``controller.max_learner_restarts = 1`` and a checkpoint after every step, the learner
+    killed after the second step costs the run nothing but the steps since the checkpoint: the same
+    call goes on from the checkpoint as run segment 1 and completes all 5 versions, with one restart
+    in the summary and the accounting closed."""
+    monkeypatch.setattr("trainer.driver.loop.job.oom_kill_count", lambda: 5)
+    overrides = [
+        "rollout.num_workers=1", "controller.total_steps=5", "controller.checkpoint_every=1",
+        "controller.max_learner_restarts=1",
+    ]  # fmt: skip
+    result, killed = _run_and_kill(tmp_path, overrides, "ray::LearnerCore", expect=1, runner=run_with_restarts)
+    assert not psutil.pid_exists(killed) and "raised" not in result, result.get("raised")
+    assert result["state"] == "finished" and result["end_reason"] == "completed" and result["steps"] == 5
+    assert result["learner_restarts"] == 1 and result["run_segment"] == 1 and result["accounting_ok"]
+    assert json.loads((tmp_path / "summary.json").read_text())["learner_restarts"] == 1
 
 
 def test_resume_after_a_killed_learner_trains_every_finished_trajectory_exactly_once(

@@ -173,6 +173,12 @@ class ControllerConfig(Section):
     counted from the loop's start, so start-up and the held-out evaluations come on top."""
     checkpoint_every: int = Field(0, ge=0)
     """Checkpoint every N steps into ``<run_dir>/checkpoints`` (0: only at the end)."""
+    max_learner_restarts: int = Field(0, ge=0)
+    """When the learner fails (its process dies, or the kernel kills it for memory), start the job
+    again from the run's latest complete checkpoint, as ``vintage run --resume auto`` would, at most
+    this many times in one ``vintage run`` (0: the run fails). Each restart is a fresh job: new
+    actors and, with a private cluster, a new Ray cluster; what was in flight is lost as at any
+    resume. ``summary.json`` counts them (``learner_restarts``). Needs ``checkpoint_every > 0``."""
     keep_checkpoints: int = Field(0, ge=0)
     """Checkpoints kept in ``<run_dir>/checkpoints``: after each save only the newest N stay, the
     resume point and the best version (``keep_best``) (0: every one stays; ``vintage export
@@ -334,6 +340,11 @@ class JobConfig(Section):
                 f"controller.max_token_staleness ({self.controller.max_token_staleness}) > controller.max_staleness ({self.controller.max_staleness})"
             )
         c, n = self.controller, self.rollout.sampling.n
+        if c.max_learner_restarts and not c.checkpoint_every:
+            raise ValueError(
+                f"controller.max_learner_restarts: {c.max_learner_restarts} needs controller.checkpoint_every > 0 "
+                "(a restart continues from the run's own checkpoint)"
+            )
         if c.buffer_capacity < c.batch_groups * n:
             raise ValueError(
                 f"controller.buffer_capacity: {c.buffer_capacity} < one batch ({c.batch_groups} groups x {n} samples): the job could never step"

@@ -83,8 +83,46 @@ from trainer.driver.records.heldout import eval_due, eval_record
 from trainer.driver.records.metrics_log import MetricsLog, plot_run
 from trainer.driver.records.samples import SamplesLog
 from trainer.driver.records.trackers import start_trackers
+from trainer.learner.checkpoint import latest_tag
 
-__all__ = ["end_reason", "evaluate_reported", "held_by_pause", "run_job"]
+__all__ = ["end_reason", "evaluate_reported", "held_by_pause", "run_job", "run_with_restarts"]
+
+
+def run_with_restarts(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
+    """:func:`run_job`, started again after a failure of the learner (a dead learner process, or one
+    the kernel killed for memory) from the run's latest complete checkpoint
+    (``<run_dir>/checkpoints``, ``controller.resume_from``), at most
+    ``controller.max_learner_restarts`` times. Returns the summary of the run that finished, with
+    ``learner_restarts`` (also in ``summary.json``).
+
+    Raises:
+        Exception: what :func:`run_job` raised, when another part failed, the restarts are used up,
+            or no checkpoint was written before the failure.
+    """
+    console = console or Console(soft_wrap=True)
+    ckpt, restarts = Path(cfg.logging.run_dir) / "checkpoints", 0
+    while True:
+        try:
+            summary = run_job(cfg, console)
+        except Exception as e:
+            if failed_part(e) != "learner" or restarts >= cfg.controller.max_learner_restarts:
+                raise
+            if latest_tag(ckpt) is None:
+                console.print("[red]learner failed before the first checkpoint: nothing to restart from[/red]")
+                raise
+            restarts += 1
+            console.print(
+                f"[yellow]learner failed ({one_line(e)}): restart {restarts} of "
+                f"{cfg.controller.max_learner_restarts}, from {ckpt} ({latest_tag(ckpt)})[/yellow]",
+                soft_wrap=True,
+            )
+            controller = cfg.controller.model_copy(update={"resume_from": str(ckpt)})
+            cfg = cfg.model_copy(update={"controller": controller})
+        else:
+            summary["learner_restarts"] = restarts
+            path = Path(cfg.logging.run_dir) / "summary.json"
+            path.write_text(json.dumps({**json.loads(path.read_text()), "learner_restarts": restarts}, indent=2))
+            return summary
 
 
 def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:

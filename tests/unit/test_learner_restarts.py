@@ -1,0 +1,80 @@
+"""The in-run learner restart around ``run_job``: which failures restart the run, from where, how
+many times, and what the summary says. ``run_job`` is a stand-in here (the logic around it is
+under test); the real killed learner is in ``tests/integration/test_faults.py``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from rich.console import Console
+
+import trainer.driver.loop.job as job_module
+from trainer.driver.config.schema import load_config
+from trainer.learner.checkpoint import LATEST_FILE
+
+
+def config(tmp_path, restarts: int):
+    return load_config(
+        None,
+        ['model.path="tiny"', f'logging.run_dir="{tmp_path}"', "controller.checkpoint_every=1",
+         f"controller.max_learner_restarts={restarts}"],
+    )  # fmt: skip
+
+
+def scripted(tmp_path, outcomes: list[BaseException | None], seen: list):
+    """A run_job that records the resume point it was given and fails as ``outcomes`` say in turn
+    (None: finishes, writing its summary as run_job does)."""
+
+    def run_job(cfg, console=None):
+        seen.append(cfg.controller.resume_from)
+        outcome = outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+        summary = {"state": "finished", "end_reason": "completed"}
+        (tmp_path / "summary.json").write_text(json.dumps(summary))
+        return summary
+
+    return run_job
+
+
+def checkpointed(tmp_path) -> str:
+    ckpt = tmp_path / "checkpoints"
+    ckpt.mkdir()
+    (ckpt / LATEST_FILE).write_text("v2")
+    return str(ckpt)
+
+
+def test_a_learner_failure_restarts_the_run_from_its_checkpoint_and_the_summary_counts_it(tmp_path, monkeypatch):
+    """Two learner failures with 2 restarts allowed: three starts, the first fresh, the next two
+    from ``<run_dir>/checkpoints``; the summary and summary.json say 2."""
+    ckpt, seen = checkpointed(tmp_path), []
+    died = RuntimeError("learner: killed by the kernel's out-of-memory killer (oom_kill 0 -> 1)")
+    monkeypatch.setattr(job_module, "run_job", scripted(tmp_path, [died, died, None], seen))
+    summary = job_module.run_with_restarts(config(tmp_path, 2), Console(quiet=True))
+    assert seen == [None, ckpt, ckpt]
+    assert summary["learner_restarts"] == 2
+    assert json.loads((tmp_path / "summary.json").read_text()) == {**summary}
+
+
+def test_restarts_end_when_used_up_for_other_parts_and_without_a_checkpoint(tmp_path, monkeypatch):
+    died = RuntimeError("learner: gone")
+    seen: list = []
+    monkeypatch.setattr(job_module, "run_job", scripted(tmp_path, [died], seen))
+    with pytest.raises(RuntimeError, match="learner: gone"):  # no checkpoint yet
+        job_module.run_with_restarts(config(tmp_path, 1), Console(quiet=True))
+    checkpointed(tmp_path)
+    monkeypatch.setattr(job_module, "run_job", scripted(tmp_path, [died, died], seen := []))
+    with pytest.raises(RuntimeError, match="learner: gone"):  # one restart allowed, two failures
+        job_module.run_with_restarts(config(tmp_path, 1), Console(quiet=True))
+    assert len(seen) == 2
+    other = RuntimeError("old-logit service: gone")
+    monkeypatch.setattr(job_module, "run_job", scripted(tmp_path, [other], seen := []))
+    with pytest.raises(RuntimeError, match="old-logit service"):
+        job_module.run_with_restarts(config(tmp_path, 3), Console(quiet=True))
+    assert seen == [None]
+
+
+def test_learner_restarts_need_checkpoints():
+    with pytest.raises(ValueError, match=r"controller.max_learner_restarts: 1 needs controller.checkpoint_every > 0"):
+        load_config(None, ['model.path="tiny"', "controller.max_learner_restarts=1"])
