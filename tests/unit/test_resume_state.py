@@ -175,7 +175,8 @@ class _Pool:
         return sum(r.sampling.n for r in took)
 
     def poll(self):
-        return []
+        out, self.finished = getattr(self, "finished", []), []
+        return out
 
 
 def _source(buffer, pool, segment=0):
@@ -186,13 +187,17 @@ def _source(buffer, pool, segment=0):
     return EnvSource(cfg, pool, buffer, lambda: 0, segment)
 
 
-def test_env_source_cursor_continues_across_a_resume_no_seed_repeated_or_skipped():
+def test_env_source_cursor_continues_across_a_resume_and_regenerates_the_groups_in_flight():
+    """Seeds 0 and 1 were taken and none of their samples came back by the checkpoint: the resumed
+    source submits them again first, then goes on at seed 2. A group whose two samples were polled
+    (here after the resume) is closed; one sample of two keeps it open."""
     b = TrajectoryBuffer(capacity=64, max_staleness=3)
     pool = _Pool(room=1)
     src = _source(b, pool)
     src.top_up()  # room for 5 groups, the pool takes 1: the other seeds stay for later
     src.top_up()
-    assert [r.env.seed for r in pool.requests] == [0, 1] and src.state().cursor == {"next_seed": 2}
+    assert [r.env.seed for r in pool.requests] == [0, 1]
+    assert src.state().cursor == {"next_seed": 2, "in_flight_seeds": [0, 1]}
     held = [traj("h", [0], "h")]
     src._held_back = list(held)
     assert src.state().pending == held and src.state().units == len(held)
@@ -203,6 +208,10 @@ def test_env_source_cursor_continues_across_a_resume_no_seed_repeated_or_skipped
     src2.restore(src.state().cursor, src.state().pending)
     assert b2.in_flight == 1 and b2.dropped["lost_at_restart"] == 3 and b2.accounting_ok()
     src2.top_up()
-    assert [r.env.seed for r in pool2.requests] == [2, 3, 4, 0]  # continues, modulo train_seeds
+    assert [r.env.seed for r in pool2.requests] == [0, 1, 2, 3]  # the lost two again, then on
     assert all(r.request_id.startswith("r1.v0-") for r in pool2.requests)
-    assert [t.trajectory_id for t in src2.poll()] == ["h"]
+    assert src2.state().cursor == {"next_seed": 4, "in_flight_seeds": [0, 1, 2, 3]}
+    first, second = (r.group_id for r in pool2.requests[:2])
+    pool2.finished = [traj("a0", [0], first), traj("a1", [0], first), traj("b0", [0], second)]
+    assert [t.trajectory_id for t in src2.poll()] == ["h", "a0", "a1", "b0"]
+    assert src2.state().cursor == {"next_seed": 4, "in_flight_seeds": [1, 2, 3]}

@@ -40,7 +40,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from protocol import EnvRef, GatewayStatus, RolloutRequest, Trajectory
 from trainer.driver.config.schema import JobConfig
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 class SourceState:
     """What a checkpoint keeps of a trajectory source."""
 
-    cursor: dict[str, int]
+    cursor: dict[str, Any]
     """Where the source goes on after a resume (plain values, saved in the checkpoint's state)."""
     pending: list[Trajectory]
     """Finished training trajectories taken from the workers that ``poll`` has not returned yet
@@ -101,7 +101,7 @@ class TrajectorySource(Protocol):
     def state(self) -> SourceState:
         """What a checkpoint keeps of the source (:class:`SourceState`)."""
 
-    def restore(self, cursor: dict[str, int], pending: list[Trajectory]) -> None:
+    def restore(self, cursor: dict[str, Any], pending: list[Trajectory]) -> None:
         """Go on from a checkpoint's ``cursor`` and ``pending`` trajectories (returned by the next ``poll``)."""
 
     def close(self) -> None:
@@ -131,8 +131,11 @@ class EnvSource:
 
     Training seeds run through ``0 .. env.train_seeds - 1`` in turn: the cursor ``next_seed`` moves by
     one per group a worker took (a group no worker took keeps its seed for the next submission), and
-    a checkpoint saves it, so a resumed job repeats and skips no seed (a checkpoint without one goes
-    on from its submission count). Held-out seeds are the ``env.eval_prompts`` after them
+    a checkpoint saves it (a checkpoint without one goes on from its submission count). A checkpoint
+    also saves the seeds of the groups whose samples were not all back (in flight, or lost with a
+    worker): a resumed job submits those first, so the prompts that were generating when the run
+    stopped are generated again rather than skipped (skipping them would bias the resumed run
+    toward the prompts with short rollouts), then goes on from ``next_seed``. Held-out seeds are the ``env.eval_prompts`` after them
     (:mod:`trainer.driver.records.heldout`). An evaluation either runs beside training (:meth:`start_eval`:
     its episodes are picked out of each :meth:`poll`, and :meth:`finish_eval` waits for the rest) or
     blocks (:meth:`evaluate`); its requests held by a rollout worker that is lost are submitted
@@ -163,6 +166,10 @@ class EnvSource:
         self.next_seed = buffer.submitted
         """Index of the next training group; its env seed is ``next_seed % env.train_seeds``."""
         self.id_prefix = f"r{segment}." if segment else ""
+        self._open: dict[str, list[int]] = {}
+        """Training groups submitted whose samples are not all polled: group id -> [seed, samples left]."""
+        self._regenerate: list[int] = []
+        """Seeds of a checkpoint's open groups, submitted before ``next_seed`` moves on."""
         self._held_back: list[Trajectory] = []  # training trajectories polled during an evaluation
         self._eval: PendingEval | None = None  # the evaluation whose requests are out
         self.eval_resubmitted = 0
@@ -174,7 +181,8 @@ class EnvSource:
         room = admission_capacity(v, self.cfg.controller.max_staleness, self.batch_size, self.buffer.scheduled)
         groups = room // self.group_size
         if groups and len(self.pool):
-            seeds = [(self.next_seed + i) % self.cfg.env.train_seeds for i in range(groups)]
+            again = self._regenerate[:groups]
+            seeds = again + [(self.next_seed + i) % self.cfg.env.train_seeds for i in range(groups - len(again))]
             reqs = make_requests(self.cfg, seeds, f"{self.id_prefix}v{v}-", v)
             # request ids must be unique: the seed may repeat, the submission counter does not
             reqs = [
@@ -187,7 +195,12 @@ class EnvSource:
                 for i, r in enumerate(reqs)
             ]
             sent = self.pool.submit(reqs)  # samples, requests taken in order
-            self.next_seed += -(-sent // self.group_size)
+            taken = -(-sent // self.group_size)
+            self._open.update(
+                (r.group_id, [seed, self.group_size]) for r, seed in zip(reqs[:taken], seeds, strict=False)
+            )
+            self.next_seed += max(0, taken - len(again))
+            self._regenerate = self._regenerate[min(taken, len(again)) :]
             self.buffer.note_submitted(sent)
 
     def poll(self) -> list[Trajectory]:
@@ -284,11 +297,17 @@ class EnvSource:
 
     def _sort(self, polled: list[Trajectory]) -> list[Trajectory]:
         """The training trajectories of ``polled``; the running evaluation's episodes go to it (each
-        once: :meth:`PendingEval.take`), and those of an abandoned one are discarded."""
+        once: :meth:`PendingEval.take`), and those of an abandoned one are discarded. Each training
+        trajectory closes one sample of its open group."""
         train = []
         for t in polled:
             if t.purpose != "eval":
                 train.append(t)
+                left = self._open.get(t.group_id)
+                if left is not None:
+                    left[1] -= 1
+                    if left[1] <= 0:
+                        del self._open[t.group_id]
             elif self._eval is not None:
                 self._eval.take(t)
         return train
@@ -302,13 +321,18 @@ class EnvSource:
         return None
 
     def state(self) -> SourceState:
-        """Cursor ``{"next_seed": ...}``; pending: the training trajectories held back during an
-        evaluation, one unit each."""
-        return SourceState({"next_seed": self.next_seed}, list(self._held_back), len(self._held_back))
+        """Cursor ``{"next_seed", "in_flight_seeds"}`` (the seeds of the open groups, oldest first,
+        after those of a resume still to submit); pending: the training trajectories held back
+        during an evaluation, one unit each."""
+        in_flight = self._regenerate + [seed for seed, _ in self._open.values()]
+        cursor = {"next_seed": self.next_seed, "in_flight_seeds": in_flight}
+        return SourceState(cursor, list(self._held_back), len(self._held_back))
 
-    def restore(self, cursor: dict[str, int], pending: list[Trajectory]) -> None:
-        """Continue at ``cursor["next_seed"]`` (when saved); ``pending`` comes first in the next :meth:`poll`."""
+    def restore(self, cursor: dict[str, Any], pending: list[Trajectory]) -> None:
+        """Continue at ``cursor["next_seed"]`` (when saved), after submitting the groups of
+        ``cursor["in_flight_seeds"]`` again; ``pending`` comes first in the next :meth:`poll`."""
         self.next_seed = int(cursor.get("next_seed", self.next_seed))
+        self._regenerate = [int(x) for x in cursor.get("in_flight_seeds", [])]
         self._held_back = list(pending)
 
     def close(self) -> None:
@@ -371,7 +395,7 @@ class AgentSource:
         held = self.runner.gateway.held_sessions()
         return SourceState({}, [t for e in held for t in e.trajectories], len(held))
 
-    def restore(self, cursor: dict[str, int], pending: list[Trajectory]) -> None:
+    def restore(self, cursor: dict[str, Any], pending: list[Trajectory]) -> None:
         """The sessions held at the checkpoint go to the next :meth:`poll`, their groups released at
         once (:meth:`rollout.gateway.sessions.SessionTable.restore_held`); task ids need no cursor."""
         self.runner.gateway.restore_held(pending)
