@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from protocol import ROUTE_TRAITS
+
 EVICT_STALENESS = "staleness"
 """Eviction reason: the version is older than ``V - max_staleness`` (no token of it is consumable)."""
 EVICT_BUDGET = "memory_budget"
@@ -23,8 +25,8 @@ EVICT_SUPERSEDED = "superseded"
 
 @dataclass(frozen=True)
 class Holding:
-    """How an old-logit route holds versions in the service, decided once from its name
-    (:meth:`of`); the service asks this object, never the name.
+    """How an old-logit route holds versions in the service, decided once from its
+    :data:`protocol.ROUTE_TRAITS` (:meth:`of`); the service asks this object, never the name.
 
     Attributes:
         weights: whether the route holds weights at all ("none" holds none and scores nothing).
@@ -47,12 +49,9 @@ class Holding:
         Raises:
             ValueError: an unknown route name.
         """
-        if route == "snapshot":
-            return cls(True, max_staleness, True)
-        if route in ("old_logit_model", "interrupt_sync"):
-            return cls(True, None, False)
-        if route == "none":
-            return cls(False, None, False)
+        traits = ROUTE_TRAITS.get(route)
+        if traits is not None:  # a per-batch route keeps the window on the host; the others one replica
+            return cls(traits.exact, max_staleness if traits.per_batch else None, traits.per_batch)
         raise ValueError(f"route: {route!r} is not one of snapshot, old_logit_model, interrupt_sync, none")
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import IntEnum
-from typing import Annotated, Any, Literal, Self, get_args
+from typing import Annotated, Any, Literal, NamedTuple, Self, get_args
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -348,6 +348,27 @@ OldLogitRoute = Literal["none", "snapshot", "old_logit_model", "interrupt_sync"]
 
 OLDLOGIT_ROUTES: tuple[str, ...] = get_args(OldLogitRoute)
 """Every :data:`OldLogitRoute` name, in that order."""
+
+
+class RouteTraits(NamedTuple):
+    """What an old-logit route does, for every part that must act on it (the service, the
+    collation, the loss) without testing its name."""
+
+    exact: bool
+    """It supplies exact pi_old for the tokens it covers (False: ``none``, the proxy everywhere)."""
+    per_batch: bool
+    """It scores a batch when the learner takes it, under each token's own version, from copies of
+    the versions still consumable (``snapshot``); False: values are attached when the tokens are
+    collected or interrupted (the scorer routes), or never."""
+
+
+ROUTE_TRAITS: dict[str, RouteTraits] = {
+    "none": RouteTraits(exact=False, per_batch=False),
+    "snapshot": RouteTraits(exact=True, per_batch=True),
+    "old_logit_model": RouteTraits(exact=True, per_batch=False),
+    "interrupt_sync": RouteTraits(exact=True, per_batch=False),
+}
+"""The :class:`RouteTraits` of every :data:`OldLogitRoute`."""
 
 
 class OldLogitAnswer(Message):

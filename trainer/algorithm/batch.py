@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from protocol import NO_VERSION, OldLogitAnswer, TokenStatus, Trajectory
+from protocol import NO_VERSION, ROUTE_TRAITS, OldLogitAnswer, TokenStatus, Trajectory
 from trainer.algorithm.advantages import TRUNCATED_REASONS, grpo_advantages, rloo_advantages, zero_variance_groups
 
 _ROW_TENSORS = (
@@ -320,13 +320,14 @@ def learner_gives_current(oldlogit_route: str, optimizer_steps: int) -> bool:
     """Whether the learner itself supplies pi_old of the tokens sampled by the version that consumes
     them, so the old-logit service never scores them (no forward done twice).
 
-    True on the ``snapshot`` route with one optimizer step per rollout batch: that step's forward
+    True on a route that scores each batch when it is taken (``snapshot``,
+    :attr:`protocol.RouteTraits.per_batch`) with one optimizer step per rollout batch: that step's forward
     runs under the consuming version's weights, so its detached log-probs are those tokens' exact
     pi_old. With several steps the later ones run under moved weights, and the service keeps
     scoring them; the scorer routes attach values on collect, before the consuming version is
     known; route ``none`` uses its proxy for every token by definition.
     """
-    return oldlogit_route == "snapshot" and optimizer_steps == 1
+    return ROUTE_TRAITS[oldlogit_route].per_batch and optimizer_steps == 1
 
 
 def _padded_rows(

@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from protocol import ROUTE_TRAITS
 from trainer.algorithm.loss_config import LossConfig
 from trainer.algorithm.proximal import at_least_fp32, proximal_reference, resolve_exact_mask
 
@@ -502,7 +503,7 @@ def compute_policy_loss(
         ValueError: an input the route, the proxy or a regulariser needs is missing.
     """
     mask = _as_bool(loss_mask)
-    if cfg.oldlogit_route == "none":
+    if not ROUTE_TRAITS[cfg.oldlogit_route].exact:
         old_logprobs = exact_mask = None
     elif old_logprobs is None:
         raise ValueError(f"oldlogit_route={cfg.oldlogit_route!r} needs old_logprobs (NaN where missing)")
