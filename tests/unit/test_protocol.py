@@ -972,3 +972,12 @@ def test_with_old_logprobs_checks_what_it_attaches():
         t.with_old_logprobs(np.full(n - 1, -0.5))
     with pytest.raises(pydantic.ValidationError, match=r"old_logprobs: 0.5 is not a log-probability"):
         t.with_old_logprobs(np.full(n, 0.5))
+
+
+def test_every_route_has_its_traits():
+    """Each route name has traits; only ``none`` is not exact, only ``snapshot`` scores per batch."""
+    from protocol import OLDLOGIT_ROUTES, ROUTE_TRAITS
+
+    assert set(ROUTE_TRAITS) == set(OLDLOGIT_ROUTES)
+    assert [r for r, t in ROUTE_TRAITS.items() if not t.exact] == ["none"]
+    assert [r for r, t in ROUTE_TRAITS.items() if t.per_batch] == ["snapshot"]
