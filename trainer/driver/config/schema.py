@@ -207,6 +207,12 @@ class ControllerConfig(Section):
     start_timeout_s: float = Field(900.0, gt=0.0)
     """Seconds the learner and the old-logit service may take to start (model load, DeepSpeed init);
     past that the job stops with an error naming the part instead of waiting silently."""
+    source: str = "auto"
+    """Where the training trajectories come from: ``env`` (the built-in env loop over the rollout
+    workers), ``agent`` (agents through the gateway; needs ``[agent]``), ``auto`` (``agent`` when
+    ``[agent]`` is set, else ``env``), or ``package.module:factory`` for a source of your own: a
+    callable ``factory(job, console)`` returning an object with the members of
+    :class:`trainer.driver.sources.source.TrajectorySource`."""
     resume_from: str | None = None
     """Checkpoint directory to resume from: weights, optimizer, version counter, EWMA state, buffer
     accounting, the finished trajectories not yet consumed and the env seed cursor continue
@@ -340,6 +346,14 @@ class JobConfig(Section):
                 f"controller.max_token_staleness ({self.controller.max_token_staleness}) > controller.max_staleness ({self.controller.max_staleness})"
             )
         c, n = self.controller, self.rollout.sampling.n
+        if c.source not in ("auto", "env", "agent") and ":" not in c.source:
+            raise ValueError(f"controller.source: {c.source!r} is not auto, env, agent or 'package.module:factory'")
+        if c.source == "agent" and self.agent is None:
+            raise ValueError('controller.source: "agent" needs an [agent] section')
+        if c.source == "env" and self.agent is not None:
+            raise ValueError(
+                'controller.source: "env" with an [agent] section: the agents would never run (remove one)'
+            )
         if c.max_learner_restarts and not c.checkpoint_every:
             raise ValueError(
                 f"controller.max_learner_restarts: {c.max_learner_restarts} needs controller.checkpoint_every > 0 "
@@ -481,11 +495,14 @@ def preflight(cfg: JobConfig) -> None:
     """Checks that need the file system or imports, run before anything starts.
 
     Raises:
-        ValueError: ``env.path`` does not import or is not a class or factory; ``model.path`` is not
+        ValueError: ``env.path`` (or a ``controller.source`` path) does not import or is not a class
+            or factory; ``model.path`` is not
             ``smollm2``, ``tiny`` or an existing folder; ``controller.resume_from`` does not exist.
             The message names the field and the value.
     """
     _check_import("env.path", cfg.env.path)
+    if ":" in cfg.controller.source:
+        _check_import("controller.source", cfg.controller.source)
     if cfg.agent is not None:
         if cfg.agent.path:
             _check_import("agent.path", cfg.agent.path)

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from modelkit.cores import shared_box_warning
+from rollout.envs import import_attr
 from trainer.driver.config.schema import JobConfig, write_private
 from trainer.driver.loop.parts import Job
 from trainer.driver.publication.routes import Route, make_route, start_service
@@ -245,14 +247,31 @@ def start_workers(cfg: JobConfig, model_path: Path, route: Route, console: Conso
 
 
 def start_source(job: Job, console: Console) -> TrajectorySource:
-    """The job's trajectory source: with ``[agent]``, agents through the gateway (its URL and admin
-    token go to ``<run_dir>/gateway.json``, owner-only, and the URL to the console); otherwise the
-    env loop over the job's rollout workers."""
-    if job.cfg.agent is None:
-        return EnvSource(job.cfg, job.pool, job.buffer, lambda: job.version, job.run_segment)
+    """The job's trajectory source, of the kind ``controller.source`` names (:data:`SOURCES`, or a
+    ``package.module:factory`` called as ``factory(job, console)``); ``auto`` is ``agent`` with an
+    ``[agent]`` section, else ``env``."""
+    kind = job.cfg.controller.source
+    if kind == "auto":
+        kind = "env" if job.cfg.agent is None else "agent"
+    factory = SOURCES.get(kind) or import_attr(kind)
+    return factory(job, console)
+
+
+def env_source(job: Job, console: Console) -> TrajectorySource:
+    """The env loop over the job's rollout workers (:class:`EnvSource`)."""
+    return EnvSource(job.cfg, job.pool, job.buffer, lambda: job.version, job.run_segment)
+
+
+def agent_source(job: Job, console: Console) -> TrajectorySource:
+    """Agents through the gateway (:class:`AgentSource`): its URL and admin token go to
+    ``<run_dir>/gateway.json``, owner-only, and the URL to the console."""
     from trainer.driver.sources.agent_runner import AgentRunner
 
     runner = AgentRunner.for_job(job)
     write_private(job.run_dir / "gateway.json", json.dumps({"url": runner.url, "token": runner.gateway.admin_token}))
     console.print(f"agent gateway: [bold]{runner.url}/v1[/bold]  (admin token in {job.run_dir / 'gateway.json'})")
     return AgentSource(runner)
+
+
+SOURCES: dict[str, Callable[[Job, Console], TrajectorySource]] = {"env": env_source, "agent": agent_source}
+"""The built-in trajectory sources by ``controller.source`` name."""

@@ -17,8 +17,8 @@ operation                   :class:`EnvSource` (the built-in     :class:`AgentSo
 ``note_worker_loss``        drops the training samples           nothing: sessions end on their own
                             (worker's reason)
 ``status``                  None                                 the gateway's sessions and calls
-``state``                   next env seed, held-back             no cursor (task ids continue from
-                            trajectories (kept by a checkpoint)  the session count), held sessions
+``state``                   next env seed, seeds in flight,      no cursor (task ids continue from
+                            held-back trajectories               the session count), held sessions
 ``restore``                 both, from a checkpoint              the held sessions
 ``close``                   nothing (the job stops the pool)     stops the agents and the gateway
 ==========================  ===================================  ==================================
