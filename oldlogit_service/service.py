@@ -58,6 +58,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from modelkit.procmem import tree_rss_bytes
 from modelkit.scoring import sequence_logprobs
 from modelkit.weights import torch_dtype, unpack_weights
 from oldlogit_service.intake import already_published, check_shapes, owned_copy
@@ -457,6 +458,7 @@ class OldLogitService:
             seconds_total=float(sum(self.seconds.values())),
             requests=self.requests,
             started_unix=self.started_unix,
+            rss_bytes=tree_rss_bytes(),
         )
 
     def stats(self) -> dict[str, Any]:

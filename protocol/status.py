@@ -26,6 +26,8 @@ class WorkerStatus(Message):
     last_error: str = ""
     served_fingerprint: str | None = Field(None, pattern=FINGERPRINT_PATTERN)
     """Fingerprint of the weights the engine serves now, read back after the last update (None: not known)."""
+    rss_bytes: int = Field(0, ge=0)
+    """Resident memory of the worker's process and the processes it started (its engine's), bytes."""
 
 
 class OldLogitServiceStatus(Message):
@@ -39,6 +41,8 @@ class OldLogitServiceStatus(Message):
     requests: int = Field(0, ge=0)
     started_unix: float | None = None
     """When this service was constructed (Unix seconds); a restarted service process has a new one."""
+    rss_bytes: int = Field(0, ge=0)
+    """Resident memory of the service's process and the processes it started, bytes."""
 
 
 class EwmaStatus(Message):

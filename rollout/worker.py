@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from modelkit.procmem import tree_rss_bytes
 from protocol import OldLogitItem, RolloutRequest, Trajectory, WeightManifest, WorkerStatus
 from rollout.agent import ChatFormat, Episode, TemplateChatFormat
 from rollout.engine import EngineRequest, GenerationEngine
@@ -285,6 +286,7 @@ class RolloutWorkerCore:
                 state=self.state,
                 last_error=self.last_error[-500:],
                 served_fingerprint=self.served_fingerprint,
+                rss_bytes=tree_rss_bytes(),
             )
 
     def step(self) -> int:

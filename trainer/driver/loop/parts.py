@@ -178,6 +178,8 @@ class Job:
         self.tokens_exact = self.tokens_total = 0
         self.learner_rss_bytes: float | None = None
         """The learner's resident bytes at its last step (rank 0), for the report of a kill for memory."""
+        self.peak_rss: dict[str, float] = {}
+        """The largest resident bytes seen at a step, by part (:func:`trainer.driver.loop.report.part_memory`)."""
         self.last_publish: dict[str, float] = {}
         self.fingerprints = FingerprintCheck(cfg, console, pool, route)
         """What each consumer serves, checked after each publication; what each version should serve

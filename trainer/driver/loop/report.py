@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import psutil
 import ray
 
-from protocol import EwmaStatus, OldLogitServiceStatus, Trajectory
+from modelkit.procmem import tree_rss_bytes
+from protocol import EwmaStatus, OldLogitServiceStatus, Trajectory, WorkerStatus
 from trainer.driver.records.metrics_log import StepMetrics
 from trainer.driver.sources.buffer import spanning_sequences, token_staleness_histogram
 
@@ -58,6 +60,9 @@ def step_report(job: Job, batch: list[Trajectory], m: dict[str, Any]) -> StepRep
     n = sum(hist.values())
     oldlogit = job.oldlogit_status()  # counts a restart of the service before the row is written
     service = job.route.service_record()
+    memory = part_memory(m, job.pool.statuses(), oldlogit)
+    for k, v in memory.items():
+        job.peak_rss[k] = max(job.peak_rss.get(k, 0.0), v)
     rewards = [t.reward for t in batch]
     exact = float(m.get("exact_token_fraction", 0.0))
     job.tokens_exact += exact * m["tokens"]
@@ -80,10 +85,28 @@ def step_report(job: Job, batch: list[Trajectory], m: dict[str, Any]) -> StepRep
             "filtered_groups": job.buffer.filtered_groups,
             "zero_variance_admitted": job.buffer.zero_variance_admitted,
             **service,
+            **{f"rss_{k}_bytes": v for k, v in memory.items() if k != "learner"},
             **{f"dropped_{k}": v for k, v in job.buffer.dropped.items()},
         }
     )
     return StepReport(row, oldlogit)
+
+
+def part_memory(
+    learned: dict[str, Any], workers: list[WorkerStatus], oldlogit: OldLogitServiceStatus | None
+) -> dict[str, float]:
+    """Resident bytes by part at a step: ``learner`` (rank 0's process, from its metrics),
+    ``workers`` (every rollout worker's process and its engine's, summed), ``oldlogit`` (the
+    service's), ``driver`` (this process) and ``job`` (this process and every process it started:
+    the whole job when its Ray cluster is its own private one). Pages shared between processes
+    count once per process."""
+    return {
+        "learner": float(learned.get("rss_bytes") or 0.0),
+        "workers": float(sum(w.rss_bytes for w in workers)),
+        "oldlogit": float(oldlogit.rss_bytes if oldlogit is not None else 0),
+        "driver": float(psutil.Process().memory_info().rss),
+        "job": float(tree_rss_bytes()),
+    }
 
 
 def step_line(m: StepMetrics, version: int) -> str:
@@ -257,6 +280,7 @@ def run_summary(
             t_end - job.first_launch if job.first_launch is not None else 0.0, job.times["train"], job.train_steps
         ),
         "time_split_s": dict(job.times),
+        "peak_rss_gib": {k: round(v / 2**30, 2) for k, v in job.peak_rss.items()},
         "wall_s": time.perf_counter() - t_start,
         "oldlogit_route": job.route.name,
         **job.route.service_record(),
