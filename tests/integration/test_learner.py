@@ -236,7 +236,7 @@ def _optimizer_state(core: LearnerCore) -> dict[tuple[int, str], torch.Tensor]:
 def test_nonfinite_weights_after_the_step_are_rolled_back(tiny_model_path, make_trajs, stage, dtype):
     """Finite loss and gradients, but an infinite learning rate makes every updated weight inf/NaN:
     the step is undone on weights and optimizer state, counted as skipped, and the version stays."""
-    core = LearnerCore(settings(tiny_model_path, zero_stage=stage, dtype=dtype))
+    core = LearnerCore(settings(tiny_model_path, zero_stage=stage, dtype=dtype, rollback_copy="on"))
     assert core.train_step(make_trajs())["applied"] == 1.0  # optimizer state now exists
     before_w, before_s = weights(core), _optimizer_state(core)
     set_peak_lr(core, float("inf"))
@@ -254,11 +254,24 @@ def test_nonfinite_weights_after_the_step_are_rolled_back(tiny_model_path, make_
 
 
 def test_first_step_rollback_leaves_no_optimizer_state(tiny_model_path, make_trajs):
-    core = LearnerCore(settings(tiny_model_path, lr=1e-3))
+    core = LearnerCore(settings(tiny_model_path, lr=1e-3, rollback_copy="on"))
     set_peak_lr(core, float("inf"))
     m = core.train_step(make_trajs())
     assert m["applied"] == 0.0 and m["nonfinite_weight_steps"] == 1.0 and core.version == 0
     assert _optimizer_state(core) == {}
+
+
+def test_without_a_rollback_copy_a_nonfinite_step_fails_the_learner_naming_the_setting(tiny_model_path, make_trajs):
+    """Gradient clipping on (1.0): ``auto`` keeps no copy, so an infinite learning rate (which the
+    settings themselves refuse) cannot be undone: the step raises, naming ``learner.rollback_copy``."""
+    from trainer.learner.guard import NonFiniteStep
+
+    core = LearnerCore(settings(tiny_model_path))
+    assert core.settings.grad_clip == 1.0 and not core.settings.keeps_rollback_copy
+    assert core.train_step(make_trajs())["applied"] == 1.0
+    set_peak_lr(core, float("inf"))
+    with pytest.raises(NonFiniteStep, match=r"learner.rollback_copy = 'on' keeps one"):
+        core.train_step(make_trajs(seed=1))
 
 
 def test_case2a_nan_mu_on_sampled_token_is_neutral(tiny_model_path, make_trajs):

@@ -151,7 +151,7 @@ def test_checkpoint_holds_the_adapter_and_resumes(tiny_model_path, make_trajs, t
 
 
 def test_nonfinite_update_rolls_back_the_adapter_only(tiny_model_path, make_trajs):
-    core = LearnerCore(settings(tiny_model_path))
+    core = LearnerCore(settings(tiny_model_path, rollback_copy="on"))
     assert core.train_step(make_trajs())["applied"] == 1.0
     frozen, before = _frozen(core), core.adapter_state()
     set_peak_lr(core, float("inf"))

@@ -129,3 +129,12 @@ def test_learner_settings_give_the_scheduled_rate_and_the_deepspeed_config():
     ds = s.deepspeed_config()
     assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["zero_optimization"] == {"stage": 2}
     assert ds["bf16"] == {"enabled": True} and ds["gradient_clipping"] == 1.0
+
+
+def test_the_rollback_copy_is_kept_only_without_gradient_clipping_unless_asked():
+    """``auto``: no copy with clipping (1.0), a copy without (0); ``on`` and ``off`` as they say."""
+    s = LearnerSettings(model_path="m")
+    assert s.rollback_copy == "auto" and s.grad_clip == 1.0 and not s.keeps_rollback_copy
+    assert LearnerSettings(model_path="m", grad_clip=0.0).keeps_rollback_copy
+    assert LearnerSettings(model_path="m", rollback_copy="on").keeps_rollback_copy
+    assert not LearnerSettings(model_path="m", grad_clip=0.0, rollback_copy="off").keeps_rollback_copy

@@ -112,7 +112,7 @@ class LearnerCore:
             [p for p in model.parameters() if p.requires_grad], lr=settings.lr, betas=settings.betas,
             eps=settings.adam_eps, weight_decay=settings.weight_decay, fused=settings.fused_adam or None,
         )  # fmt: skip
-        self._guard = StepGuard(self._optimizer, self._all_reduce)
+        self._guard = StepGuard(self._optimizer, self._all_reduce, settings.keeps_rollback_copy)
         ds_config = settings.deepspeed_config()
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=self._optimizer, config=ds_config)
         if scorer is not None:  # the EWMA forwards run where the engine's do

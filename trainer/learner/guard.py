@@ -4,7 +4,8 @@ A step is refused when any rank's loss or gradient is not finite: the flag is al
 and the inner torch optimizer's ``step`` is suppressed, so DeepSpeed's own bookkeeping still runs
 (it clears its gradient buffers) while weights and optimizer state stay untouched. A step that runs
 and leaves a non-finite weight or optimizer state on any rank is rolled back on every rank
-(:class:`trainer.learner.rollback.OptimizerRollback`).
+(:class:`trainer.learner.rollback.OptimizerRollback`); without the rollback copy
+(``learner.rollback_copy``) such a step raises :class:`NonFiniteStep` instead.
 """
 
 from __future__ import annotations
@@ -28,19 +29,24 @@ def stage0_grad_norm(module: torch.nn.Module) -> float:
     return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
 
 
+class NonFiniteStep(RuntimeError):
+    """An optimizer step left a non-finite weight or optimizer state and no copy was kept to undo it."""
+
+
 class StepGuard:
     """Wraps ``optimizer.step`` and watches the gradients of ``params``.
 
     Args:
         optimizer: the torch optimizer DeepSpeed drives (its ``step`` is replaced on the instance).
         all_reduce: the ranks' reduction (identity with one rank).
+        keep_copy: keep the rollback copy before each step (``LearnerSettings.keeps_rollback_copy``).
 
     Attributes:
         grad_bad: 0-d bool tensor, set by a gradient hook when a local gradient is not finite;
             :meth:`clear` resets it before a step's micro-batches.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, all_reduce: AllReduce) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, all_reduce: AllReduce, keep_copy: bool = True) -> None:
         self._all_reduce = all_reduce
         self.grad_bad = torch.zeros((), dtype=torch.bool)
         self._suppress = False
@@ -53,9 +59,15 @@ class StepGuard:
             self._inner_steps += 1
             if self._suppress:
                 return None
-            rollback.save()
+            if keep_copy:
+                rollback.save()
             out = inner(*args, **kwargs)
             if self._all_reduce([float(not rollback.optimizer_finite())], "max")[0] > 0:
+                if not keep_copy:
+                    raise NonFiniteStep(
+                        "learner: an optimizer step left a non-finite weight or optimizer state and no copy "
+                        "was kept to undo it (learner.rollback_copy = 'on' keeps one)"
+                    )
                 rollback.restore()
                 self._rolled_back = True
             return out

@@ -54,8 +54,9 @@ class OptimizerRollback:
             self._state[p] = kept
 
     def optimizer_finite(self) -> bool:
-        """True when every parameter saved by :meth:`save` and its state are finite after the step."""
-        params = self._saved
+        """True when every parameter the step could change (those holding a gradient) and its state
+        are finite after the step."""
+        params = self._all_params()
         state = [v for p in params for v in self.optimizer.state.get(p, {}).values()]
         return all_finite(params) and all_finite(state)
 

@@ -53,6 +53,15 @@ class LearnerOptions(BaseModel):
     """AdamW decoupled weight decay."""
     grad_clip: float = Field(1.0, ge=0.0)
     """Global gradient-norm clip (DeepSpeed ``gradient_clipping``); 0 disables it."""
+    rollback_copy: Literal["auto", "on", "off"] = "auto"
+    """Keep a copy of the weights and optimizer state before each optimizer step, to undo a step
+    that leaves a non-finite weight or state (cost: 3x the trained parameters' bytes with AdamW,
+    1.6 GB for SmolLM2-135M, and ~0.2 s per step on a 2-core CPU). ``auto``: only without gradient
+    clipping. With finite gradients (the guard refuses a step with any other) clipped to a finite
+    norm, a finite learning rate and weight decay (the settings refuse others), AdamW's moments and
+    update stay finite, so the copy would never be used. Either way the weights and state are
+    checked after every step; a non-finite one without a copy fails the learner, naming this
+    setting."""
     micro_batch_size: int = Field(8, ge=1)
     """Sequences per forward/backward on one rank; the loss does not depend on it (global token count)."""
     ppo_mini_batches: int = Field(1, ge=1, le=1024)
@@ -139,6 +148,11 @@ class LearnerSettings(LearnerOptions):
             optimizer_steps, self.lr_schedule, self.lr_warmup_steps, self.lr_decay_steps, self.lr_min_ratio
         )
         return self.lr * f
+
+    @property
+    def keeps_rollback_copy(self) -> bool:
+        """Whether the optimizer's rollback copy is kept (:attr:`rollback_copy`)."""
+        return self.rollback_copy == "on" or (self.rollback_copy == "auto" and self.grad_clip == 0)
 
     def deepspeed_config(self) -> dict[str, Any]:
         """The DeepSpeed engine's configuration: one micro-batch of ``micro_batch_size`` rows per
