@@ -99,7 +99,7 @@ def test_learner_options_are_declared_once_for_the_config_and_the_settings():
     assert sorted(LearnerOptions.model_fields) == [
         "dtype", "grad_clip", "gradient_checkpointing", "logprob_chunk_bytes", "lr", "lr_decay_steps",
         "lr_min_ratio", "lr_schedule", "lr_warmup_steps", "micro_batch_size", "overlong_filter", "pack_sequences",
-        "ppo_epochs", "ppo_mini_batches", "shuffle_mini_batches", "weight_decay", "zero_stage",
+        "ppo_epochs", "ppo_mini_batches", "rollback_copy", "shuffle_mini_batches", "weight_decay", "zero_stage",
     ]  # fmt: skip
     cfg = load_config(
         None,
