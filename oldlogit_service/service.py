@@ -468,7 +468,7 @@ class OldLogitService:
         (mean over score/segment/prefix calls), ``last_request_seconds`` and ``exact_token_fraction``."""
         out = self.status().model_dump()
         scored = self.seconds["score"] + self.seconds["segments"] + self.seconds["prefixes"]
-        missing = sum(self.tokens_missing.values())
+        seen = self.tokens_exact + sum(self.tokens_missing.values())
         out.update(
             forwards=self.forwards,
             base_bytes=self.store.base_bytes,
@@ -479,8 +479,6 @@ class OldLogitService:
             seconds=dict(self.seconds),
             seconds_per_request=scored / self.requests if self.requests else 0.0,
             last_request_seconds=self.last_request_seconds,
-            exact_token_fraction=self.tokens_exact / (self.tokens_exact + missing)
-            if self.tokens_exact + missing
-            else 1.0,
+            exact_token_fraction=self.tokens_exact / seen if seen else 1.0,
         )
         return out
