@@ -135,8 +135,8 @@ class EnvSource:
     also saves the seeds of the groups whose samples were not all back (in flight, or lost with a
     worker): a resumed job submits those first, so the prompts that were generating when the run
     stopped are generated again rather than skipped (skipping them would bias the resumed run
-    toward the prompts with short rollouts), then goes on from ``next_seed``. Held-out seeds are the ``env.eval_prompts`` after them
-    (:mod:`trainer.driver.records.heldout`). An evaluation either runs beside training (:meth:`start_eval`:
+    toward the prompts with short rollouts), then goes on from ``next_seed``. Held-out seeds are
+    the ``env.eval_prompts`` after them (:mod:`trainer.driver.records.heldout`). An evaluation either runs beside training (:meth:`start_eval`:
     its episodes are picked out of each :meth:`poll`, and :meth:`finish_eval` waits for the rest) or
     blocks (:meth:`evaluate`); its requests held by a rollout worker that is lost are submitted
     again (:meth:`_send_eval`); training trajectories that finish while :meth:`finish_eval` waits are
