@@ -221,13 +221,14 @@ def test_resume_after_a_killed_learner_trains_every_finished_trajectory_exactly_
     assert resumed["generated"] == (
         resumed["consumed"] + sum(resumed["dropped"].values()) + resumed["buffered"] + resumed["in_flight"]
     )
-    lost = resumed["dropped"].get("lost_at_restart", 0) - counters["dropped"].get("lost_at_restart", 0)
-    assert lost == in_flight  # only what was in flight at the checkpoint
+    lost = resumed["dropped"].get("replayed_at_restart", 0) - counters["dropped"].get("replayed_at_restart", 0)
+    assert lost == in_flight  # only what was in flight at the checkpoint, its prompts generated again
+    assert "lost_at_restart" not in resumed["dropped"]
 
     events = lineage(read_ledger(tmp_path))
     restart = next(e for e in events if e["event"] == "resumed")
     assert restart["tag"] == tag and restart["ids"] == counters["buffered_ids"] + held_back
-    assert restart["lost_at_restart"] == in_flight
+    assert restart["replayed_at_restart"] == in_flight
     got = fates(events)
     assert set(counters["buffered_ids"]) <= set(got)
     assert {i: f for i, f in got.items() if len(f) != 1} == {}  # exactly one fate per id

@@ -33,7 +33,7 @@ from trainer.driver.config.schema import JobConfig, write_private
 from trainer.driver.loop.parts import Job
 from trainer.driver.publication.routes import Route, make_route, start_service
 from trainer.driver.records.ledger import Ledger
-from trainer.driver.sources.buffer import TrajectoryBuffer
+from trainer.driver.sources.buffer import LOST_AT_RESTART, REPLAYED_AT_RESTART, TrajectoryBuffer
 from trainer.driver.sources.resume import SavedTrajectories, read_trajectories
 from trainer.driver.sources.source import AgentSource, EnvSource, TrajectorySource
 from trainer.learner.ds_ops import clear_stale_build_locks
@@ -76,6 +76,7 @@ def start_job(cfg: JobConfig, console: Console) -> Job:
     )
     pool = start_workers(cfg, model_path, route, console)
     version = run_segment = lost_before = 0
+    lost_reason = REPLAYED_AT_RESTART if source_kind(cfg) == "env" else LOST_AT_RESTART
     extra: dict[str, Any] = {}
     saved = SavedTrajectories([], [])
     if c.resume_from:
@@ -85,14 +86,15 @@ def start_job(cfg: JobConfig, console: Console) -> Job:
         saved = read_trajectories(
             Path(c.resume_from) / tag, counters.get("buffered_ids", []), source_state.get("held_back_ids", [])
         )
-        lost_before = counters["dropped"].get("lost_at_restart", 0)
+        lost_before = counters["dropped"].get(lost_reason, 0)
         units = source_state.get("held_back_units", len(saved.held_back))
-        buffer.load_state_dict(counters, saved.buffered, pending=units)
+        buffer.load_state_dict(counters, saved.buffered, pending=units, lost_reason=lost_reason)
         version, run_segment = learner.version(), int(extra.get("run_segment", 0)) + 1
         console.print(
             f"resumed from {c.resume_from} at version {version} (run segment {run_segment}): "
             f"{len(saved.buffered) + len(saved.held_back)} finished trajectories kept, "
-            f"{buffer.dropped['lost_at_restart'] - lost_before} in flight lost"
+            f"{buffer.dropped[lost_reason] - lost_before} in flight "
+            + ("lost" if lost_reason == LOST_AT_RESTART else "whose prompts are generated again")
         )
     ledger = Ledger(cfg.logging.run_dir, run_segment, lambda: job.version)
 
@@ -121,7 +123,7 @@ def start_job(cfg: JobConfig, console: Console) -> Job:
             "resumed",
             [t.trajectory_id for t in saved.buffered + saved.held_back],
             tag=tag,
-            lost_at_restart=buffer.dropped["lost_at_restart"] - lost_before,
+            **{lost_reason: buffer.dropped[lost_reason] - lost_before},
         )
     return job
 
@@ -250,11 +252,16 @@ def start_source(job: Job, console: Console) -> TrajectorySource:
     """The job's trajectory source, of the kind ``controller.source`` names (:data:`SOURCES`, or a
     ``package.module:factory`` called as ``factory(job, console)``); ``auto`` is ``agent`` with an
     ``[agent]`` section, else ``env``."""
-    kind = job.cfg.controller.source
-    if kind == "auto":
-        kind = "env" if job.cfg.agent is None else "agent"
+    kind = source_kind(job.cfg)
     factory = SOURCES.get(kind) or import_attr(kind)
     return factory(job, console)
+
+
+def source_kind(cfg: JobConfig) -> str:
+    """``controller.source`` with ``auto`` resolved: ``agent`` with an ``[agent]`` section, else ``env``."""
+    if cfg.controller.source == "auto":
+        return "env" if cfg.agent is None else "agent"
+    return cfg.controller.source
 
 
 def env_source(job: Job, console: Console) -> TrajectorySource:

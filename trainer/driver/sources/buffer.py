@@ -16,7 +16,8 @@ Invariants (checked by :meth:`TrajectoryBuffer.accounting_ok` and the tests):
 * a checkpoint keeps every finished trajectory not yet consumed (:meth:`TrajectoryBuffer.saved`:
   held ones first, as :meth:`TrajectoryBuffer.put_back` would return them, then the buffered FIFO),
   so after a resume only the trajectories in flight at the checkpoint count as
-  ``dropped["lost_at_restart"]``;
+  ``dropped["lost_at_restart"]`` (``dropped["replayed_at_restart"]`` where the source generates
+  their prompts again);
 * a buffered or held trajectory found unfit after it arrived (its worker served other weights than
   its version's, :meth:`TrajectoryBuffer.drop_if`) is dropped with the reason, never consumed;
 * every finished trajectory's fate is reported by id to the buffer's ``ledger`` (``buffered`` on
@@ -36,6 +37,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protocol import NO_VERSION, Trajectory
+
+LOST_AT_RESTART, REPLAYED_AT_RESTART = "lost_at_restart", "replayed_at_restart"
+"""Drop reasons of the trajectories in flight at the checkpoint a job resumed from: they never
+arrive; the second where the source submits their prompts again (the env loop)."""
 
 
 def no_ledger(event: str, ids: list[str], reason: str | None = None, **fields: object) -> None:
@@ -383,11 +388,15 @@ class TrajectoryBuffer:
             "buffered_ids": [t.trajectory_id for t in self.saved()],
         }
 
-    def load_state_dict(self, state: dict, trajectories: Sequence[Trajectory] = (), pending: int = 0) -> None:
+    def load_state_dict(
+        self, state: dict, trajectories: Sequence[Trajectory] = (), pending: int = 0, lost_reason: str = LOST_AT_RESTART
+    ) -> None:
         """Restore the counters of :meth:`state_dict` and its saved ``trajectories`` (buffered, in
         their order; none held); ``pending`` trajectories finished before the checkpoint but not yet
         offered (a source's held-back ones) stay counted in flight. The rest of what was in flight
-        at the checkpoint never arrives: it counts as ``dropped["lost_at_restart"]``, so
+        at the checkpoint never arrives: it counts as dropped with ``lost_reason``
+        (:data:`LOST_AT_RESTART`, or :data:`REPLAYED_AT_RESTART` for a source that generates those
+        prompts again), so
         ``submitted == consumed + dropped + buffered + in_flight`` holds again. Dynamic sampling's
         counters continue (0 when the checkpoint has none).
 
@@ -411,7 +420,7 @@ class TrajectoryBuffer:
         self.submitted, self.consumed = state["submitted"], state["consumed"]
         self.dropped = Counter(state["dropped"])
         if lost > 0:
-            self.dropped["lost_at_restart"] += lost
+            self.dropped[lost_reason] += lost
         self.dropped_total = sum(self.dropped.values())
         self.filtered_groups = int(state.get("filtered_groups", 0))
         self.zero_variance_admitted = int(state.get("zero_variance_admitted", 0))
