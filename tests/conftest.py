@@ -39,13 +39,9 @@ def tiny_model_path(real_model_path):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A private local Ray cluster for the whole test session (4 logical CPUs, no dashboard),
-    loopback-only with token authentication like a job's own private cluster."""
+    """A private local Ray cluster for the whole test session (4 logical CPUs, no dashboard)."""
     import ray
 
-    from trainer.driver.cluster.session import loopback_private_cluster
-
-    loopback_private_cluster()
     tmp = tempfile.mkdtemp(prefix="vintage-ray-")
     ray.init(
         num_cpus=4,

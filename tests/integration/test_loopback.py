@@ -44,8 +44,7 @@ def test_interposer_turns_wildcard_binds_into_loopback():
     out = subprocess.run([sys.executable, "-c", BIND], env=loopback_env(), capture_output=True, text=True, check=True)
     # 0.0.0.0 -> 127.0.0.1; dual-stack :: -> IPv4-mapped loopback; explicit hosts untouched; v6-only :: -> ::1
     assert out.stdout.split() == ["127.0.0.1", "::ffff:127.0.0.1", "127.0.0.2", "::1"]
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VINTAGE_LOOPBACK_BIND")}
-    plain = subprocess.run([sys.executable, "-c", BIND], env=env, capture_output=True, text=True, check=True)
+    plain = subprocess.run([sys.executable, "-c", BIND], capture_output=True, text=True, check=True)
     assert plain.stdout.split() == ["0.0.0.0", "::", "127.0.0.2", "::"]
 
 
@@ -69,16 +68,6 @@ def test_private_cluster_started_in_process_authenticates_its_own_driver():
     )
     assert out.returncode == 0 and out.stdout.split()[-1] == "42", out.stderr[-2000:]
     assert "its own Ray port listens on every interface" in out.stderr
-
-
-def test_the_test_sessions_cluster_listens_on_loopback_only_with_token_authentication(ray_cluster):
-    """The session's shared cluster (``ray_cluster``): every socket its processes (this process's
-    children: GCS, raylet, workers) listen on is on loopback, and it asks for a token."""
-    sockets = [s for s in listening_sockets(os.getpid()) if s[0] != os.getpid()]
-    names = {name for _pid, name, _host, _port in sockets}
-    assert {"gcs_server", "raylet"} <= names, sockets
-    assert [s for s in sockets if not is_loopback_host(s[2])] == []
-    assert os.environ["RAY_AUTH_MODE"] == "token" and len(os.environ["RAY_AUTH_TOKEN"]) >= 16
 
 
 def test_loopback_classification():
