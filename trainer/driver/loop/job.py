@@ -236,7 +236,7 @@ def _loop(
             job.checkpoint()
         if cfg.controller.export_every and job.version % cfg.controller.export_every == 0:
             job.export()  # a Hugging Face folder of this version under <run_dir>/exports
-        board.update(**status_fields(job, report.oldlogit, m))
+        board.update(**status_fields(job, report.oldlogit, m, report.workers))
         console.print(step_line(m, job.version))
         if learned["applied"] and eval_due(job.version, cfg.controller.eval_every, cfg.controller.total_steps):
             job.evals.start("during")  # pinned to this version; the learner trains the next step meanwhile

@@ -36,11 +36,13 @@ def _finite_or_none(x: float | None) -> float | None:
 
 @dataclass(frozen=True)
 class StepReport:
-    """What one step reports: its ``metrics.jsonl`` row and the old-logit service's status read for
-    it (``/v1/status`` ``oldlogit`` after the step; None without a service)."""
+    """What one step reports: its ``metrics.jsonl`` row, and the old-logit service's and the rollout
+    workers' status read for it (``/v1/status`` ``oldlogit`` and ``workers`` after the step; None
+    without a service)."""
 
     metrics: StepMetrics
     oldlogit: OldLogitServiceStatus | None
+    workers: list[WorkerStatus]
 
 
 def step_report(job: Job, batch: list[Trajectory], m: dict[str, Any]) -> StepReport:
@@ -60,7 +62,8 @@ def step_report(job: Job, batch: list[Trajectory], m: dict[str, Any]) -> StepRep
     n = sum(hist.values())
     oldlogit = job.oldlogit_status()  # counts a restart of the service before the row is written
     service = job.route.service_record()
-    memory = part_memory(m, job.pool.statuses(), oldlogit)
+    workers = job.pool.statuses()
+    memory = part_memory(m, workers, oldlogit)
     for k, v in memory.items():
         job.peak_rss[k] = max(job.peak_rss.get(k, 0.0), v)
     rewards = [t.reward for t in batch]
@@ -89,7 +92,7 @@ def step_report(job: Job, batch: list[Trajectory], m: dict[str, Any]) -> StepRep
             **{f"dropped_{k}": v for k, v in job.buffer.dropped.items()},
         }
     )
-    return StepReport(row, oldlogit)
+    return StepReport(row, oldlogit, workers)
 
 
 def part_memory(
@@ -122,15 +125,20 @@ def step_line(m: StepMetrics, version: int) -> str:
     )
 
 
-def status_fields(job: Job, oldlogit: OldLogitServiceStatus | None, m: StepMetrics | None = None) -> dict[str, Any]:
+def status_fields(
+    job: Job,
+    oldlogit: OldLogitServiceStatus | None,
+    m: StepMetrics | None = None,
+    workers: list[WorkerStatus] | None = None,
+) -> dict[str, Any]:
     """The ``/v1/status`` fields (:class:`protocol.JobStatus`) now, with the old-logit service's
-    status ``oldlogit``; with the last step's row ``m``, its batch's fields too. A source without
+    status ``oldlogit`` (and the workers' ``workers``, read now when not given); with the last step's row ``m``, its batch's fields too. A source without
     ``eval_resubmitted`` reads 0 there."""
     f = dict(
         learner_version=job.version,
         run_segment=job.run_segment,
         oldlogit_route=job.route.name,
-        workers=job.pool.statuses(),
+        workers=workers if workers is not None else job.pool.statuses(),
         buffer_size=len(job.buffer),
         buffer_staleness_hist=job.buffer.staleness_histogram(job.version),
         generated=job.buffer.submitted,
