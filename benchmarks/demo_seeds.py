@@ -102,14 +102,15 @@ def finished(run_dir: Path) -> bool:
 
 def stored_records(results: Path, config: str, sets: Sequence[str], tag: str | None) -> dict[int, dict[str, Any]]:
     """Seed records of an earlier ``results.json`` written with the same config, ``--set`` list and
-    tag, by seed; empty when the file is absent or was written with other settings. They stand in for
-    seeds whose run folder is gone (a fresh checkout keeps ``results/`` but not ``runs/``)."""
+    tag, by seed; empty when the file is absent or was written with other settings. Only finished
+    runs are kept: they stand in for seeds whose run folder is gone (a fresh checkout keeps
+    ``results/`` but not ``runs/``), while a seed recorded as failed or missing is run again."""
     if not results.is_file():
         return {}
     earlier = json.loads(results.read_text())
     if (earlier.get("config"), earlier.get("sets"), earlier.get("tag")) != (config, list(sets), tag):
         return {}
-    return {int(rec["seed"]): rec for rec in earlier.get("seeds", [])}
+    return {int(rec["seed"]): rec for rec in earlier.get("seeds", []) if rec.get("state") == "finished"}
 
 
 def run_seed(seed: int, runs: Path, config: str = CONFIG, sets: Sequence[str] = (), tag: str | None = None) -> Path:

@@ -11,6 +11,13 @@ import benchmarks.demo_seeds as demo_seeds
 from benchmarks.demo_seeds import main, run_seed, seed_record, summarize
 
 
+@pytest.fixture(autouse=True)
+def no_real_runs(monkeypatch):
+    """No test starts a real ``vintage run``: a test that expects a run replaces this with its own
+    recorder."""
+    monkeypatch.setattr(demo_seeds.subprocess, "run", lambda cmd, **kw: pytest.fail(f"would run {cmd}"))
+
+
 def run_folder(root, seed, before, after, state="finished", rows=(), evals=(), name=None, **summary_extra):
     """A run folder as ``vintage run`` leaves it: ``summary.json`` and ``metrics.jsonl`` (the step
     ``rows``, then one ``kind = "eval"`` record per ``(version, success rate, tag)`` of ``evals``)."""
@@ -187,6 +194,16 @@ def test_earlier_results_of_other_settings_are_not_read(tmp_path, monkeypatch):
     monkeypatch.setattr(demo_seeds.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
     main([1], tmp_path / "out", tmp_path / "runs", sets=["loss.kl_coef=0.05"], tag="new")
     assert len(calls) == 1 and "loss.kl_coef=0.05" in calls[0]
+
+
+def test_a_seed_recorded_as_failed_is_run_again(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(demo_seeds.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    run_folder(tmp_path / "runs", 1, 0.2, 0.6, name="demo-new-s1", state="failed")
+    assert main([1], tmp_path / "out", tmp_path / "runs", tag="new")["seeds"][0]["state"] == "failed"
+    (tmp_path / "runs" / "demo-new-s1" / "summary.json").unlink()
+    main([1], tmp_path / "out", tmp_path / "runs", tag="new")
+    assert len(calls) == 2 and "controller.seed=1" in calls[1]
 
 
 def test_a_tag_names_the_folders_and_sets_are_recorded(tmp_path):
