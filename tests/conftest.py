@@ -39,9 +39,16 @@ def tiny_model_path(real_model_path):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A private local Ray cluster for the whole test session (4 logical CPUs, no dashboard)."""
+    """A private local Ray cluster for the whole test session (4 logical CPUs, no dashboard),
+    loopback-only with token authentication like a job's own private cluster. The environment that
+    gives its processes those settings is taken back once it has started, so processes the tests
+    start later (their own clusters, multi-node heads) begin from the session's own environment."""
     import ray
 
+    from trainer.driver.cluster.session import loopback_private_cluster
+
+    before = dict(os.environ)
+    loopback_private_cluster()
     tmp = tempfile.mkdtemp(prefix="vintage-ray-")
     ray.init(
         num_cpus=4,
@@ -52,5 +59,7 @@ def ray_cluster():
         },
         log_to_driver=False,
     )
+    os.environ.clear()
+    os.environ.update(before)
     yield ray
     ray.shutdown()

@@ -17,10 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from rollout.httpserve import is_loopback_host
-from trainer.driver.cluster import owned
+from trainer.driver.cluster import netguard, owned
 from trainer.driver.cluster.netguard import library_path, listening_sockets, loopback_env
 
 pytestmark = pytest.mark.integration
@@ -44,7 +45,8 @@ def test_interposer_turns_wildcard_binds_into_loopback():
     out = subprocess.run([sys.executable, "-c", BIND], env=loopback_env(), capture_output=True, text=True, check=True)
     # 0.0.0.0 -> 127.0.0.1; dual-stack :: -> IPv4-mapped loopback; explicit hosts untouched; v6-only :: -> ::1
     assert out.stdout.split() == ["127.0.0.1", "::ffff:127.0.0.1", "127.0.0.2", "::1"]
-    plain = subprocess.run([sys.executable, "-c", BIND], capture_output=True, text=True, check=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "VINTAGE_LOOPBACK_BIND")}
+    plain = subprocess.run([sys.executable, "-c", BIND], env=env, capture_output=True, text=True, check=True)
     assert plain.stdout.split() == ["0.0.0.0", "::", "127.0.0.2", "::"]
 
 
@@ -68,6 +70,23 @@ def test_private_cluster_started_in_process_authenticates_its_own_driver():
     )
     assert out.returncode == 0 and out.stdout.split()[-1] == "42", out.stderr[-2000:]
     assert "its own Ray port listens on every interface" in out.stderr
+
+
+def test_the_test_sessions_cluster_listens_on_loopback_only_with_token_authentication(ray_cluster):
+    """The session's shared cluster (``ray_cluster``): every socket its processes (this process's
+    children: GCS, raylet, workers) listen on is on loopback, they were started with token
+    authentication, and this process's environment no longer carries the cluster's settings. Under
+    ``make test`` (pytest started with the bind interposer) the test process's own sockets, its Ray
+    driver port among them, are on loopback too."""
+    own = netguard.active()
+    sockets = [s for s in listening_sockets(os.getpid()) if own or s[0] != os.getpid()]
+    names = {name for _pid, name, _host, _port in sockets}
+    assert {"gcs_server", "raylet"} <= names, sockets
+    assert [s for s in sockets if not is_loopback_host(s[2])] == []
+    gcs = next(psutil.Process(pid) for pid, name, _h, _p in sockets if name == "gcs_server")
+    assert gcs.environ()["RAY_AUTH_MODE"] == "token" and len(gcs.environ()["RAY_AUTH_TOKEN"]) >= 16
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in os.environ
+    assert ray_cluster.get(ray_cluster.remote(lambda: 6 * 7).remote()) == 42  # the driver still authenticates
 
 
 def test_loopback_classification():

@@ -40,7 +40,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from deploy.local_cluster import LocalRayHead
+from deploy.local_cluster import LocalRayHead, outside_private_cluster
 from trainer.driver.cluster import owned
 from trainer.driver.records.metrics_log import read_metrics
 
@@ -89,7 +89,7 @@ def test_lost_node_of_a_rollout_worker_and_the_oldlogit_service_is_survived_once
         cmd = [sys.executable, "-m", "vintage_cli.main", "run", "--address", head.gcs_address]
         for o in overrides:
             cmd += ["--set", o]
-        env = {**os.environ, **head.client_env(), "PYTHONPATH": str(REPO)}
+        env = {**outside_private_cluster(os.environ), **head.client_env(), "PYTHONPATH": str(REPO)}
         log = open(tmp_path / "job.log", "w")
         job = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         owned.own(("job", job.pid), functools.partial(owned.stop_group, job.pid, 10.0))  # also if pytest is ended

@@ -234,7 +234,7 @@ def test_counts_reach_status_and_prometheus():
     job_ = SimpleNamespace(
         version=0, run_segment=0, route=SimpleNamespace(name="none"), pool=SimpleNamespace(statuses=lambda: []),
         buffer=b, last_publish={}, source=SimpleNamespace(status=lambda: None),
-        fingerprints=SimpleNamespace(mismatches=0, unverified=0),
+        fingerprints=SimpleNamespace(mismatches=0, unverified=0), evals=SimpleNamespace(resubmitted=0),
     )  # fmt: skip
     s = JobStatus(**status_fields(job_, None))
     assert (s.filtered_groups, s.zero_variance_admitted, s.dropped) == (1, 1, {"filtered": 4})

@@ -81,7 +81,7 @@ def test_the_count_reaches_the_status():
     job = SimpleNamespace(
         version=1, run_segment=0, route=SimpleNamespace(name="none"), pool=SimpleNamespace(statuses=lambda: []),
         buffer=TrajectoryBuffer(capacity=4, max_staleness=1), last_publish={},
-        source=SimpleNamespace(status=lambda: None), fingerprints=SimpleNamespace(mismatches=1, unverified=3),
+        source=SimpleNamespace(status=lambda: None), fingerprints=SimpleNamespace(mismatches=1, unverified=3), evals=SimpleNamespace(resubmitted=0),
     )  # fmt: skip
     s = JobStatus(**status_fields(job, None))
     assert (s.fingerprint_mismatch, s.fingerprint_unverified) == (1, 3)

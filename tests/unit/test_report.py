@@ -30,7 +30,7 @@ def test_the_ledger_closes_with_the_batch_taken_ahead():
     job = SimpleNamespace(
         version=0, run_segment=0, route=SimpleNamespace(name="snapshot"), pool=SimpleNamespace(statuses=lambda: []),
         buffer=buf, last_publish={}, source=SimpleNamespace(status=lambda: None),
-        fingerprints=SimpleNamespace(mismatches=0, unverified=0),
+        fingerprints=SimpleNamespace(mismatches=0, unverified=0), evals=SimpleNamespace(resubmitted=0),
     )  # fmt: skip
     f = status_fields(job, None)
     s = JobStatus(**f)

@@ -36,7 +36,7 @@ def test_the_state_is_evaluating_and_the_gateway_figures_are_live_during_an_eval
         version=2, run_segment=0, route=SimpleNamespace(name="none"), pool=SimpleNamespace(statuses=lambda: []),
         buffer=buf, last_publish={}, source=SimpleNamespace(status=gw.status), oldlogit_status=lambda: None,
         fingerprints=SimpleNamespace(mismatches=0, unverified=0),
-        evals=SimpleNamespace(evaluate=evaluate),
+        evals=SimpleNamespace(evaluate=evaluate, resubmitted=0),
     )  # fmt: skip
     board.follow_gateway(job.source.status)  # as run_job does once the parts are up
     assert board.status().state == "starting" and board.status().gateway.calls == 0

@@ -52,7 +52,7 @@ def ray_session(cfg: JobConfig):
         yield
         return
     if not cfg.ray.address and cfg.ray.loopback_only:
-        _loopback_private_cluster()
+        loopback_private_cluster()
     env = {"env_vars": {k: os.environ[k] for k in ENV_VARS if k in os.environ}}
     started: list[psutil.Process] = []  # the private cluster's processes
     if cfg.ray.address:
@@ -113,8 +113,16 @@ def _start_private_cluster(cfg: JobConfig, env: dict[str, Any]) -> list[psutil.P
     return started
 
 
-def _loopback_private_cluster() -> None:
-    """Give the processes the private cluster will start the loopback-only environment."""
+def loopback_private_cluster() -> None:
+    """Give the processes of a private cluster started next from this process (``ray.init`` without
+    an address) the loopback-only, token-authenticated environment
+    (:func:`trainer.driver.cluster.netguard.private_cluster_env`, set in ``os.environ``), and make
+    this process's Ray client authenticate to it. This process's own Ray port is covered only when
+    it was started with the bind interposer; otherwise a warning says so.
+
+    Raises:
+        trainer.driver.cluster.netguard.LoopbackUnavailable: no C compiler to build the bind interposer.
+    """
     from trainer.driver.cluster import netguard
 
     bound = netguard.active()  # this process itself was started with the interposer

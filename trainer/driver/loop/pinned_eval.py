@@ -42,6 +42,9 @@ class PinnedEvaluation:
         self.wait_published, self.version = wait_published, version
         self._tag, self._started, self._blocked = "", 0.0, 0.0
         self._running = False
+        self.resubmitted = 0
+        """Held-out requests submitted again over the run's finished evaluations because the rollout
+        worker holding them was lost (the sum of their ``resubmitted`` scores)."""
 
     def evaluate(self, tag: str) -> dict[str, float]:
         """Held-out scores at the current version, blocking: :meth:`start` then :meth:`finish`
@@ -72,8 +75,7 @@ class PinnedEvaluation:
         return self._running
 
     def abandon(self) -> None:
-        """Forget the running evaluation (the job stops; :meth:`TrajectorySource.abandon_eval`)."""
-        self.source.abandon_eval()
+        """Forget the running evaluation (the job stops; the source forgets it when it closes)."""
         self._running = False
 
     def finish(self, tag: str | None = None) -> dict[str, float]:
@@ -93,6 +95,7 @@ class PinnedEvaluation:
         t0 = time.perf_counter()
         scores = self.source.finish_eval()
         self._running = False
+        self.resubmitted += int(scores.get("resubmitted", 0))
         waited = time.perf_counter() - t0 + self._blocked
         seconds = time.perf_counter() - self._started
         self.times["eval"] += waited

@@ -132,8 +132,7 @@ def status_fields(
     workers: list[WorkerStatus] | None = None,
 ) -> dict[str, Any]:
     """The ``/v1/status`` fields (:class:`protocol.JobStatus`) now, with the old-logit service's
-    status ``oldlogit`` (and the workers' ``workers``, read now when not given); with the last step's row ``m``, its batch's fields too. A source without
-    ``eval_resubmitted`` reads 0 there."""
+    status ``oldlogit`` (and the workers' ``workers``, read now when not given); with the last step's row ``m``, its batch's fields too."""
     f = dict(
         learner_version=job.version,
         run_segment=job.run_segment,
@@ -153,7 +152,7 @@ def status_fields(
         last_publish_unix=job.last_publish.get("unix"),
         fingerprint_mismatch=job.fingerprints.mismatches,
         fingerprint_unverified=job.fingerprints.unverified,
-        eval_resubmitted=getattr(job.source, "eval_resubmitted", 0),
+        eval_resubmitted=job.evals.resubmitted,
         gateway=job.source.status(),
         **best_status(job),
     )
@@ -279,7 +278,7 @@ def run_summary(
         "worker_restarts": job.workers.restarts,
         "fingerprint_mismatch": job.fingerprints.mismatches,
         "fingerprint_unverified": job.fingerprints.unverified,
-        "eval_resubmitted": job.source.eval_resubmitted,
+        "eval_resubmitted": job.evals.resubmitted,
         "run_segment": job.run_segment,
         "loop_s": loop_s,
         "train_steps": job.train_steps,

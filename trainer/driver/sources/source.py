@@ -12,15 +12,14 @@ operation                   :class:`EnvSource` (the built-in     :class:`AgentSo
                             sample each, and returns             tasks at once (blocking)
 ``finish_eval``             waits for the episodes (they come    returns the scores kept
                             back with ``poll``); their scores
-``abandon_eval``            forgets the running evaluation       forgets the kept scores
-``eval_resubmitted``        held-out requests sent again         0: the gateway resends calls
 ``note_worker_loss``        drops the training samples           nothing: sessions end on their own
                             (worker's reason)
 ``status``                  None                                 the gateway's sessions and calls
 ``state``                   next env seed, seeds in flight,      no cursor (task ids continue from
                             held-back trajectories               the session count), held sessions
 ``restore``                 both, from a checkpoint              the held sessions
-``close``                   nothing (the job stops the pool)     stops the agents and the gateway
+``close``                   forgets a running evaluation (the    forgets the kept scores, stops the
+                            job stops the pool)                  agents and the gateway
 ==========================  ===================================  ==================================
 
 Invariants: admission follows the staleness rule
@@ -31,7 +30,7 @@ submitted on the job's buffer and ends polled, dropped with a reason, or in flig
 accounting, :meth:`TrajectoryBuffer.accounting_ok`); ``poll`` never returns an evaluation
 trajectory, and evaluation samples are never in the buffer's accounting: a held-out request lost
 with its rollout worker is submitted again (at most :data:`trainer.driver.records.heldout.EVAL_RESUBMITS`
-times, counted in ``eval_resubmitted``), never dropped as a training sample. The driver loop is the
+times, counted in the evaluation's ``resubmitted`` score), never dropped as a training sample. The driver loop is the
 only caller.
 """
 
@@ -69,9 +68,6 @@ class SourceState:
 class TrajectorySource(Protocol):
     """What the driver loop needs from a source of training trajectories (see the module docstring)."""
 
-    eval_resubmitted: int
-    """Held-out requests submitted again so far because the rollout worker holding them was lost."""
-
     def top_up(self) -> None:
         """Admit as much new work as the staleness admission rule allows now."""
 
@@ -85,10 +81,8 @@ class TrajectorySource(Protocol):
 
     def finish_eval(self) -> dict[str, float]:
         """Wait for the running evaluation; its scores (``reward``, ``success_rate``, ``episodes``,
-        ...; ``{}`` when none runs)."""
-
-    def abandon_eval(self) -> None:
-        """Forget the running evaluation (the job stops)."""
+        ``resubmitted`` (held-out requests submitted again because the rollout worker holding them was
+        lost), ...; ``{}`` when none runs)."""
 
     def note_worker_loss(self, samples: int, reason: str) -> None:
         """``samples`` training samples in flight on a rollout worker that was lost (``reason``:
@@ -105,7 +99,8 @@ class TrajectorySource(Protocol):
         """Go on from a checkpoint's ``cursor`` and ``pending`` trajectories (returned by the next ``poll``)."""
 
     def close(self) -> None:
-        """Stop what the source started (the job stops the worker pool itself)."""
+        """Forget a running evaluation and stop what the source started (the job stops the worker
+        pool itself)."""
 
 
 def make_requests(
@@ -336,7 +331,8 @@ class EnvSource:
         self._held_back = list(pending)
 
     def close(self) -> None:
-        """Nothing of its own to stop."""
+        """Forget a running evaluation (:meth:`abandon_eval`); nothing else of its own to stop."""
+        self.abandon_eval()
 
 
 class AgentSource:
@@ -351,9 +347,6 @@ class AgentSource:
     ``group_id``): a full group is released at once, every segment in one poll, and judged whole;
     a group released short of ``rollout.sampling.n`` with a baseline is never filtered.
     """
-
-    eval_resubmitted = 0
-    """Always 0: the gateway resubmits the calls of every session itself (``GatewayStatus.lost_resubmissions``)."""
 
     def __init__(self, runner: AgentRunner):
         self.runner = runner
@@ -405,5 +398,6 @@ class AgentSource:
         return self.runner.gateway.status()
 
     def close(self) -> None:
-        """Cancel running episodes, stop the gateway and the agents' loop."""
+        """Forget the kept scores, cancel running episodes, stop the gateway and the agents' loop."""
+        self.abandon_eval()
         self.runner.close()
