@@ -34,6 +34,9 @@ memory (psutil, every ``--sample-every`` s) of the driver, the actors and the cl
 gives each long-lived process's growth, first quarter against last quarter (goal < 5%).
 
     python -m benchmarks.bench_soak --minutes 30 --kill-every 60 120 --seed 0 --out results/soak.json
+    python -m benchmarks.bench_soak --set 'controller.stale_trajectories="mask"' --out results/soak_mask.json
+
+``--set SECTION.FIELD=VALUE`` (repeatable) goes to both phases' jobs after the soak's own items.
 """
 
 from __future__ import annotations
@@ -81,8 +84,9 @@ MAX_JOB_STARTS = 20
 """Most restarts of one phase's job (a job that cannot start is not started for ever)."""
 
 
-def job_overrides(phase: str, run_dir: Path, seed: int) -> list[str]:
-    """The ``--set`` items of a phase's job (see the module docstring)."""
+def job_overrides(phase: str, run_dir: Path, seed: int, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The ``--set`` items of a phase's job (see the module docstring), then ``extra`` (the soak's
+    ``--set`` items, which win over the soak's own values of the same key)."""
     out = [
         'model.path="tiny"', "env.eval_prompts=0", 'rollout.engine="transformers"', "rollout.num_workers=2",
         "rollout.max_num_seqs=16", "rollout.sampling.max_tokens=12", "rollout.sampling.n=4",
@@ -101,7 +105,7 @@ def job_overrides(phase: str, run_dir: Path, seed: int) -> list[str]:
             "gateway.call_timeout_s=60",
             "gateway.session_idle_s=60",
         ]
-    return out
+    return out + list(extra)
 
 
 def v0_fingerprint() -> str:
@@ -226,8 +230,10 @@ def snapshot(st: dict[str, Any] | None) -> dict[str, Any]:
 class Phase:
     """One phase: its job (restarted with ``--resume auto`` when it dies), its agent, its kills."""
 
-    def __init__(self, name: str, cluster: Cluster, out_dir: Path, seed: int, env: dict[str, str]):
-        self.name, self.cluster, self.seed, self.env = name, cluster, seed, env
+    def __init__(
+        self, name: str, cluster: Cluster, out_dir: Path, seed: int, env: dict[str, str], sets: list[str] | None = None
+    ):
+        self.name, self.cluster, self.seed, self.env, self.sets = name, cluster, seed, env, sets or []
         self.run_dir = out_dir / name
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.job: Proc | None = None
@@ -238,7 +244,7 @@ class Phase:
     def start_job(self) -> None:
         cmd = [sys.executable, "-m", "vintage_cli.main", "run", "--address", self.cluster.head.gcs_address,
                "--resume", "auto"]  # fmt: skip
-        for o in job_overrides(self.name, self.run_dir, self.seed):
+        for o in job_overrides(self.name, self.run_dir, self.seed, self.sets):
             cmd += ["--set", o]
         with contextlib.suppress(FileNotFoundError):
             (self.run_dir / "server.json").unlink()  # the next one is the new job's
@@ -454,6 +460,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--start-timeout", type=float, default=900.0, help="Longest wait for a phase's job to run, s.")
     ap.add_argument("--run-dir", type=Path, default=Path("runs/soak"))
     ap.add_argument("--out", type=Path, default=Path("results/soak.json"))
+    ap.add_argument(
+        "--set", dest="sets", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+        help="A config override for both phases' jobs after the soak's own (repeatable).",
+    )  # fmt: skip
     a = ap.parse_args(argv)
     if not 0 < a.minutes < 1e5 or a.sample_every <= 0 or a.recover_timeout <= 0:
         raise SystemExit(
@@ -474,7 +484,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load0 = os.getloadavg()
     cluster = Cluster()
     env.update(cluster.head.client_env())
-    phases = [Phase(p, cluster, a.run_dir, a.seed, env) for p in a.phases]
+    phases = [Phase(p, cluster, a.run_dir, a.seed, env, a.sets) for p in a.phases]
     a.sampler = Sampler(cluster, phases, a.sample_every)
     out: dict[str, Any] = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "sampler"},
                            "plan": [k.as_dict() for k in plan], "phases": {}}  # fmt: skip

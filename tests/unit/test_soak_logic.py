@@ -2,6 +2,7 @@
 hand-built events, the memory growth."""
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -182,3 +183,14 @@ def test_each_phases_job_settings_are_accepted_by_the_config(phase, tmp_path):
         assert (cfg.agent.path, cfg.agent.concurrency, cfg.gateway.call_timeout_s) == (None, 8, 60.0)
     else:
         assert cfg.agent is None
+
+
+def test_the_soaks_set_items_come_last_and_win():
+    from benchmarks.bench_soak import job_overrides, parse_args
+    from trainer.driver.config.schema import load_config
+
+    a = parse_args(["--set", 'controller.stale_trajectories="mask"', "--set", "controller.max_staleness=3"])
+    items = job_overrides("env", Path("runs/x"), seed=0, extra=a.sets)
+    assert items[-2:] == ['controller.stale_trajectories="mask"', "controller.max_staleness=3"]
+    cfg = load_config(None, items)
+    assert (cfg.controller.stale_trajectories, cfg.controller.max_staleness) == ("mask", 3)
