@@ -186,8 +186,9 @@ class JobStatus(Message):
     held_out_version: int | None = Field(None, ge=0)
     """The policy version that evaluation was pinned to."""
     eval_resubmitted: int = Field(0, ge=0)
-    """Held-out evaluation requests submitted again so far because the rollout worker holding them
-    was lost (died, hung, removed, restarted for a fingerprint mismatch); never counted in ``dropped``."""
+    """Held-out evaluation requests submitted again because the rollout worker holding them was lost
+    (died, hung, removed, restarted for a fingerprint mismatch), summed over the run's finished
+    evaluations (one still running adds its count when it finishes); never counted in ``dropped``."""
     best_version: int | None = Field(None, ge=0)
     """The version of the best pinned held-out evaluation so far, whose checkpoint is kept
     (``controller.keep_best``; ties: the earlier version); None before the first."""
