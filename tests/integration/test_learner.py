@@ -520,6 +520,25 @@ def test_kl_to_the_frozen_reference_is_zero_at_version_0_and_measured_against_it
     assert m2["kl_loss"] == pytest.approx(expected, rel=1e-4, abs=1e-9)
 
 
+def test_a_kl_penalty_in_the_reward_trains_as_the_rewards_lowered_by_hand(tiny_model_path, make_trajs):
+    """``kl_reward_coef`` 0.5: the step's ``kl_reward`` is the batch mean of sum_t (log mu_t - log
+    pi_ref_t) over each sequence's loss tokens, pi_ref being version 0 (a fresh learner's log-probs),
+    and the step's gradient is the one a learner without the penalty takes on the same trajectories
+    with rewards ``r - 0.5 * kl`` given by hand."""
+    trajs = make_trajs(seed=3, noise=0.3)
+    batch = collate(trajs, consuming_version=0)
+    plain = LearnerCore(settings(tiny_model_path, lr=1e-2, loss=loss_config("grpo")))
+    kl = torch.where(batch.loss_mask, batch.behav_logprobs - plain.logprobs(batch), 0.0).sum(-1)
+    core = LearnerCore(settings(tiny_model_path, lr=1e-2, loss=loss_config("grpo", kl_reward_coef=0.5)))
+    grads, m = train_step_with_grads(core, trajs)
+    assert m["kl_reward"] == pytest.approx(float(kl.mean()), rel=1e-4)
+    assert m["kl_reward_penalty"] == pytest.approx(0.5 * float(kl.mean()), rel=1e-4)
+    assert m["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # the loss's KL to version 0, at version 0
+    by_hand = [t.model_copy(update={"reward": t.reward - 0.5 * float(k)}) for t, k in zip(trajs, kl, strict=True)]
+    want, _ = train_step_with_grads(plain, by_hand)
+    assert sorted(grads) == sorted(want) and max_diff(grads, want) < 1e-6
+
+
 def test_the_learning_rate_follows_its_schedule_and_resumes_at_the_same_step(tiny_model_path, make_trajs, tmp_path):
     """Warm-up 2, cosine to step 4, floor 0.1, two optimizer steps per batch, lr 1e-3: the first
     batch's steps run at 1e-3 / 3 and 2e-3 / 3, the second's at 1e-3 and 0.55e-3 (half-way:

@@ -105,6 +105,8 @@ def test_admission_capacity_bounds_submissions():
     assert admission_capacity(0, 0, 8, 0) == 8
     assert admission_capacity(0, 0, 8, 8) == 0
     assert admission_capacity(1, 0, 8, 8) == 8
+    # batch 8, bound 2, 24 scheduled: 8 more at version 1 (the workers' while the learner is at 2), 16 at 2
+    assert (admission_capacity(1, 2, 8, 24), admission_capacity(2, 2, 8, 24)) == (8, 16)
     # bound 2 at version 3: (3+2+1)*8 = 48 submissions allowed in total
     assert admission_capacity(3, 2, 8, 40) == 8
 

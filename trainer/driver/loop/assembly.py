@@ -266,7 +266,7 @@ def source_kind(cfg: JobConfig) -> str:
 
 def env_source(job: Job, console: Console) -> TrajectorySource:
     """The env loop over the job's rollout workers (:class:`EnvSource`)."""
-    return EnvSource(job.cfg, job.pool, job.buffer, lambda: job.version, job.run_segment)
+    return EnvSource(job.cfg, job.pool, job.buffer, lambda: job.version, job.run_segment, lambda: job.admission_version)
 
 
 def agent_source(job: Job, console: Console) -> TrajectorySource:

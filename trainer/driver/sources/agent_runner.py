@@ -127,6 +127,8 @@ class AgentRunner:
         max_model_len: context length of the engines.
         lost: ``lost() -> list[str]``: ids of requests lost with a worker since the last call (a
             ``WorkerPool``'s ``take_lost_requests``); the gateway submits those calls again.
+        admission_version: the version the admission rule counts from (the oldest the rollout
+            workers still serve, :attr:`trainer.driver.loop.parts.Job.admission_version`); default ``version``.
     """
 
     def __init__(
@@ -139,6 +141,7 @@ class AgentRunner:
         model_path: str | Path,
         max_model_len: int,
         lost: Callable[[], list[str]] | None = None,
+        admission_version: Callable[[], int] | None = None,
     ):
         from transformers import AutoTokenizer
 
@@ -148,6 +151,7 @@ class AgentRunner:
         if cfg.agent is None:
             raise ValueError("agent: the config has no [agent] section")
         self.cfg, self.buffer, self.version = cfg, buffer, version
+        self.admission_version = admission_version or version
         self.fn = load_agent(cfg.agent.path) if cfg.agent.path else None  # None: outside agents only
         self.train_task, self.held_out = task_sources(cfg)
         s, c = cfg.rollout.sampling, cfg.controller
@@ -196,6 +200,7 @@ class AgentRunner:
             job.model_path,
             job.pool.engine_config.max_model_len,
             lost=job.pool.take_lost_requests,
+            admission_version=lambda: job.admission_version,
         )
 
     @property
@@ -209,11 +214,14 @@ class AgentRunner:
         """Admit ``n`` new training sessions if the staleness rule allows them now (thread-safe).
 
         The rule is :func:`trainer.driver.sources.buffer.admission_capacity` over admitted sessions not dropped: a
-        session admitted at learner version ``V`` is consumed at most ``max_staleness`` versions later.
+        session admitted while the rollout workers serve version ``V`` or later is consumed at most
+        ``max_staleness`` versions after ``V``.
         """
         with self._lock:
             scheduled = self.admitted - self.buffer.dropped_total
-            room = admission_capacity(self.version(), self.cfg.controller.max_staleness, self.batch_size, scheduled)
+            room = admission_capacity(
+                self.admission_version(), self.cfg.controller.max_staleness, self.batch_size, scheduled
+            )
             if room < n:
                 return False
             self.admitted += n

@@ -65,19 +65,26 @@ def newest_token_staleness(traj: Trajectory, consuming_version: int) -> int:
     return 0 if newest == NO_VERSION else consuming_version - newest
 
 
-def admission_capacity(learner_version: int, max_staleness: int, batch_size: int, scheduled: int) -> int:
+def admission_capacity(version: int, max_staleness: int, batch_size: int, scheduled: int) -> int:
     """How many more trajectories may be submitted now without breaking the staleness bound.
 
-    ``scheduled`` counts the trajectories submitted and not dropped (consumed, buffered, held or in
-    flight): a dropped trajectory (lost with its worker, refused, stale) is never consumed, so it
-    frees its place in the consumption order. A trajectory submitted while the learner is at version
-    ``V`` samples its first token at ``>= V``; it is consumed by step ``ceil((scheduled+1)/B)``.
-    Bounding ``scheduled <= (V + max_staleness + 1) * B`` means the batch that consumes it starts at
-    most ``max_staleness`` versions after its admission (AReaL's rule over accepted plus running
-    samples, Fu et al., 2025, Sec. 5.1). ``max_staleness = 0`` gives one batch per version: the
-    synchronous baseline.
+    ``version`` is the oldest version new work may be sampled with: the learner's version, or the
+    one before it while its publication is still being applied to the rollout workers (they sample
+    with the last weights they applied). ``scheduled`` counts the trajectories submitted and not
+    dropped (consumed, buffered, held or in flight): a dropped trajectory (lost with its worker,
+    refused, stale) is never consumed, so it frees its place in the consumption order. A trajectory
+    submitted now samples every token at ``>= version``; it is consumed by step
+    ``ceil((scheduled+1)/B)``. Bounding ``scheduled <= (version + max_staleness + 1) * B`` means the
+    batch that consumes it starts at most ``max_staleness`` versions after ``version`` (AReaL's rule
+    over accepted plus running samples, Fu et al., 2025, Sec. 5.1). Counting from the learner's
+    version instead admits one batch too many while a publication is applied: its tokens are
+    sampled one version older than the rule assumed. ``max_staleness = 0`` gives one batch per
+    version: the synchronous baseline.
+
+    Example: batch 8, bound 2, 24 scheduled: at version 1, 8 more may be submitted; while the
+    learner is at 2 and the workers still serve 1, also 8 (16 once they serve 2).
     """
-    return max(0, (learner_version + max_staleness + 1) * batch_size - scheduled)
+    return max(0, (version + max_staleness + 1) * batch_size - scheduled)
 
 
 @dataclass
