@@ -159,26 +159,16 @@ class AgentRunner:
         self._lock = threading.Lock()
         self.admitted = buffer.submitted  # sessions admitted so far (a resumed job continues its count)
         self._undrained = 0
-        g = cfg.gateway
-        self.backend = WorkerBackend(
-            submit, poll, version, submit_timeout_s=g.submit_timeout_s, call_timeout_s=g.call_timeout_s, lost=lost
-        )
-        self.gateway = Gateway(
+        self.backend = WorkerBackend.from_config(submit, poll, version, cfg.gateway, lost=lost)
+        self.gateway = Gateway.from_config(
             self.backend,
             TemplateChatFormat(AutoTokenizer.from_pretrained(str(model_path))),
             max_model_len,
-            admin_token=g.token.get_secret_value() if g.token else None,
-            train_temperature=s.temperature,
-            default_max_tokens=g.max_tokens or s.max_tokens,
-            max_session_tokens=g.max_session_tokens,
+            cfg.gateway,
+            sampling=s,
             admission=self.admit,
-            model_name=g.model_name,
-            tool_call_feedback=g.tool_call_feedback,
-            group_size=s.n,
-            group_wait_s=g.group_wait_s,
-            session_idle_s=g.session_idle_s,
         )
-        self.server = GatewayServer(self.gateway, g.host, g.port, max_body_bytes=g.max_body_bytes).start()
+        self.server = GatewayServer.from_config(self.gateway, cfg.gateway).start()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="vintage-agents", daemon=True)
         self._thread.start()
