@@ -89,7 +89,8 @@ def admission_capacity(version: int, max_staleness: int, batch_size: int, schedu
 
 @dataclass
 class TrajectoryBuffer:
-    """FIFO of finished trajectories, bounded by ``capacity``, taken in batches at a consuming version."""
+    """Queue of finished trajectories, bounded by ``capacity``, taken in batches of whole groups at a
+    consuming version, the oldest groups first (:meth:`_choose`)."""
 
     capacity: int
     max_staleness: int
@@ -277,20 +278,32 @@ class TrajectoryBuffer:
         """Ids of the trajectories held now (taken with ``hold=True`` or :meth:`take_ahead`)."""
         return set(self._held)
 
-    def _choose(self, n: int, consuming_version: int, group_size: int) -> list[str] | None:
-        """Keys of the first whole groups (FIFO) of trajectories within the bound at ``consuming_version``.
+    def _judged_version(self, t: Trajectory) -> int:
+        """The token version :meth:`_stale` judges ``t`` by: its oldest, or its newest with
+        :attr:`keep_partly_stale`."""
+        return t.max_version() if self.keep_partly_stale else t.min_version()
 
-        A group is whole with ``group_size`` trajectories or more, or when its trajectories carry a
-        :attr:`protocol.Trajectory.baseline` (their sender closed the group short of its size); such
-        a group takes the place of one group of ``group_size`` in the batch.
+    def _choose(self, n: int, consuming_version: int, group_size: int) -> list[str] | None:
+        """Keys of the oldest whole groups of trajectories within the bound at ``consuming_version``.
+
+        Groups are taken oldest first by the version :meth:`_stale` judges them by (a group's
+        oldest member's), in arrival order among equals: a group that would pass the bound soonest
+        is trained first, so a long rollout that arrives after shorter, newer ones is not left to go
+        stale behind them. A group is whole with ``group_size`` trajectories or more, or when its
+        trajectories carry a :attr:`protocol.Trajectory.baseline` (their sender closed the group
+        short of its size); such a group takes the place of one group of ``group_size`` in the batch.
+
+        Example: bound 2, consuming version 5, whole groups arrived in the order a (tokens at 4),
+        b (3), c (4); one group wanted: b, then a, then c.
         """
         groups: OrderedDict[str, list[str]] = OrderedDict()
         for k, t in self._items.items():
             if not self._stale(t, consuming_version):
                 groups.setdefault(t.group_id, []).append(k)
+        age = {g: min(self._judged_version(self._items[k]) for k in keys) for g, keys in groups.items()}
         chosen: list[str] = []
         used = 0
-        for keys in groups.values():
+        for keys in sorted(groups.values(), key=lambda keys: age[self._items[keys[0]].group_id]):
             closed = self._items[keys[0]].baseline is not None
             if (closed or len(keys) >= group_size) and used + group_size <= n:
                 chosen += keys
