@@ -137,6 +137,29 @@ def test_admission_counts_from_the_version_the_workers_serve_and_catches_up_whil
     assert {r.admitted_version for r in j.pool.submitted} == {3}  # requests carry the learner's version
 
 
+def test_waiting_for_the_step_admits_the_room_the_applied_publication_opens(monkeypatch):
+    """Batch 4, bound 1, 6 scheduled, learner at 3, workers at 2: the first wait admits 10 places
+    (5 groups); the publication of 3 is applied at the second check: 4 more (2 groups); the step
+    ends at the third check and its metrics move the version to 4."""
+    import ray
+
+    j = job([], "controller.batch_groups=2", "rollout.sampling.n=2", workers=1)
+    j.served_version, j.train_steps = 2, 0
+
+    class Applying(Step):
+        def done(self, timeout_s):
+            if self.checks == 1:
+                j.served_version = 3
+            return super().done(timeout_s)
+
+    step = Applying(finish_after=3)
+    step.refs, step.started, step.old_logits_s = [{"applied": 1, "version": 4}], 0.0, 0.0
+    step.batch = type("Taken", (), {"ahead": False})()
+    monkeypatch.setattr(ray, "get", lambda refs: refs)
+    m = j.finish_train(step)
+    assert (len(j.pool.submitted), j.buffer.scheduled, j.version, m["taken_ahead"]) == (7, 20, 4, False)
+
+
 def test_loop_per_step_and_ratio_to_the_learner():
     from trainer.driver.loop.report import loop_per_step
 

@@ -325,9 +325,14 @@ class Job:
         The metrics gain ``old_logits_s`` (wait for the answer before the launch), ``train_s`` (launch
         to metrics), wall seconds, and ``taken_ahead`` (the batch was taken ahead).
 
+        While it waits, room the admission rule opens (the last publication applied to every
+        worker, :attr:`admission_version`) is admitted at once (:meth:`top_up`).
+
         Raises:
             ray.exceptions.RayActorError: a learner rank died.
         """
+        while not step.done(timeout_s=0.2):
+            self.top_up()
         m = ray.get(step.refs)[0]
         train_s = time.perf_counter() - step.started
         self.times["train"] += train_s
