@@ -198,11 +198,14 @@ def test_scorer_routes_attach_exact_old_logprobs(method, tmp_path, tiny_model_pa
             assert 0.0 < r["exact_token_fraction"] <= 1.0
 
 
-def test_kl_penalties_in_the_loss_and_the_reward_in_a_real_job(tmp_path, tiny_model_path, ray_cluster):
-    """``loss.kl_coef`` 0.05 and ``loss.kl_reward_coef`` 0.1 in a real job: the frozen reference is
-    version 0, so the first step's KL to it in the loss is 0 (policy and reference are the same
-    weights in the same numerics); every step reports the reward's KL estimate and takes 0.1 times
-    it off the rewards; the run trains all its versions with finite losses."""
+@pytest.mark.parametrize("in_service", [False, True])
+def test_kl_penalties_in_the_loss_and_the_reward_in_a_real_job(tmp_path, tiny_model_path, ray_cluster, in_service):
+    """``loss.kl_coef`` 0.05 and ``loss.kl_reward_coef`` 0.1 in a real job, the reference scored by
+    the learner or (``oldlogit.score_reference``) by the old-logit service beside the old logits:
+    the frozen reference is version 0, so the first step's KL to it in the loss is 0 (policy and
+    reference are the same weights in the same numerics); every step reports the reward's KL
+    estimate and takes 0.1 times it off the rewards; the run trains all its versions with finite
+    losses."""
     cfg = load_config(
         None,
         TINY_JOB
@@ -212,6 +215,7 @@ def test_kl_penalties_in_the_loss_and_the_reward_in_a_real_job(tmp_path, tiny_mo
             "loss.kl_coef=0.05",
             "loss.kl_reward_coef=0.1",
             "server.enabled=false",
+            f"oldlogit.score_reference={str(in_service).lower()}",
         ],
     )
     summary = run_job(cfg)

@@ -266,6 +266,21 @@ def sequence_advantages(
     return out
 
 
+def _reference_rows(old_logits: object, trajectories: Sequence[Trajectory], width: int) -> Tensor | None:
+    """``[B, T]`` fp32: an :class:`OldLogitAnswer`'s ``ref_logprobs`` right-padded (NaN off the
+    sampled tokens and in padding); None when the answer brings none."""
+    if not isinstance(old_logits, OldLogitAnswer) or old_logits.ref_logprobs is None:
+        return None
+    out = np.full((len(trajectories), width), np.nan, np.float32)
+    for i, (tr, r) in enumerate(zip(trajectories, old_logits.ref_logprobs, strict=True)):
+        if len(r) != len(tr.token_ids):
+            raise ValueError(
+                f"old-logit answer item {i}: ref_logprobs length {len(r)} != trajectory length {len(tr.token_ids)}"
+            )
+        out[i, : len(r)] = np.where(tr.loss_mask.astype(bool), r, np.nan)
+    return torch.from_numpy(out)
+
+
 def _old_from_answer(answer: OldLogitAnswer, i: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     lp = np.asarray(answer.old_logprobs[i], dtype=np.float32)
     st = np.asarray(answer.status[i])
@@ -293,8 +308,9 @@ def collate(
             over all of them before any micro-batch or rank split).
         consuming_version: the learner version that consumes them; staleness = it - versions.
         old_logits: exact pi_old, aligned with ``trajectories``: an :class:`OldLogitAnswer` (exact
-            where ``status == EXACT``) or one array per trajectory (NaN where missing, ``None`` for
-            none). When None, each trajectory's own ``old_logprobs`` (if attached) is used.
+            where ``status == EXACT``; its ``ref_logprobs``, when given, become the batch's) or one
+            array per trajectory (NaN where missing, ``None`` for none). When None, each
+            trajectory's own ``old_logprobs`` (if attached) is used.
         temperature: sampling temperature of the rollouts (> 0).
         pad_token_id: id written into padding slots (they are masked everywhere).
         max_token_staleness: tokens with staleness above it are masked out of the loss (kept as
@@ -342,7 +358,8 @@ def collate(
         consuming_version=consuming_version, temperature=float(temperature),
         sampled_mask=torch.from_numpy(sampled), versions=torch.from_numpy(ver), staleness=torch.from_numpy(stale),
         old_logprobs=torch.from_numpy(old), exact_mask=exact_t, rewards=rewards, seq_advantages=seq_adv,
-        current_mask=current_t, group_index=_group_index(group_ids), baselines=baselines.float(), stats=stats,
+        current_mask=current_t, group_index=_group_index(group_ids), baselines=baselines.float(),
+        ref_logprobs=_reference_rows(old_logits, trajectories, ids.shape[1]), stats=stats,
     )  # fmt: skip
 
 

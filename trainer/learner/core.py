@@ -76,7 +76,7 @@ from trainer.algorithm.losses import compute_policy_loss, kl_in_reward, proxy_di
 from trainer.algorithm.proximal import RECOMPUTE_PROXIES
 from trainer.learner import checkpoint, publication
 from trainer.learner.guard import StepGuard, stage0_grad_norm
-from trainer.learner.models import ewma_logprobs, load_learner_models
+from trainer.learner.models import ewma_logprobs, load_learner_models, needs_reference
 from trainer.learner.ranks import all_reduce_floats, gather_rows, micro_batch_count
 from trainer.learner.settings import LearnerSettings, init_distributed
 from trainer.learner.steps import combine_step_metrics, reduce_metrics, sum_max_min
@@ -229,7 +229,7 @@ class LearnerCore:
         steps = s.ppo_epochs * count
         recompute = steps > 1 and s.loss.proxy in RECOMPUTE_PROXIES
         kl_out: dict[str, float] = {}
-        if self.reference is not None:  # frozen: scored once for every optimizer step of the batch
+        if needs_reference(s):  # frozen: scored once for every optimizer step of the batch
             batch, kl_out = self._with_reference(batch)
         tr = time.perf_counter()
         if recompute and s.ppo_epochs > 1:  # every row is read by a later step: take them all at once
@@ -295,20 +295,33 @@ class LearnerCore:
         return replace(batch, recompute_logprobs=lp)
 
     def _with_reference(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
-        """``batch`` with ``ref_logprobs`` filled by the frozen reference (:meth:`_score_rows`), and
-        with ``loss.kl_reward_coef`` its rewards lowered by the KL penalty of the reward
-        (:func:`trainer.algorithm.losses.kl_in_reward`) and its advantages recomputed
-        (:meth:`Batch.with_rewards`).
+        """``batch`` with ``ref_logprobs`` filled by the frozen reference (:meth:`_score_rows`; with
+        ``reference_in_batch`` the batch brings them), and with ``loss.kl_reward_coef`` its rewards
+        lowered by the KL penalty of the reward (:func:`trainer.algorithm.losses.kl_in_reward`) and
+        its advantages recomputed (:meth:`Batch.with_rewards`).
 
-        Returns the batch and metrics: ``ref_forward_s``; with the reward penalty ``kl_reward``
-        (mean per-sequence estimate, nats) and ``kl_reward_penalty`` (mean amount taken off a reward)."""
+        Returns the batch and metrics: ``ref_forward_s`` (0 when the batch brought them); with the
+        reward penalty ``kl_reward`` (mean per-sequence estimate, nats) and ``kl_reward_penalty``
+        (mean amount taken off a reward).
+
+        Raises:
+            ValueError: with ``reference_in_batch``, a loss token without a finite reference log-prob
+                (the message counts them)."""
         t0 = time.perf_counter()
-        lp = self._score_rows(
-            batch, lambda mb, first: self.reference.logprobs(
-                self.engine.module, mb.token_ids, mb.attention_mask, mb.temperature, first, **self._scoring
-            ),
-        )  # fmt: skip
-        batch = replace(batch, ref_logprobs=lp)
+        if self.reference is not None:
+            lp = self._score_rows(
+                batch, lambda mb, first: self.reference.logprobs(
+                    self.engine.module, mb.token_ids, mb.attention_mask, mb.temperature, first, **self._scoring
+                ),
+            )  # fmt: skip
+            batch = replace(batch, ref_logprobs=lp)
+        else:
+            missing = int((batch.loss_mask & ~torch.isfinite(batch.ref_logprobs)).sum())
+            if missing:
+                raise ValueError(
+                    f"ref_logprobs: {missing} loss tokens of the batch at version {batch.consuming_version} came "
+                    "without the reference's log-probs (oldlogit.score_reference: the service did not hold version 0)"
+                )
         out = {"ref_forward_s": time.perf_counter() - t0}
         coef = self.settings.loss.kl_reward_coef
         if coef > 0:
@@ -414,7 +427,7 @@ class LearnerCore:
             model = self._scorer if self._scorer is not None else self.engine.module
             ewma_lp = ewma_logprobs(self.ewma, model, mb, first, self._scoring)
         tb = time.perf_counter()
-        ref_lp = mb.ref_logprobs if self.reference is not None else None  # scored before the batch's first step
+        ref_lp = mb.ref_logprobs if needs_reference(self.settings) else None  # taken before the batch's first step
         lp, entropy = sequence_logprobs_and_entropy(
             self.engine, mb.token_ids, mb.attention_mask, mb.temperature, first,
             entropy_grad=cfg.entropy_coef > 0, **self._scoring,
