@@ -15,7 +15,7 @@ One :meth:`LearnerCore.train_step` at learner version ``V``:
    each rank then takes rows ``rank::world_size`` of a mini-batch; with ``loss.kl_coef`` or
    ``loss.kl_reward_coef`` a no-grad forward of the frozen reference
    (:class:`trainer.learner.reference.ReferencePolicy`) scores the whole batch first, once for all
-   its optimizer steps, and with ``loss.kl_reward_coef`` the rewards lose the KL penalty of the
+   its optimizer steps (unless the old-logit service's answer brought its log-probs), and with ``loss.kl_reward_coef`` the rewards lose the KL penalty of the
    reward and the advantages are recomputed (:meth:`LearnerCore._with_reference`);
 2. per optimizer step, the global token count ``N`` of the mini-batch (all-reduced over ranks) is
    the token-mean denominator of every micro-batch, and the loss is multiplied by ``world_size``
@@ -98,7 +98,8 @@ class LearnerCore:
             state (e.g. an infinite learning rate) and were rolled back.
         ewma: the :class:`trainer.algorithm.ewma.EwmaProximal`, or None when the proxy is not "ewma".
         reference: the KL penalties' :class:`trainer.learner.reference.ReferencePolicy`, or None when
-            ``loss.kl_coef`` and ``loss.kl_reward_coef`` are 0.
+            ``loss.kl_coef`` and ``loss.kl_reward_coef`` are 0 or each batch brings the reference's
+            log-probs (``reference_in_batch``: the old-logit service scores them).
     """
 
     def __init__(self, settings: LearnerSettings, rank: int = 0, world_size: int = 1) -> None:
