@@ -30,6 +30,12 @@ is the base with a zero adapter (the learner's ``B`` starts at 0, so its version
 Memory: base bytes once + adapter bytes per version (``rank * (in + out)`` elements per adapted
 module), against one full copy per version for full-weight snapshots. Every route works this way.
 
+The KL penalties' frozen reference (``pin_initial``, snapshot route): the folder's version stays
+held for the whole run, never evicted (it counts in the memory budget), and a request that names it
+(:attr:`protocol.OldLogitRequest.reference_version`) also gets its log-probs of the tokens its
+``reference_masks`` mark, by the same forward as an old log-prob, in
+:attr:`protocol.OldLogitAnswer.ref_logprobs`: the learner then keeps no frozen copy.
+
 On every route :meth:`OldLogitService.score` answers exact for tokens whose version is held, so the
 single-replica routes answer exact only for the loaded version.
 
@@ -67,6 +73,7 @@ from oldlogit_service.scoring import BoundModel, count_statuses, score_by_versio
 from oldlogit_service.store import Holding, VersionStore, unique_bytes
 from oldlogit_service.template import load_template, peft_named
 from protocol import (
+    NO_VERSION,
     OLDLOGIT_ROUTES,
     AdapterSpec,
     OldLogitAnswer,
@@ -106,10 +113,14 @@ class OldLogitService:
             with ``pack_sequences`` does (:mod:`modelkit.scoring`): no compute on padding.
         micro_batch_tokens: most positions (rows x padded length) in one scoring forward; a
             version's rows are scored in consecutive runs under it. None: one forward per version.
+        pin_initial: keep the folder's version (``initial_version``) for the whole run, never
+            evicted: the frozen reference of the KL penalties, scored beside the old logits when a
+            request asks (:attr:`protocol.OldLogitRequest.reference_version`). Snapshot route only.
 
     Raises:
-        ValueError: an unknown route, negative ``max_staleness`` / budget, or an unknown dtype
-            (the message names the argument).
+        ValueError: an unknown route, negative ``max_staleness`` / budget, an unknown dtype, or
+            ``pin_initial`` off the snapshot route or without ``initial_version`` (the message names
+            the argument).
     """
 
     def __init__(
@@ -124,9 +135,15 @@ class OldLogitService:
         adapter: AdapterSpec | Mapping[str, Any] | None = None,
         packed: bool = False,
         micro_batch_tokens: int | None = None,
+        pin_initial: bool = False,
     ) -> None:
         if route not in ROUTES:
             raise ValueError(f"route: {route!r} is not one of {list(ROUTES)}")
+        if pin_initial and (route != "snapshot" or initial_version is None):
+            raise ValueError(
+                f"pin_initial: needs the snapshot route and an initial_version, got route {route!r}, "
+                f"initial_version {initial_version!r}"
+            )
         if not isinstance(max_staleness, int) or max_staleness < 0:
             raise ValueError(f"max_staleness: must be an int >= 0, got {max_staleness!r}")
         if micro_batch_tokens is not None and micro_batch_tokens < 1:
@@ -160,6 +177,8 @@ class OldLogitService:
         """Model forwards run so far (one per distinct held version per request)."""
         self.tokens_exact = 0
         self.tokens_missing: Counter[str] = Counter()
+        self.tokens_reference = 0
+        """Tokens scored under the pinned reference version (:meth:`score` with ``reference_version``)."""
         self.seconds: Counter[str] = Counter()
         """Wall seconds by kind: ``score``, ``segments``, ``prefixes`` (interruption stall), ``update``."""
         self.requests = 0
@@ -180,6 +199,8 @@ class OldLogitService:
         if initial_version is not None:  # the folder's weights become the first held version
             self.latest_version = initial_version
             self.store.put(initial_version, t.folder_version)
+            if pin_initial:
+                self.store.pinned.add(initial_version)
 
     # ------------------------------------------------------------------------------------------
     # weights
@@ -331,9 +352,34 @@ class OldLogitService:
         t0 = time.perf_counter()
         request = OldLogitRequest.from_wire(request, "request")
         lps, sts = self._score_items(request.items, request.temperature)
+        ref = None
+        if request.reference_version is not None:
+            ref = self._score_reference(request)
         dt = time.perf_counter() - t0
         self._account("score", dt)
-        return OldLogitAnswer(request_id=request.request_id, route=self.route, old_logprobs=lps, status=sts, seconds=dt)
+        return OldLogitAnswer(
+            request_id=request.request_id, route=self.route, old_logprobs=lps, status=sts, seconds=dt, ref_logprobs=ref
+        )
+
+    def _score_reference(self, request: OldLogitRequest) -> list[np.ndarray]:
+        """Per item ``[seq]`` float32: log-probs of the tokens ``request.reference_masks`` marks under
+        ``request.reference_version`` (NaN elsewhere, and everywhere when that version is not held),
+        by the same forward as an old log-prob; counted in ``tokens_reference``, not in the
+        old-logit token counters."""
+        v = request.reference_version
+        items = [
+            it.model_copy(update={"loss_mask": m, "versions": np.where(m == 1, v, NO_VERSION).astype(np.int32)})
+            for it, m in zip(request.items, request.reference_masks, strict=True)
+        ]
+        validate_items(items, self.vocab_size)
+        lps, sts = score_by_version(
+            items, self.store.held, lambda u, ids, mask: self._forward(u, ids, mask, request.temperature),
+            self._missing_reason, self.micro_batch_tokens,
+        )  # fmt: skip
+        self.tokens_reference += count_statuses(sts)[0]
+        return [
+            np.where(st == TokenStatus.EXACT, lp, np.nan).astype(np.float32) for lp, st in zip(lps, sts, strict=True)
+        ]
 
     def _score_current(
         self, items: Sequence[Any], temperature: float, kind: str, known: Sequence[np.ndarray | None] | None

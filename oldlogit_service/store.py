@@ -81,6 +81,8 @@ class VersionStore:
         evicted: ``{version: reason}`` of versions once held (or refused) and gone.
         evictions: count by reason.
         base_bytes: bytes of the base kept once under adapters (0 with full copies).
+        pinned: versions never evicted (the KL penalties' frozen reference); they count in
+            :attr:`bytes` and the budget like any other copy.
     """
 
     def __init__(self) -> None:
@@ -91,6 +93,7 @@ class VersionStore:
         self.evicted: dict[int, str] = {}
         self.evictions: Counter[str] = Counter()
         self.base_bytes = 0
+        self.pinned: set[int] = set()
 
     @property
     def versions(self) -> list[int]:
@@ -128,19 +131,20 @@ class VersionStore:
         """Evict what ``version`` (``new_bytes``) displaces. ``window`` None (single-replica routes):
         every held copy (``superseded``); otherwise versions older than ``version - window``
         (``staleness``), then the oldest while the copies would exceed ``budget`` bytes
-        (``memory_budget``). Returns False when the budget cannot hold even ``version`` alone
-        (then recorded as evicted at once)."""
+        (``memory_budget``). A :attr:`pinned` version is never evicted. Returns False when the
+        budget cannot hold ``version`` beside the pinned copies (then recorded as evicted at once)."""
         if window is None:
-            for old in list(self.held):
+            for old in [u for u in self.held if u not in self.pinned]:
                 self.evict(old, EVICT_SUPERSEDED)
             return True
-        for old in [u for u in self.held if u < version - window]:
+        for old in [u for u in self.held if u < version - window and u not in self.pinned]:
             self.evict(old, EVICT_STALENESS)
         if budget is None:
             return True
-        while self.held and self.bytes + new_bytes > budget:
-            self.evict(next(iter(self.held)), EVICT_BUDGET)
-        if self.base_bytes + new_bytes > budget:
+        evictable = [u for u in self.held if u not in self.pinned]
+        while evictable and self.bytes + new_bytes > budget:
+            self.evict(evictable.pop(0), EVICT_BUDGET)
+        if self.bytes + new_bytes > budget:
             self.evicted[version] = EVICT_BUDGET
             self.evictions[EVICT_BUDGET] += 1
             return False

@@ -332,12 +332,31 @@ class OldLogitItem(Message):
 
 
 class OldLogitRequest(Message):
-    """Ask for pi_old of each sampled token under its own version."""
+    """Ask for pi_old of each sampled token under its own version (and, with ``reference_version``,
+    the frozen reference's log-probs of the tokens ``reference_masks`` marks)."""
 
     request_id: str = Field(min_length=1)
     temperature: float = Field(gt=0.0)
     """The sampling temperature, applied to learner logits exactly as the engine did."""
     items: list[OldLogitItem] = Field(min_length=1)
+    reference_version: int | None = Field(None, ge=0)
+    """Also score the tokens of ``reference_masks`` under this version, the KL penalties' frozen
+    reference that the service keeps pinned; answered in :attr:`OldLogitAnswer.ref_logprobs`."""
+    reference_masks: list[Int8Array] | None = None
+    """Per item, ``[seq]``: 1 on the tokens to score under ``reference_version`` (the trajectory's
+    whole loss mask: ``items[i].loss_mask`` may leave out tokens whose pi_old the learner gives)."""
+
+    @model_validator(mode="after")
+    def _reference(self) -> OldLogitRequest:
+        if (self.reference_version is None) != (self.reference_masks is None):
+            raise ValueError("reference_masks: given without reference_version, or reference_version without it")
+        if self.reference_masks is not None:
+            if len(self.reference_masks) != len(self.items):
+                raise ValueError(f"reference_masks: {len(self.reference_masks)} masks for {len(self.items)} items")
+            for i, (m, it) in enumerate(zip(self.reference_masks, self.items, strict=True)):
+                if len(m) != len(it.token_ids):
+                    raise ValueError(f"reference_masks[{i}]: length {len(m)} != token_ids length {len(it.token_ids)}")
+        return self
 
 
 OldLogitRoute = Literal["none", "snapshot", "old_logit_model", "interrupt_sync"]
@@ -380,11 +399,22 @@ class OldLogitAnswer(Message):
     status: list[Int8Array]
     seconds: float = Field(ge=0.0)
     """Wall seconds the service spent on this request."""
+    ref_logprobs: list[Float32Array] | None = None
+    """Per item ``[seq]``, with :attr:`OldLogitRequest.reference_version`: the reference's log-probs
+    (nats) of the tokens asked for, NaN elsewhere and where the version was not held."""
 
     @model_validator(mode="after")
     def _aligned(self) -> OldLogitAnswer:
         if len(self.old_logprobs) != len(self.status):
             raise ValueError(f"status: {len(self.status)} items != old_logprobs {len(self.old_logprobs)} items")
+        if self.ref_logprobs is not None:
+            if len(self.ref_logprobs) != len(self.old_logprobs):
+                raise ValueError(
+                    f"ref_logprobs: {len(self.ref_logprobs)} items != old_logprobs {len(self.old_logprobs)}"
+                )
+            for i, (r, lp) in enumerate(zip(self.ref_logprobs, self.old_logprobs, strict=True)):
+                if len(r) != len(lp):
+                    raise ValueError(f"ref_logprobs[{i}]: length {len(r)} != old_logprobs length {len(lp)}")
         for i, (lp, st) in enumerate(zip(self.old_logprobs, self.status, strict=True)):
             if len(lp) != len(st):
                 raise ValueError(f"status[{i}]: length {len(st)} != old_logprobs length {len(lp)}")

@@ -57,6 +57,7 @@ from fastapi.responses import StreamingResponse
 from protocol import GatewayStatus, SamplingParams
 from rollout.gateway.backend import Unavailable, WorkerBackend
 from rollout.gateway.bodies import ChatRequest, CompletionRequest, Sampling, sampling_choice, validate
+from rollout.gateway.config import GatewayConfig
 from rollout.gateway.errors import ApiError, ended
 from rollout.gateway.prompts import ChatPrompt, text_prompt_ids
 from rollout.gateway.replies import Reply, logprobs_body
@@ -140,6 +141,33 @@ class Gateway(SessionTable):
         self.max_session_tokens, self.model_name = max_session_tokens, model_name
         self.tool_call_feedback, self.clock = tool_call_feedback, clock
         self.base_url = ""
+
+    @classmethod
+    def from_config(
+        cls,
+        backend: WorkerBackend,
+        chat: Any,
+        max_model_len: int,
+        config: GatewayConfig,
+        *,
+        sampling: SamplingParams,
+        admission: Callable[[int], bool] | None = None,
+    ) -> Gateway:
+        """The gateway a job's ``[gateway]`` section describes, over ``backend``: its token,
+        budgets, model name, tool-call feedback, group wait and idle limit from ``config``; the
+        training temperature, the group size (``n``) and the completion budget of a call that gives
+        none (unless ``config.max_tokens``) from the job's ``sampling``; ``admission`` as in the class.
+
+        Raises:
+            ValueError: as the class does (each message names its setting)."""
+        return cls(
+            backend, chat, max_model_len,
+            admin_token=config.token.get_secret_value() if config.token else None,
+            train_temperature=sampling.temperature, default_max_tokens=config.max_tokens or sampling.max_tokens,
+            max_session_tokens=config.max_session_tokens, admission=admission, model_name=config.model_name,
+            tool_call_feedback=config.tool_call_feedback, group_size=sampling.n, group_wait_s=config.group_wait_s,
+            session_idle_s=config.session_idle_s,
+        )  # fmt: skip
 
     def status(self) -> GatewayStatus:
         """Sessions, calls and their accounting (:class:`protocol.GatewayStatus`)."""
@@ -361,3 +389,8 @@ class GatewayServer(ThreadedServer):
             app, host, port, "vintage-gateway", timeout_keep_alive=30, h11_max_incomplete_event_size=16 * 1024
         )
         gateway.base_url = self.url
+
+    @classmethod
+    def from_config(cls, gateway: Gateway, config: GatewayConfig) -> GatewayServer:
+        """The server of ``gateway`` on the ``[gateway]`` section's host, port and body limit (not started)."""
+        return cls(gateway, config.host, config.port, max_body_bytes=config.max_body_bytes)

@@ -47,6 +47,7 @@ from collections.abc import Callable
 from typing import Any
 
 from protocol import RolloutRequest, SamplingParams, Trajectory
+from rollout.gateway.config import GatewayConfig
 
 RESUBMIT_FIRST_S, RESUBMIT_MAX_S = 0.05, 1.0
 """Pause before the first resubmission of a call no worker took, and the longest pause (seconds);
@@ -127,6 +128,21 @@ class WorkerBackend:
         self._thread.start()
 
     @classmethod
+    @classmethod
+    def from_config(
+        cls,
+        submit: Callable[[list[RolloutRequest]], int],
+        poll: Callable[[], list[Trajectory]],
+        version: Callable[[], int],
+        config: GatewayConfig,
+        lost: Callable[[], list[str]] | None = None,
+    ) -> WorkerBackend:
+        """The backend with the ``[gateway]`` section's ``submit_timeout_s`` and ``call_timeout_s``."""
+        return cls(
+            submit, poll, version, submit_timeout_s=config.submit_timeout_s, call_timeout_s=config.call_timeout_s,
+            lost=lost,
+        )  # fmt: skip
+
     def over_core(cls, core: Any, **kw) -> WorkerBackend:
         """Backend over an in-process :class:`rollout.worker.RolloutWorkerCore`."""
         return cls(core.submit, core.poll, lambda: core.version, **kw)

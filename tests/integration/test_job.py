@@ -198,6 +198,36 @@ def test_scorer_routes_attach_exact_old_logprobs(method, tmp_path, tiny_model_pa
             assert 0.0 < r["exact_token_fraction"] <= 1.0
 
 
+@pytest.mark.parametrize("in_service", [False, True])
+def test_kl_penalties_in_the_loss_and_the_reward_in_a_real_job(tmp_path, tiny_model_path, ray_cluster, in_service):
+    """``loss.kl_coef`` 0.05 and ``loss.kl_reward_coef`` 0.1 in a real job, the reference scored by
+    the learner or (``oldlogit.score_reference``) by the old-logit service beside the old logits:
+    the frozen reference is version 0, so the first step's KL to it in the loss is 0 (policy and
+    reference are the same weights in the same numerics); every step reports the reward's KL
+    estimate and takes 0.1 times it off the rewards; the run trains all its versions with finite
+    losses."""
+    cfg = load_config(
+        None,
+        TINY_JOB
+        + [
+            "controller.total_steps=2",
+            f'logging.run_dir="{tmp_path}"',
+            "loss.kl_coef=0.05",
+            "loss.kl_reward_coef=0.1",
+            "server.enabled=false",
+            f"oldlogit.score_reference={str(in_service).lower()}",
+        ],
+    )
+    summary = run_job(cfg)
+    assert summary["state"] == "finished" and summary["steps"] == 2 and summary["accounting_ok"]
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["consumed_version"] for r in rows] == [0, 1]
+    assert rows[0]["kl_ref"] == pytest.approx(0.0, abs=1e-6)
+    for r in rows:
+        assert r["kl_reward_penalty"] == pytest.approx(0.1 * r["kl_reward"], rel=1e-5, abs=1e-9)
+        assert abs(r["kl_reward"]) < 50 and abs(r["loss"]) < 1e3  # finite, as read back
+
+
 def test_dynamic_sampling_drops_uniform_groups_and_the_ledger_closes(tmp_path, tiny_model_path, ray_cluster):
     """Even env seeds score every reply 1.0 (:class:`tests.tiny_job.UniformOnEvenSeeds`): with
     ``controller.dynamic_sampling`` their groups are dropped as ``filtered`` once whole and new

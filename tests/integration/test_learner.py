@@ -67,8 +67,10 @@ def weights(core: LearnerCore) -> dict[str, torch.Tensor]:
     return core.state_dict_full()
 
 
-def train_step_with_grads(core: LearnerCore, trajs) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """``core.train_step(trajs)`` with every parameter's gradient summed over its micro-batches."""
+def train_step_with_grads(
+    core: LearnerCore, trajs, old_logits=None
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """``core.train_step(trajs, old_logits)`` with every parameter's gradient summed over its micro-batches."""
     acc: dict[str, torch.Tensor] = {}
 
     def hook(name):
@@ -76,7 +78,7 @@ def train_step_with_grads(core: LearnerCore, trajs) -> tuple[dict[str, torch.Ten
 
     handles = [p.register_hook(hook(n)) for n, p in core.engine.module.named_parameters()]
     try:
-        return acc, core.train_step(trajs)
+        return acc, core.train_step(trajs, old_logits)
     finally:
         for h in handles:
             h.remove()
@@ -518,6 +520,55 @@ def test_kl_to_the_frozen_reference_is_zero_at_version_0_and_measured_against_it
     m2 = core.train_step(nxt)
     assert m2["kl_ref"] == pytest.approx(expected, rel=1e-4, abs=1e-9)
     assert m2["kl_loss"] == pytest.approx(expected, rel=1e-4, abs=1e-9)
+
+
+def test_a_kl_penalty_in_the_reward_trains_as_the_rewards_lowered_by_hand(tiny_model_path, make_trajs):
+    """``kl_reward_coef`` 0.5: the step's ``kl_reward`` is the batch mean of sum_t (log mu_t - log
+    pi_ref_t) over each sequence's loss tokens, pi_ref being version 0 (a fresh learner's log-probs),
+    and the step's gradient is the one a learner without the penalty takes on the same trajectories
+    with rewards ``r - 0.5 * kl`` given by hand."""
+    trajs = make_trajs(seed=3, noise=0.3)
+    batch = collate(trajs, consuming_version=0)
+    plain = LearnerCore(settings(tiny_model_path, lr=1e-2, loss=loss_config("grpo")))
+    kl = torch.where(batch.loss_mask, batch.behav_logprobs - plain.logprobs(batch), 0.0).sum(-1)
+    core = LearnerCore(settings(tiny_model_path, lr=1e-2, loss=loss_config("grpo", kl_reward_coef=0.5)))
+    grads, m = train_step_with_grads(core, trajs)
+    assert m["kl_reward"] == pytest.approx(float(kl.mean()), rel=1e-4)
+    assert m["kl_reward_penalty"] == pytest.approx(0.5 * float(kl.mean()), rel=1e-4)
+    assert m["kl_ref"] == pytest.approx(0.0, abs=1e-7)  # the loss's KL to version 0, at version 0
+    by_hand = [t.model_copy(update={"reward": t.reward - 0.5 * float(k)}) for t, k in zip(trajs, kl, strict=True)]
+    want, _ = train_step_with_grads(plain, by_hand)
+    assert sorted(grads) == sorted(want) and max_diff(grads, want) < 1e-6
+
+
+def test_reference_log_probs_brought_by_the_batch_train_as_the_learners_own(tiny_model_path, make_trajs):
+    """With ``reference_in_batch`` the learner holds no frozen copy and trains on the reference
+    log-probs the old-logit answer brings (here a version-0 learner's, as the service's pinned
+    version 0 gives them): the same ``kl_reward`` and gradient as a learner scoring its own; an
+    answer without them is refused, naming how many loss tokens lack one."""
+    from protocol import OldLogitAnswer, TokenStatus
+
+    trajs = make_trajs(seed=4, noise=0.3)
+    loss = loss_config("grpo", kl_coef=0.05, kl_reward_coef=0.5)
+    own = LearnerCore(settings(tiny_model_path, lr=1e-2, loss=loss))
+    batch = collate(trajs, consuming_version=0)
+    ref = own.logprobs(batch)
+    status = [np.where(t.loss_mask == 1, TokenStatus.MISSING_NEVER_STORED, TokenStatus.CONTEXT) for t in trajs]
+    answer = OldLogitAnswer(
+        request_id="step-0", route="snapshot", seconds=0.0, status=status,
+        old_logprobs=[np.full(len(t.token_ids), np.nan, np.float32) for t in trajs],
+        ref_logprobs=[ref[i, : len(t.token_ids)].numpy() for i, t in enumerate(trajs)],
+    )  # fmt: skip
+    brought = LearnerCore(settings(tiny_model_path, lr=1e-2, loss=loss, reference_in_batch=True))
+    assert brought.reference is None
+    got, m = train_step_with_grads(brought, trajs, answer)
+    want, m_own = train_step_with_grads(own, trajs)
+    assert m["kl_reward"] == pytest.approx(m_own["kl_reward"], rel=1e-5)
+    assert max_diff(got, want) < 1e-6
+    bare = answer.model_copy(update={"ref_logprobs": None})
+    n = sum(int(t.loss_mask.sum()) for t in trajs)
+    with pytest.raises(ValueError, match=f"ref_logprobs: {n} loss tokens of the batch at version 1 came without"):
+        brought.train_step(make_trajs(seed=5, noise=0.3, version=1), bare)
 
 
 def test_the_learning_rate_follows_its_schedule_and_resumes_at_the_same_step(tiny_model_path, make_trajs, tmp_path):

@@ -105,6 +105,8 @@ def test_admission_capacity_bounds_submissions():
     assert admission_capacity(0, 0, 8, 0) == 8
     assert admission_capacity(0, 0, 8, 8) == 0
     assert admission_capacity(1, 0, 8, 8) == 8
+    # batch 8, bound 2, 24 scheduled: 8 more at version 1 (the workers' while the learner is at 2), 16 at 2
+    assert (admission_capacity(1, 2, 8, 24), admission_capacity(2, 2, 8, 24)) == (8, 16)
     # bound 2 at version 3: (3+2+1)*8 = 48 submissions allowed in total
     assert admission_capacity(3, 2, 8, 40) == 8
 
@@ -239,3 +241,20 @@ def test_held_trajectories_are_kept_by_a_resume_only_in_flight_ones_are_lost():
     b2.load_state_dict(b.state_dict(), b.saved())
     assert b2.consumed == 1 and b2.dropped["lost_at_restart"] == 1 and b2.accounting_ok()
     assert len(b2) == 1 and b2.held == 0 and [t.trajectory_id for t in b2.take(1, 1)] == ["b"]
+
+
+def test_the_oldest_whole_group_is_taken_first_and_arrival_breaks_ties():
+    """Bound 2, consuming version 5, whole groups of 2 arrived in the order a (tokens at 4), b (3),
+    c (4): a batch of one group takes b, the next a, then c; with stale trajectories masked the
+    groups are judged by their newest tokens: d (3, 5) after e (4, 4)."""
+    b = TrajectoryBuffer(capacity=16, max_staleness=2)
+    b.note_submitted(6)
+    for g, v in (("a", 4), ("b", 3), ("c", 4)):
+        for i in range(2):
+            assert b.offer(traj(f"{g}{i}", [v], group=g))
+    assert [[t.trajectory_id for t in b.take(2, 5, 2)] for _ in range(3)] == [["b0", "b1"], ["a0", "a1"], ["c0", "c1"]]
+    m = TrajectoryBuffer(capacity=16, max_staleness=2, keep_partly_stale=True)
+    m.note_submitted(4)
+    for tid, g, versions in (("d0", "d", [3, 5]), ("d1", "d", [5]), ("e0", "e", [4, 4]), ("e1", "e", [4])):
+        assert m.offer(traj(tid, versions, group=g))
+    assert [t.trajectory_id for t in m.take(2, 5, 2)] == ["e0", "e1"]

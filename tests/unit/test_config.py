@@ -272,3 +272,13 @@ def test_masking_stale_tokens_sets_the_per_token_limit_to_the_bound():
         assert learner_settings(cfg, "/m").max_token_staleness == limit
     with pytest.raises(pydantic.ValidationError, match="stale_trajectories"):
         load_config(None, ['controller.stale_trajectories="keep"'])
+
+
+def test_the_service_scores_the_reference_only_on_the_snapshot_route_and_for_a_kl_penalty(tmp_path):
+    cfg = load_config(None, ['loss.method="snapshot"', "loss.kl_reward_coef=0.1", "oldlogit.score_reference=true"])
+    s = learner_settings(cfg, tmp_path)
+    assert s.reference_in_batch and s.loss.kl_reward_coef == 0.1
+    with pytest.raises(pydantic.ValidationError, match="oldlogit.score_reference: needs the snapshot route .* 'none'"):
+        load_config(None, ['loss.method="decoupled_ppo"', "loss.kl_coef=0.1", "oldlogit.score_reference=true"])
+    with pytest.raises(pydantic.ValidationError, match="oldlogit.score_reference: no KL penalty to score it for"):
+        load_config(None, ['loss.method="snapshot"', "oldlogit.score_reference=true"])

@@ -94,7 +94,7 @@ def test_buffered_and_taken_ahead_mismatches_are_dropped_and_the_ledger_closes()
     g4 is of v2 (nothing expected: not judged). Dropped: t5 first (buffered), then t2 (held);
     the batch taken ahead is no longer whole, so t1, t3, t4 go back to the front. Then 10 =
     0 consumed + 2 dropped + 6 buffered + 0 held + 2 in flight. The next batch at v4 takes the
-    whole groups g2 (t3, t4) and g4 (t7, t8); t1 and t6 wait for their group."""
+    whole groups g4 (t7, t8: the oldest, first) and g2 (t3, t4); t1 and t6 wait for their group."""
     events = []
     buf = TrajectoryBuffer(
         capacity=16, max_staleness=2, ledger=lambda e, ids, reason=None, **fields: events.append((e, ids, reason))
@@ -118,7 +118,7 @@ def test_buffered_and_taken_ahead_mismatches_are_dropped_and_the_ledger_closes()
     assert [t.trajectory_id for t in buf.saved()] == ["t1", "t3", "t4", "t6", "t7", "t8"]
     assert (buf.submitted, buf.consumed, len(buf), buf.in_flight) == (10, 0, 6, 2) and buf.accounting_ok()
     batch = j.take()
-    assert [t.trajectory_id for t in batch.trajectories] == ["t3", "t4", "t7", "t8"]
+    assert [t.trajectory_id for t in batch.trajectories] == ["t7", "t8", "t3", "t4"]
     j.buffer.consume(batch.trajectories)
     assert (buf.consumed, len(buf), buf.held, sum(buf.dropped.values())) == (4, 2, 0, 2) and buf.accounting_ok()
     # a batch taken ahead that lost nothing is trained as it is

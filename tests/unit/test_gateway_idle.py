@@ -64,6 +64,7 @@ def runner_over(gateway: Gateway, cfg, buffer: TrajectoryBuffer) -> AgentRunner:
     """An AgentRunner holding ``gateway`` (its admission and poll, the real methods), no server."""
     r = AgentRunner.__new__(AgentRunner)
     r.cfg, r.buffer, r.version, r._lock = cfg, buffer, lambda: 0, threading.Lock()
+    r.admission_version = r.version
     r.admitted, r._undrained, r.gateway, r.backend = buffer.submitted, 0, gateway, gateway.backend
     r.group_size, r.batch_size = cfg.rollout.sampling.n, cfg.controller.batch_groups * cfg.rollout.sampling.n
     gateway.admission = r.admit

@@ -75,6 +75,7 @@ def job(pool, route):
     j = Job.__new__(Job)  # only the parts publish uses
     j.cfg = load_config(None, [])
     j.learner, j.pool, j.route, j.times, j.last_publish = Learner(), pool, route, Counter(), {}
+    j.version, j.served_version = 1, 0
     j.fingerprints = FingerprintCheck(j.cfg, Console(quiet=True), pool, route)
     j.ledger_rows = []
     j.ledger = lambda event, ids, reason=None, **fields: j.ledger_rows.append({"event": event, "ids": ids, **fields})
@@ -86,6 +87,7 @@ def test_publish_returns_before_the_workers_apply_and_the_next_waits():
     j = job(pool, Route())
     j.publish()  # returns although no worker has applied version 1
     assert pool.started.wait(30) and pool.applied == [] and j.learner.published == ["float32"]
+    assert (j.served_version, j.admission_version) == (0, 0)  # the workers still serve version 0
     nxt = threading.Thread(target=j.publish)
     nxt.start()
     nxt.join(0.2)
@@ -94,6 +96,7 @@ def test_publish_returns_before_the_workers_apply_and_the_next_waits():
     nxt.join(30)
     j.wait_published()
     assert pool.applied == [(1, "ref-1"), (2, "ref-2")]
+    assert (j.served_version, j.admission_version) == (2, 1)  # the learner's 1 is the older here
     assert j.ledger_rows == [  # each version's learner fingerprint, for checks of what was served
         {"event": "published", "ids": [], "published": 1, "fingerprint": "0000000000000001"},
         {"event": "published", "ids": [], "published": 2, "fingerprint": "0000000000000002"},
@@ -107,6 +110,7 @@ def test_a_failed_apply_is_raised_by_the_next_wait():
     pool.gate.set()
     with pytest.raises(RuntimeError, match="worker refused version 1"):
         j.wait_published()
+    assert j.served_version == 0  # not applied: still the version before
     j.wait_published()  # raised once
 
 

@@ -35,10 +35,18 @@ def traj(tid, group, versions):
 
 
 class Pool:
-    """Answers each poll with the next scripted list (then nothing)."""
+    """Answers each poll with the next scripted list (then nothing); ``workers`` rollout workers
+    take every request submitted (recorded); ``submit`` returns the samples taken, as the pool's does."""
 
-    def __init__(self, polls):
-        self.polls = list(polls)
+    def __init__(self, polls, workers=0):
+        self.polls, self.workers, self.submitted = list(polls), workers, []
+
+    def __len__(self):
+        return self.workers
+
+    def submit(self, reqs):
+        self.submitted += reqs
+        return sum(r.sampling.n for r in reqs)
 
     def poll(self):
         return self.polls.pop(0) if self.polls else []
@@ -67,12 +75,13 @@ class RecordingRoute(Route):
         return None
 
 
-def job(polls, *overrides, version=3):
+def job(polls, *overrides, version=3, workers=0):
     j = Job.__new__(Job)  # only the buffer, pool and route parts are needed
     j.cfg = load_config(None, ["controller.max_staleness=1", "controller.total_steps=10", *overrides])
-    j.pool, j.route, j.version, j.times, j._held_back = Pool(polls), RecordingRoute(), version, Counter(), []
+    j.pool, j.route, j.version, j.times, j._held_back = Pool(polls, workers), RecordingRoute(), version, Counter(), []
+    j.served_version = version
     j.buffer = TrajectoryBuffer(capacity=16, max_staleness=j.cfg.controller.max_staleness)
-    j.source = EnvSource(j.cfg, j.pool, j.buffer, lambda: j.version)
+    j.source = EnvSource(j.cfg, j.pool, j.buffer, lambda: j.version, 0, lambda: j.admission_version)
     j.batch_size, j.group_size, j.vocab_size, j.taken_ahead = 4, 2, 1000, 0
     j.fingerprints = FingerprintCheck(j.cfg, Console(quiet=True), j.pool, j.route)
     j.buffer.note_submitted(6)
@@ -113,6 +122,42 @@ def test_no_batch_ahead_when_synchronous_or_at_the_last_version():
         j = job(list(full), *overrides, version=version)
         assert j.take_ahead(Step(finish_after=99)) is None
         assert j.pool.polls == full  # returned at once: nothing polled
+
+
+def test_admission_counts_from_the_version_the_workers_serve_and_catches_up_while_the_learner_trains():
+    # batch 4 (2 groups of 2), bound 1, 6 scheduled; the learner is at 3, the workers still serve 2
+    j = job([], "controller.batch_groups=2", "rollout.sampling.n=2", workers=1)
+    j.served_version = 2
+    assert j.admission_version == 2
+    j.top_up()  # (2 + 1 + 1) * 4 - 6 = 10 places: 5 groups of 2
+    assert (len(j.pool.submitted), j.buffer.scheduled) == (5, 16)
+    j.served_version = 3  # the publication of 3 is applied while the learner trains on it
+    assert j.take_ahead(Step(finish_after=2)) is None  # nothing finished; the step ends at the 2nd check
+    assert (len(j.pool.submitted), j.buffer.scheduled) == (7, 20)  # (3 + 1 + 1) * 4 - 16 = 4 more: 2 groups
+    assert {r.admitted_version for r in j.pool.submitted} == {3}  # requests carry the learner's version
+
+
+def test_waiting_for_the_step_admits_the_room_the_applied_publication_opens(monkeypatch):
+    """Batch 4, bound 1, 6 scheduled, learner at 3, workers at 2: the first wait admits 10 places
+    (5 groups); the publication of 3 is applied at the second check: 4 more (2 groups); the step
+    ends at the third check and its metrics move the version to 4."""
+    import ray
+
+    j = job([], "controller.batch_groups=2", "rollout.sampling.n=2", workers=1)
+    j.served_version, j.train_steps = 2, 0
+
+    class Applying(Step):
+        def done(self, timeout_s):
+            if self.checks == 1:
+                j.served_version = 3
+            return super().done(timeout_s)
+
+    step = Applying(finish_after=3)
+    step.refs, step.started, step.old_logits_s = [{"applied": 1, "version": 4}], 0.0, 0.0
+    step.batch = type("Taken", (), {"ahead": False})()
+    monkeypatch.setattr(ray, "get", lambda refs: refs)
+    m = j.finish_train(step)
+    assert (len(j.pool.submitted), j.buffer.scheduled, j.version, m["taken_ahead"]) == (7, 20, 4, False)
 
 
 def test_loop_per_step_and_ratio_to_the_learner():

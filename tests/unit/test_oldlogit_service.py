@@ -507,3 +507,45 @@ def test_each_route_holds_versions_as_its_holding_says():
     assert Holding.of("none", 3) == Holding(weights=False, window=None, on_host=False)
     with pytest.raises(ValueError, match="'bogus'"):
         Holding.of("bogus", 2)
+
+
+def test_a_pinned_reference_outlives_the_window_and_is_scored_beside_the_old_logits(tiny_model_path, learner):
+    """Snapshot route, W = 1, version 0 pinned: after versions 1-3 the service holds [0, 2, 3]
+    (0 stays, 1 left by the bound); a request asking for the reference gets version 0's log-probs
+    of the tokens its masks mark (the learner's version-0 forward, to fp32 round-off), NaN elsewhere,
+    and the old logits of the same request are unchanged by it. A budget counts the pinned copy
+    and never evicts it."""
+    svc = svc_at(tiny_model_path, learner, [1, 2, 3], route="snapshot", max_staleness=1, pin_initial=True)
+    assert svc.versions_held == [0, 2, 3] and svc.evicted == {1: "staleness"}
+    items = [make_item("a", [2, 3, 3], seed=11), make_item("b", [3, 3], seed=12)]
+    masks = [np.array([0, 0, 0, 1, 1, 1], np.int8), np.array([0, 0, 0, 0, 1], np.int8)]
+    plain = svc.score(request(*items))
+    ans = svc.score(
+        OldLogitRequest(request_id="r", temperature=T, items=items, reference_version=0, reference_masks=masks)
+    )
+    for i, it in enumerate(items):
+        np.testing.assert_array_equal(ans.old_logprobs[i], plain.old_logprobs[i])
+        ids, mask = padded([it])
+        want = learner.logprobs(0, ids, mask)[0].numpy()
+        got = ans.ref_logprobs[i]
+        assert np.isnan(got[masks[i] == 0]).all()
+        np.testing.assert_allclose(got[masks[i] == 1], want[masks[i] == 1], atol=2e-6, rtol=0)
+    assert svc.tokens_reference == 4
+    copy = svc.store.held_bytes[0]
+    tight = svc_at(
+        tiny_model_path, learner, [1, 2], route="snapshot", max_staleness=4, memory_budget_bytes=int(2.5 * copy),
+        pin_initial=True,
+    )  # fmt: skip
+    assert tight.versions_held == [0, 2] and tight.evicted == {1: "memory_budget"}
+    with pytest.raises(ValueError, match="pin_initial: needs the snapshot route and an initial_version"):
+        OldLogitService(tiny_model_path, route="old_logit_model", pin_initial=True)
+
+
+def test_a_reference_request_names_what_does_not_match():
+    item = make_item("a", [0, 0])
+    with pytest.raises(pydantic.ValidationError, match="reference_masks: given without reference_version"):
+        OldLogitRequest(request_id="r", temperature=T, items=[item], reference_masks=[np.zeros(5, np.int8)])
+    with pytest.raises(pydantic.ValidationError, match=r"reference_masks\[0\]: length 4 != token_ids length 5"):
+        OldLogitRequest(
+            request_id="r", temperature=T, items=[item], reference_version=0, reference_masks=[np.zeros(4, np.int8)]
+        )

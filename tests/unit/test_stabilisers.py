@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from modelkit.scoring import sequence_logprobs_and_entropy
-from trainer.algorithm.batch import shuffled_rows
+from trainer.algorithm.batch import Batch, shuffled_rows
 from trainer.algorithm.entropy_control import EntropyControl, adaptive_entropy_coef, smoothed_entropy
 from trainer.algorithm.loss_config import loss_config
-from trainer.algorithm.losses import K3_MAX, compute_policy_loss, kl_penalty, regularisers
+from trainer.algorithm.losses import K3_MAX, compute_policy_loss, kl_in_reward, kl_penalty, regularisers
 from trainer.learner.schedule import lr_multiplier
 
 
@@ -63,6 +63,37 @@ def test_a_kl_penalty_without_reference_log_probs_is_refused():
     cfg = loss_config("grpo", kl_coef=0.1)
     with pytest.raises(ValueError, match=r"^loss.kl_coef = 0.1 needs ref_logprobs"):
         regularisers(t([[-1.0]]), t([[1]]), cfg)
+
+
+def test_the_kl_of_the_reward_sums_log_mu_minus_log_ref_over_the_loss_tokens():
+    nan = math.nan
+    mu = torch.tensor([[nan, -1.0, -2.0], [nan, -0.5, nan], [nan, -3.0, -0.2]])
+    ref = torch.tensor([[-9.0, -1.5, -1.0], [-9.0, -1.0, -9.0], [-9.0, -3.0, -0.2]])
+    mask = torch.tensor([[False, True, True], [False, True, False], [False, True, True]])
+    # 0.5 - 1.0; 0.5 (its padding slot counts 0); 0 where mu = ref
+    assert kl_in_reward(mu, ref, mask).tolist() == pytest.approx([-0.5, 0.5, 0.0])
+
+
+def test_rewards_lowered_by_the_kl_penalty_give_the_group_its_new_advantages():
+    """Rewards [1, 0, 0] of one group, KL [-0.5, 0.5, 0], coefficient 0.2: [1.1, -0.1, 0.0], mean
+    1/3, population std 0.543650: advantages [1.410221, -0.797081, -0.613139] on the loss tokens;
+    a row with a sender's baseline 0.5 gets its reward minus 0.5."""
+    mask = torch.tensor([[False, True, True], [False, True, False], [False, True, True], [False, True, True]])
+    b = Batch(
+        token_ids=torch.ones(4, 3, dtype=torch.long), attention_mask=torch.ones(4, 3, dtype=torch.long),
+        loss_mask=mask, behav_logprobs=torch.zeros(4, 3), advantages=torch.zeros(4, 3),
+        rewards=torch.tensor([1.0, 0.0, 0.0, 0.9]), group_index=torch.tensor([0, 0, 0, 1]),
+        baselines=torch.tensor([math.nan, math.nan, math.nan, 0.5]),
+    )  # fmt: skip
+    kl = torch.tensor([-0.5, 0.5, 0.0, 1.0])
+    out = b.with_rewards(b.rewards - 0.2 * kl, "grpo")
+    want = [1.410221, -0.797081, -0.613139, 0.2]  # the last: 0.9 - 0.2 - 0.5
+    assert out.rewards.tolist() == pytest.approx([1.1, -0.1, 0.0, 0.7])
+    assert out.seq_advantages.tolist() == pytest.approx(want, abs=1e-6)
+    assert out.advantages[:, 1].tolist() == pytest.approx(want, abs=1e-6)
+    assert out.advantages[1, 2] == 0.0 and out.advantages[:, 0].tolist() == [0.0] * 4  # off the loss tokens
+    with pytest.raises(ValueError, match=r"rewards: shape \(3,\) != \(4,\)"):
+        b.with_rewards(torch.zeros(3))
 
 
 def test_no_regulariser_leaves_the_policy_loss_bit_for_bit():

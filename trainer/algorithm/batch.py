@@ -27,7 +27,7 @@ One :class:`Batch` is what one optimizer step consumes. Conventions (``docs/arch
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -40,7 +40,10 @@ from trainer.algorithm.advantages import TRUNCATED_REASONS, grpo_advantages, rlo
 _ROW_TENSORS = (
     "token_ids", "attention_mask", "loss_mask", "sampled_mask", "behav_logprobs", "versions", "staleness",
     "old_logprobs", "exact_mask", "advantages", "rewards", "seq_advantages", "recompute_logprobs", "current_mask",
+    "group_index", "baselines", "ref_logprobs",
 )  # fmt: skip
+_SEQUENCE_TENSORS = ("rewards", "seq_advantages", "group_index", "baselines")
+"""The row tensors of shape ``[B]`` (one value per sequence); the others are ``[B, T]``."""
 
 
 @dataclass
@@ -73,6 +76,12 @@ class Batch:
     current_mask: Tensor | None = None  # [B, T] bool
     """Trained tokens sampled by ``consuming_version`` with no exact value from a route: the learner's
     own forward gives their pi_old (:func:`learner_gives_current`); all False by default."""
+    group_index: Tensor | None = None  # [B] int64
+    """Dense index of each sequence's GRPO group (order of first appearance); each row its own group by default."""
+    baselines: Tensor | None = None  # [B] fp32
+    """A baseline given by the sequence's sender (:attr:`protocol.Trajectory.baseline`), NaN where none."""
+    ref_logprobs: Tensor | None = None  # [B, T] fp32 nats
+    """Log-probs of the frozen reference policy (the KL penalties), NaN where not taken."""
     stats: dict[str, float] = field(default_factory=dict)
     """Counts from collation: ``stale_masked_tokens``, ``overlong_masked_seqs``, ``sampled_tokens``..."""
 
@@ -97,9 +106,15 @@ class Batch:
             self.recompute_logprobs = torch.full((b, t), float("nan"))
         if self.current_mask is None:
             self.current_mask = torch.zeros((b, t), dtype=torch.bool)
+        if self.group_index is None:
+            self.group_index = torch.arange(b)
+        if self.baselines is None:
+            self.baselines = torch.full((b,), float("nan"))
+        if self.ref_logprobs is None:
+            self.ref_logprobs = torch.full((b, t), float("nan"))
         for name in _ROW_TENSORS:
             v = getattr(self, name)
-            want = (b,) if name in ("rewards", "seq_advantages") else (b, t)
+            want = (b,) if name in _SEQUENCE_TENSORS else (b, t)
             if tuple(v.shape) != want:
                 raise ValueError(f"Batch.{name}: shape {tuple(v.shape)} != {want}")
 
@@ -123,6 +138,21 @@ class Batch:
             if v.dim() == 2:
                 picked[n] = v[:, :width].contiguous()
         return replace(self, **picked, stats={})
+
+    def with_rewards(self, rewards: Tensor, estimator: str = "grpo") -> Batch:
+        """The same batch trained toward other rewards ``[B]``: ``rewards``, ``seq_advantages`` and
+        ``advantages`` (on ``loss_mask``) recomputed by :func:`sequence_advantages` over the batch's
+        groups and baselines.
+
+        Raises:
+            ValueError: ``rewards`` is not ``[B]``, or an unknown estimator."""
+        rewards = rewards.float()
+        if tuple(rewards.shape) != (self.size,):
+            raise ValueError(f"rewards: shape {tuple(rewards.shape)} != ({self.size},)")
+        seq_adv = sequence_advantages(rewards, self.group_index.tolist(), estimator, self.baselines)
+        return replace(
+            self, rewards=rewards, seq_advantages=seq_adv, advantages=torch.where(self.loss_mask, seq_adv[:, None], 0.0)
+        )
 
     def to(self, device: torch.device | str) -> Batch:
         """The same batch with every row tensor on ``device`` (no copy for those already there);
@@ -199,16 +229,16 @@ def empty_batch(consuming_version: int = 0, temperature: float = 1.0, pad_token_
     )  # fmt: skip
 
 
-def _group_index(group_ids: Sequence[str]) -> Tensor:
+def _group_index(group_ids: Sequence[Hashable]) -> Tensor:
     """Dense long index ``[B]`` of each sequence's group, in order of first appearance."""
     codes = {g: i for i, g in enumerate(dict.fromkeys(group_ids))}
     return torch.tensor([codes[g] for g in group_ids], dtype=torch.long)
 
 
 def sequence_advantages(
-    rewards: Tensor, group_ids: Sequence[str], estimator: str = "grpo", baselines: Tensor | None = None
+    rewards: Tensor, group_ids: Sequence[Hashable], estimator: str = "grpo", baselines: Tensor | None = None
 ) -> Tensor:
-    """Per-sequence advantages ``[B]`` from outcome rewards ``[B]`` grouped by ``group_ids``.
+    """Per-sequence advantages ``[B]`` from outcome rewards ``[B]`` grouped by ``group_ids`` (names or indices).
 
     "grpo": (r - mean_g) / max(std_g, 1e-3), population std (``trainer.algorithm.advantages``); "rloo":
     leave-one-out baseline; "reinforce": the raw reward (gamma = 1, no baseline). ``baselines``
@@ -234,6 +264,21 @@ def sequence_advantages(
     if given.any():
         out[given] = (rewards[given] - baselines[given]).float()
     return out
+
+
+def _reference_rows(old_logits: object, trajectories: Sequence[Trajectory], width: int) -> Tensor | None:
+    """``[B, T]`` fp32: an :class:`OldLogitAnswer`'s ``ref_logprobs`` right-padded (NaN off the
+    sampled tokens and in padding); None when the answer brings none."""
+    if not isinstance(old_logits, OldLogitAnswer) or old_logits.ref_logprobs is None:
+        return None
+    out = np.full((len(trajectories), width), np.nan, np.float32)
+    for i, (tr, r) in enumerate(zip(trajectories, old_logits.ref_logprobs, strict=True)):
+        if len(r) != len(tr.token_ids):
+            raise ValueError(
+                f"old-logit answer item {i}: ref_logprobs length {len(r)} != trajectory length {len(tr.token_ids)}"
+            )
+        out[i, : len(r)] = np.where(tr.loss_mask.astype(bool), r, np.nan)
+    return torch.from_numpy(out)
 
 
 def _old_from_answer(answer: OldLogitAnswer, i: int, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -263,8 +308,9 @@ def collate(
             over all of them before any micro-batch or rank split).
         consuming_version: the learner version that consumes them; staleness = it - versions.
         old_logits: exact pi_old, aligned with ``trajectories``: an :class:`OldLogitAnswer` (exact
-            where ``status == EXACT``) or one array per trajectory (NaN where missing, ``None`` for
-            none). When None, each trajectory's own ``old_logprobs`` (if attached) is used.
+            where ``status == EXACT``; its ``ref_logprobs``, when given, become the batch's) or one
+            array per trajectory (NaN where missing, ``None`` for none). When None, each
+            trajectory's own ``old_logprobs`` (if attached) is used.
         temperature: sampling temperature of the rollouts (> 0).
         pad_token_id: id written into padding slots (they are masked everywhere).
         max_token_staleness: tokens with staleness above it are masked out of the loss (kept as
@@ -312,7 +358,8 @@ def collate(
         consuming_version=consuming_version, temperature=float(temperature),
         sampled_mask=torch.from_numpy(sampled), versions=torch.from_numpy(ver), staleness=torch.from_numpy(stale),
         old_logprobs=torch.from_numpy(old), exact_mask=exact_t, rewards=rewards, seq_advantages=seq_adv,
-        current_mask=current_t, stats=stats,
+        current_mask=current_t, group_index=_group_index(group_ids), baselines=baselines.float(),
+        ref_logprobs=_reference_rows(old_logits, trajectories, ids.shape[1]), stats=stats,
     )  # fmt: skip
 
 

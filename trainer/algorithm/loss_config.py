@@ -66,6 +66,13 @@ class LossConfig(BaseModel):
     the base model with the LoRA adapter switched off), added to the loss as
     ``kl_coef * aggregate(k(logp - ref_logprobs))`` over the loss tokens with the loss's own
     denominator (verl's ``use_kl_loss``); 0 turns it off and the reference is never scored."""
+    kl_reward_coef: float = Field(0.0, ge=0.0)
+    """Weight of the KL penalty in the reward (verl's ``use_kl_in_reward`` with a fixed
+    coefficient): each sequence's reward becomes ``r - kl_reward_coef * sum_t (log mu_t - log
+    pi_ref_t)`` over its loss tokens (mu: the behaviour policy that sampled them; pi_ref: the frozen
+    reference of ``kl_coef``), before its group's advantages
+    (:func:`trainer.algorithm.losses.kl_in_reward`). A group of equal task rewards then carries the
+    KL differences, but dynamic sampling judges the task rewards. 0 turns it off."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token estimator of KL(pi_theta || pi_ref) from x = log pi_theta - log pi_ref
     (Schulman 2020, "Approximating KL divergence"): k1 = x, k2 = x^2 / 2, k3 = e^-x - 1 + x (the

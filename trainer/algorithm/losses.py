@@ -413,6 +413,21 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor, estima
     return (torch.expm1(-x) + x).clamp(max=K3_MAX)
 
 
+def kl_in_reward(behav_logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor) -> Tensor:
+    """Per-sequence KL estimate ``[B]`` (nats) of the sampling policy from the reference: the sum
+    over each sequence's loss tokens of ``log mu_t - log pi_ref_t`` (the k1 estimator of
+    :func:`kl_penalty`, summed along the sampled sequence; non-finite slots count 0).
+
+    It is the per-token KL penalty of the reward (Ziegler et al. 2019; Ouyang et al. 2022,
+    InstructGPT, eq. 2) summed as an outcome estimator sums token rewards (verl's
+    ``use_kl_in_reward``): the sequence's reward becomes ``r - kl_reward_coef * kl_in_reward``
+    before its group's advantages. Its expectation under mu is KL(mu || pi_ref) of the whole sequence.
+
+    Example: log mu ``[-1.0, -2.0]``, log pi_ref ``[-1.5, -1.0]`` on two loss tokens: 0.5 - 1.0 = -0.5.
+    """
+    return kl_penalty(behav_logprobs, ref_logprobs, loss_mask, "k1").sum(-1)
+
+
 def regularisers(
     logprobs: Tensor,
     loss_mask: Tensor,

@@ -12,14 +12,17 @@ One :meth:`LearnerCore.train_step` at learner version ``V``:
    in a row order drawn per epoch from (seed, version, epoch) (``shuffle_mini_batches``), one
    optimizer step each (with one step, the batch itself); with several steps and a proxy built
    from the current log-probs, those of version ``V`` are taken first (the recompute reference);
-   each rank then takes rows ``rank::world_size`` of a mini-batch;
+   each rank then takes rows ``rank::world_size`` of a mini-batch; with ``loss.kl_coef`` or
+   ``loss.kl_reward_coef`` a no-grad forward of the frozen reference
+   (:class:`trainer.learner.reference.ReferencePolicy`) scores the whole batch first, once for all
+   its optimizer steps (unless the old-logit service's answer brought its log-probs), and with ``loss.kl_reward_coef`` the rewards lose the KL penalty of the
+   reward and the advantages are recomputed (:meth:`LearnerCore._with_reference`);
 2. per optimizer step, the global token count ``N`` of the mini-batch (all-reduced over ranks) is
    the token-mean denominator of every micro-batch, and the loss is multiplied by ``world_size``
    because DeepSpeed averages gradients over data-parallel ranks;
 3. per micro-batch: with the PPO-EWMA proxy a no-grad forward with the EWMA weights (only where a
    sampled token lacks exact old logits, plus a probe every ``ewma.probe_every`` versions that keeps
-   the auto-reset signal and the proxy-error metric measured), with ``loss.kl_coef`` a no-grad
-   forward of the frozen reference (:class:`trainer.learner.reference.ReferencePolicy`), the forward
+   the auto-reset signal and the proxy-error metric measured), the forward
    of the current policy (log-probs and entropy, with gradient under ``loss.entropy_coef``), :func:`trainer.algorithm.losses.compute_policy_loss` (exact
    reference where known, the configured proxy elsewhere), ``engine.backward``; gradient
    accumulation is driven by hand (``set_gradient_accumulation_boundary``), so the number of
@@ -50,7 +53,7 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -69,11 +72,11 @@ from protocol import OldLogitAnswer, Trajectory, WeightManifest
 from trainer.algorithm.batch import Batch, collate, first_loss_position, shuffled_rows
 from trainer.algorithm.entropy_control import EntropyControl
 from trainer.algorithm.ewma import EwmaProximal
-from trainer.algorithm.losses import compute_policy_loss, proxy_diagnostics
+from trainer.algorithm.losses import compute_policy_loss, kl_in_reward, proxy_diagnostics
 from trainer.algorithm.proximal import RECOMPUTE_PROXIES
 from trainer.learner import checkpoint, publication
 from trainer.learner.guard import StepGuard, stage0_grad_norm
-from trainer.learner.models import ewma_logprobs, load_learner_models
+from trainer.learner.models import ewma_logprobs, load_learner_models, needs_reference
 from trainer.learner.ranks import all_reduce_floats, gather_rows, micro_batch_count
 from trainer.learner.settings import LearnerSettings, init_distributed
 from trainer.learner.steps import combine_step_metrics, reduce_metrics, sum_max_min
@@ -94,8 +97,9 @@ class LearnerCore:
         nonfinite_weight_steps: of those, steps whose update produced a non-finite weight or optimizer
             state (e.g. an infinite learning rate) and were rolled back.
         ewma: the :class:`trainer.algorithm.ewma.EwmaProximal`, or None when the proxy is not "ewma".
-        reference: the KL penalty's :class:`trainer.learner.reference.ReferencePolicy`, or None when
-            ``loss.kl_coef`` is 0.
+        reference: the KL penalties' :class:`trainer.learner.reference.ReferencePolicy`, or None when
+            ``loss.kl_coef`` and ``loss.kl_reward_coef`` are 0 or each batch brings the reference's
+            log-probs (``reference_in_batch``: the old-logit service scores them).
     """
 
     def __init__(self, settings: LearnerSettings, rank: int = 0, world_size: int = 1) -> None:
@@ -225,6 +229,9 @@ class LearnerCore:
         count = min(s.ppo_mini_batches, max(1, batch.size))
         steps = s.ppo_epochs * count
         recompute = steps > 1 and s.loss.proxy in RECOMPUTE_PROXIES
+        kl_out: dict[str, float] = {}
+        if needs_reference(s):  # frozen: scored once for every optimizer step of the batch
+            batch, kl_out = self._with_reference(batch)
         tr = time.perf_counter()
         if recompute and s.ppo_epochs > 1:  # every row is read by a later step: take them all at once
             batch = self._with_recompute(batch)
@@ -260,6 +267,7 @@ class LearnerCore:
             step_s=step_s, tokens_per_s=n_tok / step_s if step_s > 0 else 0.0, recompute_forward_s=recompute_s,
             rss_bytes=float(psutil.Process().memory_info().rss),
         )  # fmt: skip
+        out.update(kl_out)
         out["entropy_coef"] = self.entropy_control.coef
         if applied:
             self.entropy_control.after_version(out["entropy"])
@@ -277,8 +285,55 @@ class LearnerCore:
         return batch.select(shuffled_rows(batch.size, self.settings.seed, batch.consuming_version, epoch))
 
     def _with_recompute(self, batch: Batch) -> Batch:
-        """``batch`` with ``recompute_logprobs`` filled on this rank's rows: the current weights'
-        log-probs (eval mode, learner numerics), micro-batch by micro-batch; other ranks' rows stay NaN.
+        """``batch`` with ``recompute_logprobs`` filled: the current weights' log-probs (eval mode,
+        learner numerics) of every row (:meth:`_score_rows`)."""
+        with scoring_mode(self.engine.module) as model:
+            lp = self._score_rows(
+                batch, lambda mb, first: sequence_logprobs(
+                    model, mb.token_ids, mb.attention_mask, mb.temperature, first, **self._scoring
+                ),
+            )  # fmt: skip
+        return replace(batch, recompute_logprobs=lp)
+
+    def _with_reference(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """``batch`` with ``ref_logprobs`` filled by the frozen reference (:meth:`_score_rows`; with
+        ``reference_in_batch`` the batch brings them), and with ``loss.kl_reward_coef`` its rewards
+        lowered by the KL penalty of the reward (:func:`trainer.algorithm.losses.kl_in_reward`) and
+        its advantages recomputed (:meth:`Batch.with_rewards`).
+
+        Returns the batch and metrics: ``ref_forward_s`` (0 when the batch brought them); with the
+        reward penalty ``kl_reward`` (mean per-sequence estimate, nats) and ``kl_reward_penalty``
+        (mean amount taken off a reward).
+
+        Raises:
+            ValueError: with ``reference_in_batch``, a loss token without a finite reference log-prob
+                (the message counts them)."""
+        t0 = time.perf_counter()
+        if self.reference is not None:
+            lp = self._score_rows(
+                batch, lambda mb, first: self.reference.logprobs(
+                    self.engine.module, mb.token_ids, mb.attention_mask, mb.temperature, first, **self._scoring
+                ),
+            )  # fmt: skip
+            batch = replace(batch, ref_logprobs=lp)
+        else:
+            missing = int((batch.loss_mask & ~torch.isfinite(batch.ref_logprobs)).sum())
+            if missing:
+                raise ValueError(
+                    f"ref_logprobs: {missing} loss tokens of the batch at version {batch.consuming_version} came "
+                    "without the reference's log-probs (oldlogit.score_reference: the service did not hold version 0)"
+                )
+        out = {"ref_forward_s": time.perf_counter() - t0}
+        coef = self.settings.loss.kl_reward_coef
+        if coef > 0:
+            kl = kl_in_reward(batch.behav_logprobs, batch.ref_logprobs, batch.loss_mask)
+            batch = batch.with_rewards(batch.rewards - coef * kl, self.settings.loss.advantage)
+            out.update(kl_reward=float(kl.mean()), kl_reward_penalty=float(coef * kl.mean()))
+        return batch, out
+
+    def _score_rows(self, batch: Batch, score: Callable[[Batch, int], torch.Tensor]) -> torch.Tensor:
+        """``[B, T]`` fp32 of ``score(micro_batch, first)`` for every row of ``batch``: this rank scores
+        rows ``rank::world_size`` micro-batch by micro-batch and the ranks' rows are gathered.
 
         Every rank runs the same number of forwards (ZeRO-3 gathers parameters in each)."""
         local_rows = torch.arange(self.rank, batch.size, self.world_size)
@@ -286,15 +341,13 @@ class LearnerCore:
         mbs = self.settings.micro_batch_size
         n_micro = micro_batch_count(batch.size, self.world_size, mbs)
         first = first_loss_position(local)
-        ref = torch.full_like(batch.behav_logprobs, float("nan"))
-        with scoring_mode(self.engine.module) as model:
-            # the first ceil(rows / mbs) micro-batches are this rank's rows in order, the rest padding
-            for k, mb in enumerate(local.micro_batches(mbs, n_micro)):
-                mb = mb.to(self.engine.device)
-                lp = sequence_logprobs(model, mb.token_ids, mb.attention_mask, mb.temperature, first, **self._scoring)
-                rows = local_rows[k * mbs : k * mbs + mb.size] if k * mbs < local.size else local_rows[:0]
-                ref[rows, : lp.shape[1]] = lp[: len(rows)].to(ref.device)
-        return replace(batch, recompute_logprobs=gather_rows(ref, self.world_size))
+        out = torch.full_like(batch.behav_logprobs, float("nan"))
+        # the first ceil(rows / mbs) micro-batches are this rank's rows in order, the rest padding
+        for k, mb in enumerate(local.micro_batches(mbs, n_micro)):
+            lp = score(mb.to(self.engine.device), first)
+            rows = local_rows[k * mbs : k * mbs + mb.size] if k * mbs < local.size else local_rows[:0]
+            out[rows, : lp.shape[1]] = lp[: len(rows)].to(out.device)
+        return gather_rows(out, self.world_size)
 
     def _optimizer_step(self, batch: Batch, probe: bool, use_recompute: bool) -> dict[str, float]:
         """One optimizer step on one mini-batch (the whole rollout batch with one step per batch).
@@ -318,7 +371,7 @@ class LearnerCore:
         self._guard.clear()
         acc: dict[str, list[float]] = {}
         sums = {"loss": 0.0, "err": 0.0, "err_n": 0.0, "ewma_keep": 0.0, "ewma_n": 0.0}
-        timing = {"ewma_forward_s": 0.0, "ref_forward_s": 0.0, "forward_backward_s": 0.0}
+        timing = {"ewma_forward_s": 0.0, "forward_backward_s": 0.0}
         ewma_runs = 0
         self.engine.train()
         for i, mb in enumerate(micro):
@@ -374,13 +427,8 @@ class LearnerCore:
         if self.ewma is not None and (bool((mask & ~exact_mask).any()) or probe):
             model = self._scorer if self._scorer is not None else self.engine.module
             ewma_lp = ewma_logprobs(self.ewma, model, mb, first, self._scoring)
-        tr = time.perf_counter()
-        ref_lp = None
-        if self.reference is not None:
-            ref_lp = self.reference.logprobs(
-                self.engine.module, mb.token_ids, mb.attention_mask, mb.temperature, first, **self._scoring
-            )
         tb = time.perf_counter()
+        ref_lp = mb.ref_logprobs if needs_reference(self.settings) else None  # taken before the batch's first step
         lp, entropy = sequence_logprobs_and_entropy(
             self.engine, mb.token_ids, mb.attention_mask, mb.temperature, first,
             entropy_grad=cfg.entropy_coef > 0, **self._scoring,
@@ -396,8 +444,7 @@ class LearnerCore:
             global_token_count=counts[0], global_seq_count=counts[1],
         )  # fmt: skip
         self.engine.backward(loss * float(self.world_size))  # DeepSpeed averages gradients over ranks
-        timing["ewma_forward_s"] += tr - ta
-        timing["ref_forward_s"] += tb - tr
+        timing["ewma_forward_s"] += tb - ta
         timing["forward_backward_s"] += time.perf_counter() - tb
         sums["loss"] += float(loss.detach())
         m["entropy"] = float(entropy.detach()[mask].sum() / mask.sum().clamp(min=1))

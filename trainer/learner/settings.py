@@ -127,6 +127,9 @@ class LearnerSettings(LearnerOptions):
     own forward (exact: one optimizer step per batch runs under that version's weights); the job sets
     it where the snapshot route leaves those tokens unscored
     (:func:`trainer.algorithm.batch.learner_gives_current`)."""
+    reference_in_batch: bool = False
+    """The KL penalties' reference log-probs arrive with each batch (scored by the old-logit service,
+    ``oldlogit.score_reference``): this learner holds no frozen copy and refuses a batch without them."""
     seed: int = 0
     """Seed of the learner's torch generators."""
     torch_threads: int = Field(1, ge=1)

@@ -117,6 +117,12 @@ class OldLogitConfig(Placement):
     """Times Ray restarts the old-logit server after its process dies (calls in flight are retried
     on the restarted one). A restarted server holds no version until the next publication: tokens of
     earlier versions are answered ``missing`` (never stored) and the learner uses its proxy for them."""
+    score_reference: bool = False
+    """Score the KL penalties' frozen reference (``loss.kl_coef``, ``loss.kl_reward_coef``) in the
+    old-logit server instead of the learner: the server keeps version 0 (the model folder) pinned
+    beside its snapshots and scores each batch under it with the batch's old logits, in the
+    learner's dtype, while the learner trains the batch before; the learner then holds no frozen
+    copy (one model's memory less) and runs no reference forward. Snapshot route only."""
     micro_batch_tokens: int | None = Field(None, ge=1)
     """Most positions (rows x padded length) in one scoring forward of the old-logit server: a
     version's rows are scored in consecutive runs under it, each padded only to its own longest
@@ -353,6 +359,14 @@ class JobConfig(Section):
         if c.source == "env" and self.agent is not None:
             raise ValueError(
                 'controller.source: "env" with an [agent] section: the agents would never run (remove one)'
+            )
+        if self.oldlogit.score_reference and self.oldlogit_route != "snapshot":
+            raise ValueError(
+                f"oldlogit.score_reference: needs the snapshot route (loss.oldlogit_route), not {self.oldlogit_route!r}"
+            )
+        if self.oldlogit.score_reference and not (self.loss.kl_coef > 0 or self.loss.kl_reward_coef > 0):
+            raise ValueError(
+                "oldlogit.score_reference: no KL penalty to score it for (loss.kl_coef and loss.kl_reward_coef are 0)"
             )
         if c.max_learner_restarts and not c.checkpoint_every:
             raise ValueError(

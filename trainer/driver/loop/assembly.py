@@ -73,6 +73,7 @@ def start_job(cfg: JobConfig, console: Console) -> Job:
         cfg.oldlogit.restart_timeout_s,
         cfg.current_from_learner,
         scorer_dtype=cfg.learner.dtype,
+        reference_version=0 if cfg.oldlogit.score_reference else None,
     )
     pool = start_workers(cfg, model_path, route, console)
     version = run_segment = lost_before = 0
@@ -185,6 +186,7 @@ def learner_settings(cfg: JobConfig, model_path: Path) -> LearnerSettings:
         torch_threads=cfg.thread_plan().learner,
         lora=cfg.lora,
         current_from_learner=cfg.current_from_learner,
+        reference_in_batch=cfg.oldlogit.score_reference,
     )
 
 
@@ -266,7 +268,7 @@ def source_kind(cfg: JobConfig) -> str:
 
 def env_source(job: Job, console: Console) -> TrajectorySource:
     """The env loop over the job's rollout workers (:class:`EnvSource`)."""
-    return EnvSource(job.cfg, job.pool, job.buffer, lambda: job.version, job.run_segment)
+    return EnvSource(job.cfg, job.pool, job.buffer, lambda: job.version, job.run_segment, lambda: job.admission_version)
 
 
 def agent_source(job: Job, console: Console) -> TrajectorySource:

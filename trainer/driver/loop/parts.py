@@ -164,6 +164,10 @@ class Job:
         self.learner, self.route, self.pool, self.buffer = learner, route, pool, buffer
         self.version = version
         """The learner's version: the number of rollout batches it has trained on (one published update each)."""
+        self.served_version = 0
+        """The last version applied by every rollout worker and scorer (:meth:`publish`): the oldest
+        version new work may still be sampled with. 0 until the first publication is applied (a
+        resumed job's consumers start from the model folder's weights)."""
         self.keeper = CheckpointKeeper(
             cfg, self.run_dir, learner, ledger, version=version, run_segment=run_segment,
             driver_state=lambda folder: write_driver_state(folder, self.buffer, self.source),
@@ -193,6 +197,13 @@ class Job:
         """Held-out evaluations pinned to a version (:mod:`trainer.driver.loop.pinned_eval`)."""
 
     # -- the parts of one iteration (the loop in :func:`trainer.driver.loop.job._loop` calls them in order) --
+
+    @property
+    def admission_version(self) -> int:
+        """The version the staleness admission rule counts from: the learner's, or the one the
+        rollout workers still serve while a publication is being applied, whichever is older
+        (:func:`trainer.driver.sources.buffer.admission_capacity`)."""
+        return min(self.version, self.served_version)
 
     def top_up(self) -> None:
         """Admit: the source submits as much new work as the staleness admission rule allows."""
@@ -294,8 +305,9 @@ class Job:
         learner's version + 1), until one is taken or the step has finished (then None: the next
         batch is taken at the new version). None at once when ``controller.max_staleness`` is 0 (no
         batch is consumable at V+1 before V+1 is published) or when V+1 is the last version
-        (``controller.total_steps``). Places freed by groups dynamic sampling drops meanwhile are
-        admitted again at once (:meth:`top_up`), so their new prompts run while the learner trains."""
+        (``controller.total_steps``). Room the admission rule opens meanwhile (the last publication
+        applied, places freed by groups dynamic sampling drops) is admitted at once (:meth:`top_up`),
+        so its new work runs while the learner trains."""
         c = self.cfg.controller
         if c.max_staleness == 0 or self.version + 1 >= c.total_steps:
             return None
@@ -303,10 +315,8 @@ class Job:
             nxt = self.take(ahead=True)
             if nxt is not None or step.done(timeout_s=0.2):
                 return nxt
-            filtered = self.buffer.filtered_groups
             self.collect(timer="old_logits_overlapped")
-            if self.buffer.filtered_groups > filtered:
-                self.top_up()
+            self.top_up()
 
     def finish_train(self, step: TrainStep) -> dict[str, Any]:
         """Wait for ``step``; the learner's metrics (rank 0).
@@ -315,9 +325,14 @@ class Job:
         The metrics gain ``old_logits_s`` (wait for the answer before the launch), ``train_s`` (launch
         to metrics), wall seconds, and ``taken_ahead`` (the batch was taken ahead).
 
+        While it waits, room the admission rule opens (the last publication applied to every
+        worker, :attr:`admission_version`) is admitted at once (:meth:`top_up`).
+
         Raises:
             ray.exceptions.RayActorError: a learner rank died.
         """
+        while not step.done(timeout_s=0.2):
+            self.top_up()
         m = ray.get(step.refs)[0]
         train_s = time.perf_counter() - step.started
         self.times["train"] += train_s
@@ -362,6 +377,7 @@ class Job:
             try:
                 self.route.publish(lambda: self.pool.update_weights(manifest, ref), scorer_weights)
                 self.fingerprints.check_fingerprints(manifest, scorer_weights)
+                self.served_version = manifest.version
             except BaseException as e:  # raised by the next wait_published
                 self._apply_error = e
             self.last_publish["applied_s"] = time.perf_counter() - t1

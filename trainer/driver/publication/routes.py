@@ -107,18 +107,30 @@ class SnapshotRoute(Route):
 
     name = "snapshot"
 
-    def __init__(self, oldlogit: Any, restart_timeout_s: float = 600.0, learner_gives_current: bool = False) -> None:
+    def __init__(
+        self,
+        oldlogit: Any,
+        restart_timeout_s: float = 600.0,
+        learner_gives_current: bool = False,
+        reference_version: int | None = None,
+    ) -> None:
         super().__init__(oldlogit, restart_timeout_s)
         self.learner_gives_current = learner_gives_current
         """The consuming learner supplies pi_old of its own version's tokens
         (:func:`trainer.algorithm.batch.learner_gives_current`): the service scores only older ones."""
+        self.reference_version = reference_version
+        """The version the service keeps pinned as the KL penalties' reference: every request also
+        asks for its log-probs of the batch's sampled tokens (None: the learner scores its own)."""
 
     def async_old_logits(self, batch: Sequence[Trajectory], version: int, temperature: float) -> PendingCall:
         from oldlogit_service.items import items_before, items_from_trajectories
 
         items = items_before(batch, version) if self.learner_gives_current else items_from_trajectories(batch)
+        ref = {}
+        if self.reference_version is not None:
+            ref = {"reference_version": self.reference_version, "reference_masks": [t.loss_mask for t in batch]}
         return self.calls.submit(
-            "score", OldLogitRequest(request_id=f"step-{version}", temperature=temperature, items=items)
+            "score", OldLogitRequest(request_id=f"step-{version}", temperature=temperature, items=items, **ref)
         )
 
     def publish(self, update_workers: Callable[[], Any], scorer_weights: ScorerWeights | None) -> None:
@@ -165,22 +177,28 @@ def make_route(
     restart_timeout_s: float = 600.0,
     current_from_learner: bool = False,
     scorer_dtype: str = "float32",
+    reference_version: int | None = None,
 ) -> Route:
     """The route object for ``loss.oldlogit_route`` ``name`` around the service handle ``oldlogit``;
     its calls wait at most ``restart_timeout_s`` seconds for a restarting service (:class:`RestartWait`);
     ``current_from_learner``: the learner gives its own version's pi_old, so the snapshot route asks
     the service only for older tokens (:attr:`trainer.driver.config.schema.JobConfig.current_from_learner`);
-    ``scorer_dtype``: the learner's dtype, the one the service is fed and scores in.
+    ``scorer_dtype``: the learner's dtype, the one the service is fed and scores in;
+    ``reference_version``: the snapshot route asks the service for the KL reference's log-probs of
+    every batch too (:attr:`trainer.driver.config.schema.OldLogitConfig.score_reference`).
 
     Raises:
-        ValueError: an unknown route name, or a route other than ``none`` without a service handle.
+        ValueError: an unknown route name, a route other than ``none`` without a service handle,
+            or a ``reference_version`` off the snapshot route.
     """
+    if reference_version is not None and name != "snapshot":
+        raise ValueError(f"oldlogit.score_reference: needs the snapshot route, not {name!r}")
     if name == "none":
         route = Route(oldlogit, restart_timeout_s)
     elif oldlogit is None:
         raise ValueError(f"oldlogit_route: {name!r} needs a running old-logit service")
     elif name == "snapshot":
-        route = SnapshotRoute(oldlogit, restart_timeout_s, current_from_learner)
+        route = SnapshotRoute(oldlogit, restart_timeout_s, current_from_learner, reference_version)
     elif name in ("old_logit_model", "interrupt_sync"):
         route = ScorerRoute(name, oldlogit, restart_timeout_s)
     else:
@@ -218,6 +236,7 @@ def start_service(cfg: JobConfig, model_path: Path, console: Console) -> Any:
             dtype=cfg.learner.dtype,
             packed=cfg.learner.pack_sequences,
             micro_batch_tokens=cfg.oldlogit.micro_batch_tokens,
+            pin_initial=cfg.oldlogit.score_reference,
             torch_threads=plan.oldlogit,
             yield_cpu=plan.yield_to_learner,
         )

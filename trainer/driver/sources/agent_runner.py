@@ -127,6 +127,8 @@ class AgentRunner:
         max_model_len: context length of the engines.
         lost: ``lost() -> list[str]``: ids of requests lost with a worker since the last call (a
             ``WorkerPool``'s ``take_lost_requests``); the gateway submits those calls again.
+        admission_version: the version the admission rule counts from (the oldest the rollout
+            workers still serve, :attr:`trainer.driver.loop.parts.Job.admission_version`); default ``version``.
     """
 
     def __init__(
@@ -139,6 +141,7 @@ class AgentRunner:
         model_path: str | Path,
         max_model_len: int,
         lost: Callable[[], list[str]] | None = None,
+        admission_version: Callable[[], int] | None = None,
     ):
         from transformers import AutoTokenizer
 
@@ -148,6 +151,7 @@ class AgentRunner:
         if cfg.agent is None:
             raise ValueError("agent: the config has no [agent] section")
         self.cfg, self.buffer, self.version = cfg, buffer, version
+        self.admission_version = admission_version or version
         self.fn = load_agent(cfg.agent.path) if cfg.agent.path else None  # None: outside agents only
         self.train_task, self.held_out = task_sources(cfg)
         s, c = cfg.rollout.sampling, cfg.controller
@@ -155,26 +159,16 @@ class AgentRunner:
         self._lock = threading.Lock()
         self.admitted = buffer.submitted  # sessions admitted so far (a resumed job continues its count)
         self._undrained = 0
-        g = cfg.gateway
-        self.backend = WorkerBackend(
-            submit, poll, version, submit_timeout_s=g.submit_timeout_s, call_timeout_s=g.call_timeout_s, lost=lost
-        )
-        self.gateway = Gateway(
+        self.backend = WorkerBackend.from_config(submit, poll, version, cfg.gateway, lost=lost)
+        self.gateway = Gateway.from_config(
             self.backend,
             TemplateChatFormat(AutoTokenizer.from_pretrained(str(model_path))),
             max_model_len,
-            admin_token=g.token.get_secret_value() if g.token else None,
-            train_temperature=s.temperature,
-            default_max_tokens=g.max_tokens or s.max_tokens,
-            max_session_tokens=g.max_session_tokens,
+            cfg.gateway,
+            sampling=s,
             admission=self.admit,
-            model_name=g.model_name,
-            tool_call_feedback=g.tool_call_feedback,
-            group_size=s.n,
-            group_wait_s=g.group_wait_s,
-            session_idle_s=g.session_idle_s,
         )
-        self.server = GatewayServer(self.gateway, g.host, g.port, max_body_bytes=g.max_body_bytes).start()
+        self.server = GatewayServer.from_config(self.gateway, cfg.gateway).start()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="vintage-agents", daemon=True)
         self._thread.start()
@@ -196,6 +190,7 @@ class AgentRunner:
             job.model_path,
             job.pool.engine_config.max_model_len,
             lost=job.pool.take_lost_requests,
+            admission_version=lambda: job.admission_version,
         )
 
     @property
@@ -209,11 +204,14 @@ class AgentRunner:
         """Admit ``n`` new training sessions if the staleness rule allows them now (thread-safe).
 
         The rule is :func:`trainer.driver.sources.buffer.admission_capacity` over admitted sessions not dropped: a
-        session admitted at learner version ``V`` is consumed at most ``max_staleness`` versions later.
+        session admitted while the rollout workers serve version ``V`` or later is consumed at most
+        ``max_staleness`` versions after ``V``.
         """
         with self._lock:
             scheduled = self.admitted - self.buffer.dropped_total
-            room = admission_capacity(self.version(), self.cfg.controller.max_staleness, self.batch_size, scheduled)
+            room = admission_capacity(
+                self.admission_version(), self.cfg.controller.max_staleness, self.batch_size, scheduled
+            )
             if room < n:
                 return False
             self.admitted += n

@@ -65,24 +65,32 @@ def newest_token_staleness(traj: Trajectory, consuming_version: int) -> int:
     return 0 if newest == NO_VERSION else consuming_version - newest
 
 
-def admission_capacity(learner_version: int, max_staleness: int, batch_size: int, scheduled: int) -> int:
+def admission_capacity(version: int, max_staleness: int, batch_size: int, scheduled: int) -> int:
     """How many more trajectories may be submitted now without breaking the staleness bound.
 
-    ``scheduled`` counts the trajectories submitted and not dropped (consumed, buffered, held or in
-    flight): a dropped trajectory (lost with its worker, refused, stale) is never consumed, so it
-    frees its place in the consumption order. A trajectory submitted while the learner is at version
-    ``V`` samples its first token at ``>= V``; it is consumed by step ``ceil((scheduled+1)/B)``.
-    Bounding ``scheduled <= (V + max_staleness + 1) * B`` means the batch that consumes it starts at
-    most ``max_staleness`` versions after its admission (AReaL's rule over accepted plus running
-    samples, Fu et al., 2025, Sec. 5.1). ``max_staleness = 0`` gives one batch per version: the
-    synchronous baseline.
+    ``version`` is the oldest version new work may be sampled with: the learner's version, or the
+    one before it while its publication is still being applied to the rollout workers (they sample
+    with the last weights they applied). ``scheduled`` counts the trajectories submitted and not
+    dropped (consumed, buffered, held or in flight): a dropped trajectory (lost with its worker,
+    refused, stale) is never consumed, so it frees its place in the consumption order. A trajectory
+    submitted now samples every token at ``>= version``; it is consumed by step
+    ``ceil((scheduled+1)/B)``. Bounding ``scheduled <= (version + max_staleness + 1) * B`` means the
+    batch that consumes it starts at most ``max_staleness`` versions after ``version`` (AReaL's rule
+    over accepted plus running samples, Fu et al., 2025, Sec. 5.1). Counting from the learner's
+    version instead admits one batch too many while a publication is applied: its tokens are
+    sampled one version older than the rule assumed. ``max_staleness = 0`` gives one batch per
+    version: the synchronous baseline.
+
+    Example: batch 8, bound 2, 24 scheduled: at version 1, 8 more may be submitted; while the
+    learner is at 2 and the workers still serve 1, also 8 (16 once they serve 2).
     """
-    return max(0, (learner_version + max_staleness + 1) * batch_size - scheduled)
+    return max(0, (version + max_staleness + 1) * batch_size - scheduled)
 
 
 @dataclass
 class TrajectoryBuffer:
-    """FIFO of finished trajectories, bounded by ``capacity``, taken in batches at a consuming version."""
+    """Queue of finished trajectories, bounded by ``capacity``, taken in batches of whole groups at a
+    consuming version, the oldest groups first (:meth:`_choose`)."""
 
     capacity: int
     max_staleness: int
@@ -270,20 +278,32 @@ class TrajectoryBuffer:
         """Ids of the trajectories held now (taken with ``hold=True`` or :meth:`take_ahead`)."""
         return set(self._held)
 
-    def _choose(self, n: int, consuming_version: int, group_size: int) -> list[str] | None:
-        """Keys of the first whole groups (FIFO) of trajectories within the bound at ``consuming_version``.
+    def _judged_version(self, t: Trajectory) -> int:
+        """The token version :meth:`_stale` judges ``t`` by: its oldest, or its newest with
+        :attr:`keep_partly_stale`."""
+        return t.max_version() if self.keep_partly_stale else t.min_version()
 
-        A group is whole with ``group_size`` trajectories or more, or when its trajectories carry a
-        :attr:`protocol.Trajectory.baseline` (their sender closed the group short of its size); such
-        a group takes the place of one group of ``group_size`` in the batch.
+    def _choose(self, n: int, consuming_version: int, group_size: int) -> list[str] | None:
+        """Keys of the oldest whole groups of trajectories within the bound at ``consuming_version``.
+
+        Groups are taken oldest first by the version :meth:`_stale` judges them by (a group's
+        oldest member's), in arrival order among equals: a group that would pass the bound soonest
+        is trained first, so a long rollout that arrives after shorter, newer ones is not left to go
+        stale behind them. A group is whole with ``group_size`` trajectories or more, or when its
+        trajectories carry a :attr:`protocol.Trajectory.baseline` (their sender closed the group
+        short of its size); such a group takes the place of one group of ``group_size`` in the batch.
+
+        Example: bound 2, consuming version 5, whole groups arrived in the order a (tokens at 4),
+        b (3), c (4); one group wanted: b, then a, then c.
         """
         groups: OrderedDict[str, list[str]] = OrderedDict()
         for k, t in self._items.items():
             if not self._stale(t, consuming_version):
                 groups.setdefault(t.group_id, []).append(k)
+        age = {g: min(self._judged_version(self._items[k]) for k in keys) for g, keys in groups.items()}
         chosen: list[str] = []
         used = 0
-        for keys in groups.values():
+        for keys in sorted(groups.values(), key=lambda keys: age[self._items[keys[0]].group_id]):
             closed = self._items[keys[0]].baseline is not None
             if (closed or len(keys) >= group_size) and used + group_size <= n:
                 chosen += keys

@@ -145,6 +145,8 @@ class EnvSource:
         buffer: the job's trajectory buffer (admission and accounting).
         version: the learner's current version.
         segment: the job's run segment (0 for a fresh run).
+        admission_version: the version the admission rule counts from (the oldest the rollout
+            workers still serve, :attr:`trainer.driver.loop.parts.Job.admission_version`); default ``version``.
     """
 
     def __init__(
@@ -154,8 +156,10 @@ class EnvSource:
         buffer: TrajectoryBuffer,
         version: Callable[[], int],
         segment: int = 0,
+        admission_version: Callable[[], int] | None = None,
     ):
         self.cfg, self.pool, self.buffer, self.version = cfg, pool, buffer, version
+        self.admission_version = admission_version or version
         s = cfg.rollout.sampling
         self.group_size, self.batch_size = s.n, cfg.controller.batch_groups * s.n
         self.next_seed = buffer.submitted
@@ -173,7 +177,9 @@ class EnvSource:
     def top_up(self) -> None:
         """Submit as many new groups as the staleness admission rule allows (none without a worker)."""
         v = self.version()
-        room = admission_capacity(v, self.cfg.controller.max_staleness, self.batch_size, self.buffer.scheduled)
+        room = admission_capacity(
+            self.admission_version(), self.cfg.controller.max_staleness, self.batch_size, self.buffer.scheduled
+        )
         groups = room // self.group_size
         if groups and len(self.pool):
             again = self._regenerate[:groups]
