@@ -128,7 +128,6 @@ class WorkerBackend:
         self._thread.start()
 
     @classmethod
-    @classmethod
     def from_config(
         cls,
         submit: Callable[[list[RolloutRequest]], int],
@@ -143,6 +142,7 @@ class WorkerBackend:
             lost=lost,
         )  # fmt: skip
 
+    @classmethod
     def over_core(cls, core: Any, **kw) -> WorkerBackend:
         """Backend over an in-process :class:`rollout.worker.RolloutWorkerCore`."""
         return cls(core.submit, core.poll, lambda: core.version, **kw)
