@@ -300,10 +300,10 @@ class TrajectoryBuffer:
         for k, t in self._items.items():
             if not self._stale(t, consuming_version):
                 groups.setdefault(t.group_id, []).append(k)
-        age = {g: min(self._judged_version(self._items[k]) for k in keys) for g, keys in groups.items()}
         chosen: list[str] = []
         used = 0
-        for keys in sorted(groups.values(), key=lambda keys: age[self._items[keys[0]].group_id]):
+        oldest = lambda keys: min(self._judged_version(self._items[k]) for k in keys)  # noqa: E731
+        for keys in sorted(groups.values(), key=oldest):
             closed = self._items[keys[0]].baseline is not None
             if (closed or len(keys) >= group_size) and used + group_size <= n:
                 chosen += keys
