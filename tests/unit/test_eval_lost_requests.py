@@ -174,7 +174,7 @@ def test_lost_eval_requests_are_sent_again_and_never_counted_as_training_samples
     assert source.buffer.in_flight == 1 and source.buffer.accounting_ok()  # rollout-0's training sample
     assert board.status().scale_note.startswith("rollout worker(s) rollout-1 died (1 samples lost)")
     assert took(w0) == ["v0-0-0", "eval-during-10", "eval-during-12", "eval-during-11"]
-    assert source.eval_resubmitted == 2
+    assert source._eval.resubmitted == {"eval-during-12": 1, "eval-during-11": 1}
 
     for rid in took(w0):
         w0.finish(rid)
@@ -202,7 +202,7 @@ def test_an_eval_request_lost_more_than_three_times_fails_the_evaluation_naming_
         pool.kill([holder.wid], reason)
         if i < EVAL_RESUBMITS:
             assert source.poll() == [] and took(nxt) == ["eval-during-10"]
-            assert source.eval_resubmitted == i + 1
+            assert source._eval.resubmitted == {"eval-during-10": i + 1}
     with pytest.raises(EvalLostError) as e:
         source.poll()
     assert str(e.value) == (

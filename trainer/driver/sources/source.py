@@ -171,8 +171,6 @@ class EnvSource:
         """Seeds of a checkpoint's open groups, submitted before ``next_seed`` moves on."""
         self._held_back: list[Trajectory] = []  # training trajectories polled during an evaluation
         self._eval: PendingEval | None = None  # the evaluation whose requests are out
-        self.eval_resubmitted = 0
-        """Held-out requests submitted again so far because the rollout worker holding them was lost."""
 
     def top_up(self) -> None:
         """Submit as many new groups as the staleness admission rule allows (none without a worker)."""
@@ -279,7 +277,7 @@ class EnvSource:
     def _send_eval(self) -> None:
         """Submit the running evaluation's requests no worker took yet (one sample each, in order),
         those a lost rollout worker held included (:meth:`WorkerPool.take_lost`, put back by
-        :meth:`PendingEval.put_back`, each counted in :attr:`eval_resubmitted`). The other lost ids
+        :meth:`PendingEval.put_back`, each counted in the evaluation's ``resubmitted``). The other lost ids
         (training requests, whose samples :meth:`note_worker_loss` drops) are passed over. Nothing
         without a running evaluation: a request can only be lost while its evaluation runs, since
         an evaluation ends with every episode back.
@@ -292,7 +290,7 @@ class EnvSource:
         if e is None:
             return
         for request_id, reason in self.pool.take_lost():
-            self.eval_resubmitted += e.put_back(request_id, reason)
+            e.put_back(request_id, reason)
         if e.unsent:
             e.unsent = e.unsent[self.pool.submit(e.unsent) :]
 
