@@ -282,3 +282,21 @@ def test_the_service_scores_the_reference_only_on_the_snapshot_route_and_for_a_k
         load_config(None, ['loss.method="decoupled_ppo"', "loss.kl_coef=0.1", "oldlogit.score_reference=true"])
     with pytest.raises(pydantic.ValidationError, match="oldlogit.score_reference: no KL penalty to score it for"):
         load_config(None, ['loss.method="snapshot"', "oldlogit.score_reference=true"])
+
+
+@pytest.mark.parametrize(
+    ("sets", "in_service"),
+    [
+        (['loss.method="snapshot"', "loss.kl_coef=0.01"], True),  # auto: snapshot route and a KL penalty
+        (['loss.method="snapshot"', "loss.kl_reward_coef=0.01"], True),
+        (['loss.method="snapshot"'], False),  # no penalty, nothing to score
+        (['loss.method="decoupled_ppo"', "loss.kl_coef=0.01"], False),  # no snapshots held
+        (['loss.method="snapshot"', "loss.kl_coef=0.01", "lora.enabled=true"], False),  # base model, adapter off
+        (['loss.method="snapshot"', "loss.kl_coef=0.01", "oldlogit.score_reference=false"], False),
+    ],
+)
+def test_the_reference_is_scored_in_the_service_by_default_where_it_holds_snapshots(tmp_path, sets, in_service):
+    cfg = load_config(None, sets)
+    assert cfg.oldlogit.score_reference == "auto" or "oldlogit.score_reference=false" in sets
+    assert cfg.reference_in_service is in_service
+    assert learner_settings(cfg, tmp_path).reference_in_batch is in_service

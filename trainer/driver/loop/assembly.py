@@ -73,7 +73,7 @@ def start_job(cfg: JobConfig, console: Console) -> Job:
         cfg.oldlogit.restart_timeout_s,
         cfg.current_from_learner,
         scorer_dtype=cfg.learner.dtype,
-        reference_version=0 if cfg.oldlogit.score_reference else None,
+        reference_version=0 if cfg.reference_in_service else None,
     )
     pool = start_workers(cfg, model_path, route, console)
     version = run_segment = lost_before = 0
@@ -186,7 +186,7 @@ def learner_settings(cfg: JobConfig, model_path: Path) -> LearnerSettings:
         torch_threads=cfg.thread_plan().learner,
         lora=cfg.lora,
         current_from_learner=cfg.current_from_learner,
-        reference_in_batch=cfg.oldlogit.score_reference,
+        reference_in_batch=cfg.reference_in_service,
     )
 
 

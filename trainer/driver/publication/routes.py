@@ -236,7 +236,7 @@ def start_service(cfg: JobConfig, model_path: Path, console: Console) -> Any:
             dtype=cfg.learner.dtype,
             packed=cfg.learner.pack_sequences,
             micro_batch_tokens=cfg.oldlogit.micro_batch_tokens,
-            pin_initial=cfg.oldlogit.score_reference,
+            pin_initial=cfg.reference_in_service,
             torch_threads=plan.oldlogit,
             yield_cpu=plan.yield_to_learner,
         )
