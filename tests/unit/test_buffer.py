@@ -193,6 +193,21 @@ def test_take_ahead_passes_over_a_wholly_stale_group_without_dropping_and_holds(
     assert (len(b), b.dropped["stale"]) == (0, 2) and b.accounting_ok()
 
 
+def test_take_ahead_drops_a_group_stale_even_at_the_current_version():
+    # bound 2, learner at 108, batch for 109: a group sampled at 105 arrived after the batch for 108
+    # was taken; stale at 108 (3 > 2) as at 109, it can never be consumed: dropped at once, not left
+    # holding its four places until a plain take
+    b = TrajectoryBuffer(capacity=10, max_staleness=2)
+    b.note_submitted(8)
+    for i in range(4):
+        b.offer(traj(f"late{i}", [105], group="late"))
+    for i in range(4):
+        b.offer(traj(f"ok{i}", [107], group="ok"))
+    got = b.take_ahead(4, consuming_version=109, group_size=4)
+    assert [t.trajectory_id for t in got] == ["ok0", "ok1", "ok2", "ok3"]
+    assert (b.dropped["stale"], len(b), b.scheduled) == (4, 0, 4) and b.accounting_ok()
+
+
 def test_a_group_with_one_stale_member_is_taken_and_keeps_its_reward_as_the_baseline():
     # bound 2, batch for version 72: group "g" arrived whole with one member sampled at 68 and
     # three at 70; at 72 the member at 68 is stale (4 > 2), the three at 70 are not (2)

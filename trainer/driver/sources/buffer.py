@@ -205,11 +205,12 @@ class TrajectoryBuffer:
         return len(stale)
 
     def _drop_keys(self, keys: list[str], reason: str) -> None:
+        if not keys:
+            return
         for k in keys:
             del self._items[k]
         self._drop(reason, len(keys))
-        if keys:
-            self.ledger("dropped", keys, reason)
+        self.ledger("dropped", keys, reason)
 
     def drop_if(self, bad: Callable[[Trajectory], bool], reason: str) -> list[str]:
         """Drop every buffered or held trajectory ``t`` with ``bad(t)``, counted as
@@ -387,13 +388,17 @@ class TrajectoryBuffer:
     def take_ahead(self, n: int, consuming_version: int, group_size: int = 1) -> list[Trajectory] | None:
         """Like :meth:`take` with ``hold``, for a step that starts later, once the learner has moved to
         ``consuming_version``: groups wholly stale at that version are passed over but not dropped
-        (if the step before is skipped they are still consumable at the current version); a taken
-        group's members stale at that version are dropped as by :meth:`take`.
+        (if the step before is skipped they are still consumable at the current version,
+        ``consuming_version - 1``); groups wholly stale at the current version too can never be
+        consumed and are dropped (:meth:`drop_stale`), so they neither wait in the buffer nor hold
+        admission's places; a taken group's members stale at ``consuming_version`` are dropped as
+        by :meth:`take`.
 
         Example: bound 1, buffered groups with oldest versions 3 and 4; ahead for version 5 the
         first group (staleness 2) is passed over and stays buffered, the second (staleness 1) is
-        taken; a later ``take`` at 5 drops the first as ``stale``.
+        taken; a later ``take`` at 5 drops the first as ``stale``, and so would a take ahead for 6.
         """
+        self.drop_stale(consuming_version - 1)
         chosen = self._choose(n, consuming_version, group_size)
         return None if chosen is None else self._take_chosen(chosen, consuming_version, hold=True)
 
