@@ -192,17 +192,21 @@ class TrajectoryBuffer:
         (:meth:`_stale`); returns how many trajectories were dropped. A group with a member still
         within the bound stays: :meth:`_choose` takes it, its stale members' rewards kept as its
         baseline (:meth:`_close_without_stale`)."""
-        groups: dict[str, list[str]] = {}
-        for k, t in self._items.items():
-            groups.setdefault(t.group_id, []).append(k)
         stale = [
             k
-            for keys in groups.values()
+            for keys in self._by_group().values()
             if all(self._stale(self._items[k], consuming_version) for k in keys)
             for k in keys
         ]
         self._drop_keys(stale, "stale")
         return len(stale)
+
+    def _by_group(self) -> OrderedDict[str, list[str]]:
+        """Buffered keys by group id, groups in order of first arrival, keys in arrival order."""
+        groups: OrderedDict[str, list[str]] = OrderedDict()
+        for k, t in self._items.items():
+            groups.setdefault(t.group_id, []).append(k)
+        return groups
 
     def _drop_keys(self, keys: list[str], reason: str) -> None:
         if not keys:
@@ -270,10 +274,7 @@ class TrajectoryBuffer:
         if self.filter_step[0] != learner_version:
             self.filter_step = (learner_version, 0)
         wanted = dict.fromkeys(group_ids)
-        members: dict[str, list[str]] = {}
-        for k, t in self._items.items():
-            if t.group_id in wanted:
-                members.setdefault(t.group_id, []).append(k)
+        members = self._by_group()
         out: list[str] = []
         for g in wanted:
             keys = members.get(g, [])
@@ -322,9 +323,7 @@ class TrajectoryBuffer:
         b (3), c (4); one group wanted: b, then a, then c. A group of four with one member's
         tokens at 2 and three at 4 is whole and taken (its member at 2 will be dropped).
         """
-        groups: OrderedDict[str, list[str]] = OrderedDict()
-        for k, t in self._items.items():
-            groups.setdefault(t.group_id, []).append(k)
+        groups = self._by_group()
         chosen: list[list[str]] = []
         used = 0
         oldest = lambda keys: min(self._judged_version(self._items[k]) for k in keys)  # noqa: E731
