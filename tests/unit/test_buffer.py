@@ -174,13 +174,12 @@ def test_a_group_with_split_sessions_is_taken_whole():
     assert (b.consumed, len(b)) == (3, 1) and b.accounting_ok()
 
 
-def test_take_ahead_passes_over_a_wholly_stale_group_without_dropping_and_holds():
-    # bound 1, learner at 4, batch for version 5: group "old" (both members' oldest 3) has
-    # staleness 2 at 5, group "new" (oldest 4) has staleness 1 -> "new" is taken, "old" stays
-    # buffered (not dropped: were the step skipped, it would still be consumable at 4)
+def test_take_ahead_passes_over_stale_without_dropping_and_holds():
+    # bound 1, learner at 4, batch for version 5: group "old" (oldest 3) has staleness 2 at 5,
+    # group "new" (oldest 4) has staleness 1 -> "new" is taken, "old" stays buffered (not dropped)
     b = TrajectoryBuffer(capacity=10, max_staleness=1)
     b.note_submitted(4)
-    for tid, versions, g in (("o0", [3, 4], "old"), ("o1", [3], "old"), ("n0", [4], "new"), ("n1", [4, 4], "new")):
+    for tid, versions, g in (("o0", [3, 4], "old"), ("o1", [4], "old"), ("n0", [4], "new"), ("n1", [4, 4], "new")):
         b.offer(traj(tid, versions, group=g))
     got = b.take_ahead(2, consuming_version=5, group_size=2)
     assert [t.trajectory_id for t in got] == ["n0", "n1"]
@@ -189,74 +188,19 @@ def test_take_ahead_passes_over_a_wholly_stale_group_without_dropping_and_holds(
     assert len(b) == 2
     b.consume(got)  # its step starts
     assert (b.held, b.consumed) == (0, 2) and b.accounting_ok()
-    assert b.take(2, consuming_version=5, group_size=2) is None  # at 5 the whole group "old" is dropped
-    assert (len(b), b.dropped["stale"]) == (0, 2) and b.accounting_ok()
-
-
-def test_take_ahead_drops_a_group_stale_even_at_the_current_version():
-    # bound 2, learner at 108, batch for 109: a group sampled at 105 arrived after the batch for 108
-    # was taken; stale at 108 (3 > 2) as at 109, it can never be consumed: dropped at once, not left
-    # holding its four places until a plain take
-    b = TrajectoryBuffer(capacity=10, max_staleness=2)
-    b.note_submitted(8)
-    for i in range(4):
-        b.offer(traj(f"late{i}", [105], group="late"))
-    for i in range(4):
-        b.offer(traj(f"ok{i}", [107], group="ok"))
-    got = b.take_ahead(4, consuming_version=109, group_size=4)
-    assert [t.trajectory_id for t in got] == ["ok0", "ok1", "ok2", "ok3"]
-    assert (b.dropped["stale"], len(b), b.scheduled) == (4, 0, 4) and b.accounting_ok()
-
-
-def test_a_group_with_one_stale_member_is_taken_and_keeps_its_reward_as_the_baseline():
-    # bound 2, batch for version 72: group "g" arrived whole with one member sampled at 68 and
-    # three at 70; at 72 the member at 68 is stale (4 > 2), the three at 70 are not (2)
-    b = TrajectoryBuffer(capacity=10, max_staleness=2)
-    b.note_submitted(8)
-    rewards = {"s68": 1.0, "a": 0.0, "b": 0.5, "c": 0.5}
-    for tid, v in (("s68", 68), ("a", 70), ("b", 70), ("c", 70)):
-        b.offer(traj(tid, [v, v], group="g").model_copy(update={"reward": rewards[tid]}))
-    for tid in ("n0", "n1", "n2", "n3"):  # a newer whole group, arrived after
-        b.offer(traj(tid, [71], group="new"))
-    got = b.take_ahead(4, consuming_version=72, group_size=4)
-    # the older group goes first; its stale member is dropped and its reward serves the baseline:
-    # a: (1.0 + 0.5 + 0.5) / 3 = 2/3, b and c: (1.0 + 0.0 + 0.5) / 3 = 0.5
-    assert [t.trajectory_id for t in got] == ["a", "b", "c"]
-    assert [t.baseline for t in got] == [pytest.approx(2 / 3), 0.5, 0.5]
-    assert (b.dropped["stale"], len(b), b.held) == (1, 4, 3) and b.accounting_ok()
-    # before the mend, the group judged without "s68" was short of 4 and waited until all went stale
-
-
-def test_a_sender_closed_group_keeps_its_baselines_when_a_member_is_dropped():
-    b = TrajectoryBuffer(capacity=10, max_staleness=1)
-    b.note_submitted(3)
-    for tid, v, base in (("x", 1, 0.25), ("y", 2, 0.75), ("z", 2, 0.5)):
-        b.offer(traj(tid, [v], group="p").model_copy(update={"baseline": base}))
-    got = b.take(4, consuming_version=3, group_size=4)  # x is stale at 3 (2 > 1), y and z are not
-    assert [(t.trajectory_id, t.baseline) for t in got] == [("y", 0.75), ("z", 0.5)]
-    assert b.dropped["stale"] == 1 and b.consumed == 2 and b.accounting_ok()
-
-
-def test_with_masking_a_group_is_judged_by_each_member_s_newest_token():
-    # keep_partly_stale: "p" has tokens at 1 and 3 (newest 3: staleness 1 at 4, kept); "q" only at 1
-    # (newest 1: staleness 3, dropped, its reward the baseline of "p")
-    b = TrajectoryBuffer(capacity=4, max_staleness=1, keep_partly_stale=True)
-    b.note_submitted(2)
-    b.offer(traj("p", [1, 3], group="g").model_copy(update={"reward": 0.0}))
-    b.offer(traj("q", [1], group="g").model_copy(update={"reward": 1.0}))
-    got = b.take(2, consuming_version=4, group_size=2)
-    assert [(t.trajectory_id, t.baseline) for t in got] == [("p", 1.0)]
-    assert b.dropped["stale"] == 1 and b.accounting_ok()
+    assert b.take(2, consuming_version=5, group_size=2) is None  # at 5 o0 is dropped now; o1 alone stays
+    assert ([*b._items], b.dropped["stale"]) == (["o1"], 1) and b.accounting_ok()
 
 
 def test_skipped_step_keeps_a_batch_taken_ahead_valid():
     # taken ahead for 3 with bound 1: oldest version >= 2, so staleness at 2 (the step was skipped) is <= 0
     b = TrajectoryBuffer(capacity=4, max_staleness=1)
     b.note_submitted(2)
-    b.offer(traj("a", [2, 2], group="x"))
+    b.offer(traj("a", [1, 2], group="x"))
     b.offer(traj("b", [2], group="x"))
-    got = b.take_ahead(2, consuming_version=3, group_size=2)
-    assert [sequence_staleness(t, 2) for t in got] == [0, 0]
+    assert b.take_ahead(2, consuming_version=3, group_size=2) is None  # "a" (oldest 1) is stale at 3
+    got = b.take(2, consuming_version=2, group_size=2)  # at the learner's own version both are fine
+    assert [sequence_staleness(t, 2) for t in got] == [1, 0]
 
 
 def test_put_back_returns_a_held_batch_to_the_front_unconsumed():

@@ -89,27 +89,24 @@ def job(polls, *overrides, version=3, workers=0):
 
 
 def test_collects_until_a_whole_batch_for_the_next_version_is_buffered():
-    # learner at 3, bound 1: for version 4 a trajectory is consumable when its oldest token is >= 3
+    # learner at 3, bound 1: for version 4 a group is consumable when its oldest token is >= 3
     polls = [
-        [traj("a0", "a", [2, 3]), traj("a1", "a", [3])],  # group a: a0 is stale at 4, a1 is not
+        [traj("a0", "a", [2, 3]), traj("a1", "a", [3])],  # group a: a0 is stale at 4 -> a incomplete
         [traj("b0", "b", [3]), traj("b1", "b", [3])],
         [traj("c0", "c", [3]), traj("c1", "c", [3])],
     ]
     j = job(polls)
     step = Step(finish_after=10)
     taken = j.take_ahead(step)
-    # group a is the oldest and whole: a0 is dropped, a1 takes the place of one group (its baseline
-    # a0's reward); b fills the batch, c is not needed
-    assert [t.trajectory_id for t in taken.trajectories] == ["a1", "b0", "b1"] and taken.ahead
-    assert [t.baseline for t in taken.trajectories] == [1.0, None, None]
-    assert j.route.asked == [(3, 4)]  # 3 rows asked for at consuming version 4 = learner's 3 + 1
-    assert step.checks == 2  # one check of the step before each of the two collects
-    # held until its step starts; a0 dropped as stale, nothing consumed
+    assert [t.trajectory_id for t in taken.trajectories] == ["b0", "b1", "c0", "c1"] and taken.ahead
+    assert j.route.asked == [(4, 4)]  # asked for at consuming version 4 = learner's 3 + 1
+    assert step.checks == 3  # one check of the step before each of the three collects
+    # held until its step starts, nothing consumed or dropped; a0, a1 stay buffered
     b = j.buffer
-    assert (b.held, b.consumed, dict(b.dropped), len(b)) == (3, 0, {"stale": 1}, 0) and b.accounting_ok()
+    assert (b.held, b.consumed, sum(b.dropped.values()), len(b)) == (4, 0, 0, 2) and b.accounting_ok()
     j.return_taken(taken)  # the loop stopped before training on it
-    assert (b.held, b.consumed, len(b)) == (0, 0, 3) and b.accounting_ok()
-    assert [*b._items] == ["a1", "b0", "b1"]
+    assert (b.held, b.consumed, len(b)) == (0, 0, 6) and b.accounting_ok()
+    assert [*b._items][:4] == ["b0", "b1", "c0", "c1"]
 
 
 def test_the_step_finishing_first_leaves_the_batch_to_the_new_version():

@@ -160,10 +160,7 @@ class ControllerConfig(Section):
     sampled token is past the bound (``dropped["stale"]``); ``mask`` keeps it while its newest token
     is within the bound and masks the older tokens out of the loss (the per-token limit, kept as
     context), so a session's fresh turns still train; it is dropped only when every token is past
-    the bound. Either way a GRPO group is trained while any member is within the bound: its stale
-    members are dropped when it is taken and their rewards stay in the others' leave-one-out
-    baselines (``reward - baseline``), so one late member does not hold the whole group back until
-    all of it is stale."""
+    the bound."""
     buffer_capacity: int = Field(256, ge=1)
     """Trajectories the buffer holds; beyond it, offers are refused (backpressure) and counted."""
     dynamic_sampling: bool = False

@@ -18,11 +18,6 @@ Invariants (checked by :meth:`TrajectoryBuffer.accounting_ok` and the tests):
   so after a resume only the trajectories in flight at the checkpoint count as
   ``dropped["lost_at_restart"]`` (``dropped["replayed_at_restart"]`` where the source generates
   their prompts again);
-* a group is judged whole with its stale members (a group's members finish at different
-  versions); when it is taken, its members stale at the consuming version are dropped as
-  ``stale`` and the others are trained with a leave-one-out baseline over the whole group's
-  rewards (:meth:`TrajectoryBuffer._close_without_stale`), and a group goes stale only when every
-  member has;
 * a buffered or held trajectory found unfit after it arrived (its worker served other weights than
   its version's, :meth:`TrajectoryBuffer.drop_if`) is dropped with the reason, never consumed;
 * every finished trajectory's fate is reported by id to the buffer's ``ledger`` (``buffered`` on
@@ -188,33 +183,14 @@ class TrajectoryBuffer:
         return judge(t, consuming_version) > self.max_staleness
 
     def drop_stale(self, consuming_version: int) -> int:
-        """Drop every buffered group whose trajectories are all stale at ``consuming_version``
-        (:meth:`_stale`); returns how many trajectories were dropped. A group with a member still
-        within the bound stays: :meth:`_choose` takes it, its stale members' rewards kept as its
-        baseline (:meth:`_close_without_stale`)."""
-        stale = [
-            k
-            for keys in self._by_group().values()
-            if all(self._stale(self._items[k], consuming_version) for k in keys)
-            for k in keys
-        ]
-        self._drop_keys(stale, "stale")
-        return len(stale)
-
-    def _by_group(self) -> OrderedDict[str, list[str]]:
-        """Buffered keys by group id, groups in order of first arrival, keys in arrival order."""
-        groups: OrderedDict[str, list[str]] = OrderedDict()
-        for k, t in self._items.items():
-            groups.setdefault(t.group_id, []).append(k)
-        return groups
-
-    def _drop_keys(self, keys: list[str], reason: str) -> None:
-        if not keys:
-            return
-        for k in keys:
+        """Drop every buffered trajectory that is stale at ``consuming_version`` (:meth:`_stale`)."""
+        stale = [k for k, t in self._items.items() if self._stale(t, consuming_version)]
+        for k in stale:
             del self._items[k]
-        self._drop(reason, len(keys))
-        self.ledger("dropped", keys, reason)
+        self._drop("stale", len(stale))
+        if stale:
+            self.ledger("dropped", stale, "stale")
+        return len(stale)
 
     def drop_if(self, bad: Callable[[Trajectory], bool], reason: str) -> list[str]:
         """Drop every buffered or held trajectory ``t`` with ``bad(t)``, counted as
@@ -274,7 +250,10 @@ class TrajectoryBuffer:
         if self.filter_step[0] != learner_version:
             self.filter_step = (learner_version, 0)
         wanted = dict.fromkeys(group_ids)
-        members = self._by_group()
+        members: dict[str, list[str]] = {}
+        for k, t in self._items.items():
+            if t.group_id in wanted:
+                members.setdefault(t.group_id, []).append(k)
         out: list[str] = []
         for g in wanted:
             keys = members.get(g, [])
@@ -304,76 +283,39 @@ class TrajectoryBuffer:
         :attr:`keep_partly_stale`."""
         return t.max_version() if self.keep_partly_stale else t.min_version()
 
-    def _choose(self, n: int, consuming_version: int, group_size: int) -> list[list[str]] | None:
-        """Keys of the oldest whole groups with a trajectory within the bound at ``consuming_version``,
-        group by group (each group's keys in arrival order, its stale members included).
+    def _choose(self, n: int, consuming_version: int, group_size: int) -> list[str] | None:
+        """Keys of the oldest whole groups of trajectories within the bound at ``consuming_version``.
 
         Groups are taken oldest first by the version :meth:`_stale` judges them by (a group's
         oldest member's), in arrival order among equals: a group that would pass the bound soonest
         is trained first, so a long rollout that arrives after shorter, newer ones is not left to go
         stale behind them. A group is whole with ``group_size`` trajectories or more, or when its
         trajectories carry a :attr:`protocol.Trajectory.baseline` (their sender closed the group
-        short of its size). A group is whole whether or not its members are stale: members of one
-        group finish at different versions (agent sessions admitted one by one), and a group judged
-        without its stale member would never be whole again. A group closed by its sender or with a
-        stale member takes the place of one group of ``group_size`` in the batch
-        (:meth:`_close_without_stale` drops the stale members when it is taken).
+        short of its size); such a group takes the place of one group of ``group_size`` in the batch.
 
         Example: bound 2, consuming version 5, whole groups arrived in the order a (tokens at 4),
-        b (3), c (4); one group wanted: b, then a, then c. A group of four with one member's
-        tokens at 2 and three at 4 is whole and taken (its member at 2 will be dropped).
+        b (3), c (4); one group wanted: b, then a, then c.
         """
-        groups = self._by_group()
-        chosen: list[list[str]] = []
+        groups: OrderedDict[str, list[str]] = OrderedDict()
+        for k, t in self._items.items():
+            if not self._stale(t, consuming_version):
+                groups.setdefault(t.group_id, []).append(k)
+        chosen: list[str] = []
         used = 0
         oldest = lambda keys: min(self._judged_version(self._items[k]) for k in keys)  # noqa: E731
         for keys in sorted(groups.values(), key=oldest):
-            live = sum(not self._stale(self._items[k], consuming_version) for k in keys)
-            if live == 0:
-                continue
-            given = self._items[keys[0]].baseline is not None
-            if (given or len(keys) >= group_size) and used + group_size <= n:
-                chosen.append(keys)
-                used += group_size if given or live < len(keys) else len(keys)
+            closed = self._items[keys[0]].baseline is not None
+            if (closed or len(keys) >= group_size) and used + group_size <= n:
+                chosen += keys
+                used += group_size if closed else len(keys)
         return chosen if used >= n else None
-
-    def _close_without_stale(self, keys: list[str], consuming_version: int) -> list[str]:
-        """The keys of one chosen group that are within the bound at ``consuming_version``; its stale
-        members are dropped (``dropped["stale"]``, reported to the ledger) and, unless the group's
-        sender gave baselines already, each kept member gets the mean reward of all the group's
-        *other* members, the dropped ones included (leave-one-out, RLOO: Ahmadian et al. 2024,
-        "Back to basics"), as :attr:`protocol.Trajectory.baseline`, so the stale members' rewards
-        still serve as the group's baseline and the advantage is ``reward - baseline``. A baseline
-        independent of the trajectory's own reward adds no bias (Williams 1992). Members are counted
-        per trajectory (the segments of one agent session count once each).
-
-        Example: rewards 1.0 (stale), 0.0, 0.5, 0.5: the three kept get baselines 0.5, 0.5, 0.5
-        (``(1.0 + 0.5 + 0.5) / 3``, ``(1.0 + 0.0 + 0.5) / 3`` twice).
-        """
-        stale = [k for k in keys if self._stale(self._items[k], consuming_version)]
-        if not stale:
-            return keys
-        kept = [k for k in keys if k not in stale]
-        if self._items[keys[0]].baseline is None:
-            total = sum(self._items[k].reward for k in keys)
-            for k in kept:
-                t = self._items[k]
-                self._items[k] = t.model_copy(update={"baseline": (total - t.reward) / (len(keys) - 1)})
-        self._drop_keys(stale, "stale")
-        return kept
-
-    def _take_chosen(self, groups: list[list[str]], consuming_version: int, hold: bool) -> list[Trajectory]:
-        keys = [k for g in groups for k in self._close_without_stale(g, consuming_version)]
-        return self._pop(keys, hold)
 
     def take(
         self, n: int, consuming_version: int, group_size: int = 1, *, hold: bool = False
     ) -> list[Trajectory] | None:
         """Take ``n`` trajectories (whole groups of ``group_size``) for the step at ``consuming_version``.
 
-        Groups whose trajectories are all stale are dropped first (:meth:`drop_stale`); a taken
-        group's stale members are dropped and their rewards kept in the others' baselines
-        (:meth:`_close_without_stale`). Returns None (taking nothing) if fewer than ``n``
+        Stale trajectories are dropped first. Returns None (taking nothing) if fewer than ``n``
         trajectories in complete groups are available. A group holding more than ``group_size``
         trajectories (an agent session split into segments that share its reward) is taken whole,
         so the batch may then hold more than ``n``; a group closed short of ``group_size`` by its
@@ -382,24 +324,19 @@ class TrajectoryBuffer:
         """
         self.drop_stale(consuming_version)
         chosen = self._choose(n, consuming_version, group_size)
-        return None if chosen is None else self._take_chosen(chosen, consuming_version, hold)
+        return None if chosen is None else self._pop(chosen, hold)
 
     def take_ahead(self, n: int, consuming_version: int, group_size: int = 1) -> list[Trajectory] | None:
         """Like :meth:`take` with ``hold``, for a step that starts later, once the learner has moved to
-        ``consuming_version``: groups wholly stale at that version are passed over but not dropped
-        (if the step before is skipped they are still consumable at the current version,
-        ``consuming_version - 1``); groups wholly stale at the current version too can never be
-        consumed and are dropped (:meth:`drop_stale`), so they neither wait in the buffer nor hold
-        admission's places; a taken group's members stale at ``consuming_version`` are dropped as
-        by :meth:`take`.
+        ``consuming_version``: trajectories stale at that version are passed over but not dropped
+        (if the step before is skipped they are still consumable at the current version).
 
         Example: bound 1, buffered groups with oldest versions 3 and 4; ahead for version 5 the
         first group (staleness 2) is passed over and stays buffered, the second (staleness 1) is
-        taken; a later ``take`` at 5 drops the first as ``stale``, and so would a take ahead for 6.
+        taken; a later ``take`` at 5 drops the first as ``stale``.
         """
-        self.drop_stale(consuming_version - 1)
         chosen = self._choose(n, consuming_version, group_size)
-        return None if chosen is None else self._take_chosen(chosen, consuming_version, hold=True)
+        return None if chosen is None else self._pop(chosen, hold=True)
 
     def _pop(self, keys: list[str], hold: bool) -> list[Trajectory]:
         batch = [self._items.pop(k) for k in keys]
