@@ -20,7 +20,7 @@ from typing import Any
 
 _HOMES = {
     "ApiError": "rollout.gateway.app",
-    "EndedSession": "rollout.gateway.app",
+    "EndedSession": "rollout.gateway.sessions",
     "Gateway": "rollout.gateway.app",
     "GatewayServer": "rollout.gateway.app",
     "GatewayConfig": "rollout.gateway.config",

@@ -63,11 +63,11 @@ from rollout.gateway.prompts import ChatPrompt, text_prompt_ids
 from rollout.gateway.replies import Reply, logprobs_body
 from rollout.gateway.router import gateway_app
 from rollout.gateway.session import Completion, Session
-from rollout.gateway.sessions import EndedSession, SessionTable
+from rollout.gateway.sessions import SessionTable
 from rollout.gateway.tools import normalized, parse_tool_calls, tool_error_text, with_error_note
 from rollout.httpserve import BodyLimit, ThreadedServer, is_loopback_host
 
-__all__ = ["ApiError", "EndedSession", "Gateway", "GatewayServer"]
+__all__ = ["ApiError", "Gateway", "GatewayServer"]
 
 Gone = Callable[[], Awaitable[bool]] | None
 """``await gone()`` is True once the call's client has disconnected (Starlette's ``Request.is_disconnected``)."""
