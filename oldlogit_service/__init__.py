@@ -4,10 +4,9 @@ sync) with per-token honest "missing" answers, and the proxy-error meter. The Ra
 
 from oldlogit_service.items import items_from_trajectories, merge_old_logprobs, status_from_old_logprobs
 from oldlogit_service.proxy_error import ProxyError, ProxyErrorMeter, proxy_error
-from oldlogit_service.service import ROUTES, OldLogitService
+from oldlogit_service.service import OldLogitService
 
 __all__ = [
-    "ROUTES",
     "OldLogitService",
     "ProxyError",
     "ProxyErrorMeter",

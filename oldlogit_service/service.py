@@ -74,7 +74,6 @@ from oldlogit_service.store import Holding, VersionStore, unique_bytes
 from oldlogit_service.template import load_template, peft_named
 from protocol import (
     NO_VERSION,
-    OLDLOGIT_ROUTES,
     AdapterSpec,
     OldLogitAnswer,
     OldLogitItem,
@@ -85,8 +84,6 @@ from protocol import (
     Trajectory,
     WeightManifest,
 )
-
-ROUTES = OLDLOGIT_ROUTES
 
 
 class OldLogitService:
@@ -137,9 +134,8 @@ class OldLogitService:
         micro_batch_tokens: int | None = None,
         pin_initial: bool = False,
     ) -> None:
-        if route not in ROUTES:
-            raise ValueError(f"route: {route!r} is not one of {list(ROUTES)}")
-        if pin_initial and (route != "snapshot" or initial_version is None):
+        holding = Holding.of(route, max_staleness)  # raises on an unknown route name
+        if pin_initial and (holding.window is None or initial_version is None):
             raise ValueError(
                 f"pin_initial: needs the snapshot route and an initial_version, got route {route!r}, "
                 f"initial_version {initial_version!r}"
@@ -153,7 +149,7 @@ class OldLogitService:
         if initial_version is not None and initial_version < 0:
             raise ValueError(f"initial_version: must be >= 0 or None, got {initial_version}")
         self.route: str = route
-        self.holding = Holding.of(route, max_staleness)
+        self.holding = holding
         """How this route holds versions (:class:`oldlogit_service.store.Holding`)."""
         self.max_staleness = max_staleness
         self.memory_budget_bytes = memory_budget_bytes
