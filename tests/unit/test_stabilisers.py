@@ -10,7 +10,14 @@ from modelkit.scoring import sequence_logprobs_and_entropy
 from trainer.algorithm.batch import Batch, shuffled_rows
 from trainer.algorithm.entropy_control import EntropyControl, adaptive_entropy_coef, smoothed_entropy
 from trainer.algorithm.loss_config import loss_config
-from trainer.algorithm.losses import K3_MAX, compute_policy_loss, kl_in_reward, kl_penalty, regularisers
+from trainer.algorithm.losses import (
+    K3_MAX,
+    compute_policy_loss,
+    kl_in_reward,
+    kl_penalty,
+    regularisers,
+    with_kl_reward_penalty,
+)
 from trainer.learner.schedule import lr_multiplier
 
 
@@ -94,6 +101,24 @@ def test_rewards_lowered_by_the_kl_penalty_give_the_group_its_new_advantages():
     assert out.advantages[1, 2] == 0.0 and out.advantages[:, 0].tolist() == [0.0] * 4  # off the loss tokens
     with pytest.raises(ValueError, match=r"rewards: shape \(3,\) != \(4,\)"):
         b.with_rewards(torch.zeros(3))
+
+
+def test_the_reward_penalty_lowers_each_reward_by_its_kl_and_reports_the_means():
+    """Two sequences of one group, rewards [1, 0], log mu - log ref summed over their loss tokens
+    0.5 and 1.5 nats, coefficient 0.1: rewards [0.95, -0.15]; kl_reward the mean 1.0, the mean
+    penalty 0.1; GRPO advantages +-1 (two values, population std 0.55). Coefficient 0: unchanged."""
+    b = Batch(
+        token_ids=torch.ones(2, 2, dtype=torch.long), attention_mask=torch.ones(2, 2, dtype=torch.long),
+        loss_mask=torch.tensor([[True, True], [True, False]]), behav_logprobs=torch.tensor([[-1.0, -1.0], [-0.5, 0.0]]),
+        advantages=torch.zeros(2, 2), rewards=torch.tensor([1.0, 0.0]), group_index=torch.tensor([0, 0]),
+        ref_logprobs=torch.tensor([[-1.25, -1.25], [-2.0, 0.0]]),
+    )  # fmt: skip
+    out, m = with_kl_reward_penalty(b, 0.1, "grpo")
+    assert out.rewards.tolist() == pytest.approx([0.95, -0.15])
+    assert m == pytest.approx({"kl_reward": 1.0, "kl_reward_penalty": 0.1})
+    assert out.seq_advantages.tolist() == pytest.approx([1.0, -1.0], abs=1e-5)
+    same, none = with_kl_reward_penalty(b, 0.0, "grpo")
+    assert same is b and none == {}
 
 
 def test_no_regulariser_leaves_the_policy_loss_bit_for_bit():

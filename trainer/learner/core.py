@@ -53,7 +53,7 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -72,12 +72,12 @@ from protocol import OldLogitAnswer, Trajectory, WeightManifest
 from trainer.algorithm.batch import Batch, collate, first_loss_position, shuffled_rows
 from trainer.algorithm.entropy_control import EntropyControl
 from trainer.algorithm.ewma import EwmaProximal
-from trainer.algorithm.losses import compute_policy_loss, kl_in_reward, proxy_diagnostics
+from trainer.algorithm.losses import compute_policy_loss, proxy_diagnostics, with_kl_reward_penalty
 from trainer.algorithm.proximal import RECOMPUTE_PROXIES
 from trainer.learner import checkpoint, publication
 from trainer.learner.guard import StepGuard, stage0_grad_norm
 from trainer.learner.models import ewma_logprobs, load_learner_models, needs_reference
-from trainer.learner.ranks import all_reduce_floats, gather_rows, micro_batch_count
+from trainer.learner.ranks import all_reduce_floats, micro_batch_count, score_rows
 from trainer.learner.settings import LearnerSettings, init_distributed
 from trainer.learner.steps import combine_step_metrics, reduce_metrics, sum_max_min
 
@@ -284,19 +284,22 @@ class LearnerCore:
             return batch
         return batch.select(shuffled_rows(batch.size, self.settings.seed, batch.consuming_version, epoch))
 
+    @property
+    def _ranks(self) -> tuple[int, int, int, torch.device]:
+        """``(rank, world_size, micro_batch_size, device)``: how :func:`score_rows` splits a batch here."""
+        return self.rank, self.world_size, self.settings.micro_batch_size, self.engine.device
+
     def _with_recompute(self, batch: Batch) -> Batch:
         """``batch`` with ``recompute_logprobs`` filled: the current weights' log-probs (eval mode,
-        learner numerics) of every row (:meth:`_score_rows`)."""
+        learner numerics) of every row (:func:`trainer.learner.ranks.score_rows`)."""
         with scoring_mode(self.engine.module) as model:
-            lp = self._score_rows(
-                batch, lambda mb, first: sequence_logprobs(
-                    model, mb.token_ids, mb.attention_mask, mb.temperature, first, **self._scoring
-                ),
-            )  # fmt: skip
+            lp = score_rows(batch, lambda mb, first: sequence_logprobs(
+                model, mb.token_ids, mb.attention_mask, mb.temperature, first, **self._scoring
+            ), *self._ranks)  # fmt: skip
         return replace(batch, recompute_logprobs=lp)
 
     def _with_reference(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
-        """``batch`` with ``ref_logprobs`` filled by the frozen reference (:meth:`_score_rows`; with
+        """``batch`` with ``ref_logprobs`` filled by the frozen reference (:func:`trainer.learner.ranks.score_rows`; with
         ``reference_in_batch`` the batch brings them), and with ``loss.kl_reward_coef`` its rewards
         lowered by the KL penalty of the reward (:func:`trainer.algorithm.losses.kl_in_reward`) and
         its advantages recomputed (:meth:`Batch.with_rewards`).
@@ -310,11 +313,9 @@ class LearnerCore:
                 (the message counts them)."""
         t0 = time.perf_counter()
         if self.reference is not None:
-            lp = self._score_rows(
-                batch, lambda mb, first: self.reference.logprobs(
-                    self.engine.module, mb.token_ids, mb.attention_mask, mb.temperature, first, **self._scoring
-                ),
-            )  # fmt: skip
+            lp = score_rows(batch, lambda mb, first: self.reference.logprobs(
+                self.engine.module, mb.token_ids, mb.attention_mask, mb.temperature, first, **self._scoring
+            ), *self._ranks)  # fmt: skip
             batch = replace(batch, ref_logprobs=lp)
         else:
             missing = int((batch.loss_mask & ~torch.isfinite(batch.ref_logprobs)).sum())
@@ -323,31 +324,8 @@ class LearnerCore:
                     f"ref_logprobs: {missing} loss tokens of the batch at version {batch.consuming_version} came "
                     "without the reference's log-probs (oldlogit.score_reference: the service did not hold version 0)"
                 )
-        out = {"ref_forward_s": time.perf_counter() - t0}
-        coef = self.settings.loss.kl_reward_coef
-        if coef > 0:
-            kl = kl_in_reward(batch.behav_logprobs, batch.ref_logprobs, batch.loss_mask)
-            batch = batch.with_rewards(batch.rewards - coef * kl, self.settings.loss.advantage)
-            out.update(kl_reward=float(kl.mean()), kl_reward_penalty=float(coef * kl.mean()))
-        return batch, out
-
-    def _score_rows(self, batch: Batch, score: Callable[[Batch, int], torch.Tensor]) -> torch.Tensor:
-        """``[B, T]`` fp32 of ``score(micro_batch, first)`` for every row of ``batch``: this rank scores
-        rows ``rank::world_size`` micro-batch by micro-batch and the ranks' rows are gathered.
-
-        Every rank runs the same number of forwards (ZeRO-3 gathers parameters in each)."""
-        local_rows = torch.arange(self.rank, batch.size, self.world_size)
-        local = batch.select(local_rows)
-        mbs = self.settings.micro_batch_size
-        n_micro = micro_batch_count(batch.size, self.world_size, mbs)
-        first = first_loss_position(local)
-        out = torch.full_like(batch.behav_logprobs, float("nan"))
-        # the first ceil(rows / mbs) micro-batches are this rank's rows in order, the rest padding
-        for k, mb in enumerate(local.micro_batches(mbs, n_micro)):
-            lp = score(mb.to(self.engine.device), first)
-            rows = local_rows[k * mbs : k * mbs + mb.size] if k * mbs < local.size else local_rows[:0]
-            out[rows, : lp.shape[1]] = lp[: len(rows)].to(out.device)
-        return gather_rows(out, self.world_size)
+        batch, out = with_kl_reward_penalty(batch, self.settings.loss.kl_reward_coef, self.settings.loss.advantage)
+        return batch, {"ref_forward_s": time.perf_counter() - t0, **out}
 
     def _optimizer_step(self, batch: Batch, probe: bool, use_recompute: bool) -> dict[str, float]:
         """One optimizer step on one mini-batch (the whole rollout batch with one step per batch).

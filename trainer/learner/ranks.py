@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from trainer.algorithm.batch import Batch, first_loss_position
 
 
 def all_reduce_floats(values: list[float], world_size: int, op: str = "sum") -> list[float]:
@@ -42,3 +46,31 @@ def micro_batch_count(rows: int, world_size: int, micro_batch_size: int) -> int:
     micro-batch 4 -> 2."""
     rows_per_rank = -(-rows // world_size)
     return max(1, -(-rows_per_rank // micro_batch_size))
+
+
+def score_rows(
+    batch: Batch,
+    score: Callable[[Batch, int], torch.Tensor],
+    rank: int,
+    world_size: int,
+    micro_batch_size: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """``[B, T]`` fp32 of ``score(micro_batch, first)`` for every row of ``batch`` (``first``: the
+    first loss position of this rank's rows): this rank scores rows ``rank::world_size`` micro-batch
+    by micro-batch on ``device``, and the ranks' rows are gathered (:func:`gather_rows`).
+
+    Every rank runs the same number of forwards (:func:`micro_batch_count`; ZeRO-3 gathers
+    parameters in each), the ones past its own rows on padding."""
+    local_rows = torch.arange(rank, batch.size, world_size)
+    local = batch.select(local_rows)
+    n_micro = micro_batch_count(batch.size, world_size, micro_batch_size)
+    first = first_loss_position(local)
+    out = torch.full_like(batch.behav_logprobs, float("nan"))
+    # the first ceil(rows / mbs) micro-batches are this rank's rows in order, the rest padding
+    for k, mb in enumerate(local.micro_batches(micro_batch_size, n_micro)):
+        lp = score(mb.to(device), first)
+        start = k * micro_batch_size
+        rows = local_rows[start : start + mb.size] if start < local.size else local_rows[:0]
+        out[rows, : lp.shape[1]] = lp[: len(rows)].to(out.device)
+    return gather_rows(out, world_size)
