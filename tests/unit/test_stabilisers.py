@@ -16,8 +16,8 @@ from trainer.algorithm.losses import (
     kl_in_reward,
     kl_penalty,
     regularisers,
-    with_kl_reward_penalty,
 )
+from trainer.learner.reference import with_kl_reward_penalty
 from trainer.learner.schedule import lr_multiplier
 
 

@@ -32,17 +32,12 @@ length helpers in :mod:`trainer.algorithm.advantages`, the named methods in :mod
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
 from protocol import ROUTE_TRAITS
 from trainer.algorithm.loss_config import LossConfig
 from trainer.algorithm.proximal import at_least_fp32, proximal_reference, resolve_exact_mask
-
-if TYPE_CHECKING:
-    from trainer.algorithm.batch import Batch
 
 MAX_LOG_RATIO = 20.0
 """Bound on every exponent argument (nats): exp(20) ~ 4.9e8 is finite in fp32 and bf16."""
@@ -431,22 +426,6 @@ def kl_in_reward(behav_logprobs: Tensor, ref_logprobs: Tensor, loss_mask: Tensor
     Example: log mu ``[-1.0, -2.0]``, log pi_ref ``[-1.5, -1.0]`` on two loss tokens: 0.5 - 1.0 = -0.5.
     """
     return kl_penalty(behav_logprobs, ref_logprobs, loss_mask, "k1").sum(-1)
-
-
-def with_kl_reward_penalty(batch: Batch, coef: float, advantage: str) -> tuple[Batch, dict[str, float]]:
-    """``batch`` with each reward lowered by ``coef *`` :func:`kl_in_reward` and its advantages
-    recomputed with the ``advantage`` estimator (:meth:`trainer.algorithm.batch.Batch.with_rewards`),
-    and the metrics ``kl_reward`` (mean per-sequence estimate, nats) and ``kl_reward_penalty``
-    (mean amount taken off a reward); ``batch`` itself and no metrics when ``coef`` is 0.
-
-    Example: ``coef`` 0.1, one sequence with reward 1.0 and estimate 0.5 nats: reward 0.95,
-    ``kl_reward`` 0.5, ``kl_reward_penalty`` 0.05.
-    """
-    if coef <= 0:
-        return batch, {}
-    kl = kl_in_reward(batch.behav_logprobs, batch.ref_logprobs, batch.loss_mask)
-    out = batch.with_rewards(batch.rewards - coef * kl, advantage)
-    return out, {"kl_reward": float(kl.mean()), "kl_reward_penalty": float(coef * kl.mean())}
 
 
 def regularisers(

@@ -72,12 +72,13 @@ from protocol import OldLogitAnswer, Trajectory, WeightManifest
 from trainer.algorithm.batch import Batch, collate, first_loss_position, shuffled_rows
 from trainer.algorithm.entropy_control import EntropyControl
 from trainer.algorithm.ewma import EwmaProximal
-from trainer.algorithm.losses import compute_policy_loss, proxy_diagnostics, with_kl_reward_penalty
+from trainer.algorithm.losses import compute_policy_loss, proxy_diagnostics
 from trainer.algorithm.proximal import RECOMPUTE_PROXIES
 from trainer.learner import checkpoint, publication
 from trainer.learner.guard import StepGuard, stage0_grad_norm
 from trainer.learner.models import ewma_logprobs, load_learner_models, needs_reference
 from trainer.learner.ranks import all_reduce_floats, micro_batch_count, score_rows
+from trainer.learner.reference import with_kl_reward_penalty
 from trainer.learner.settings import LearnerSettings, init_distributed
 from trainer.learner.steps import combine_step_metrics, reduce_metrics, sum_max_min
 

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from modelkit.scoring import scoring_mode, sequence_logprobs
+from trainer.algorithm.batch import Batch
+from trainer.algorithm.losses import kl_in_reward
 
 
 def frozen_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -72,3 +74,19 @@ class ReferencePolicy:
         switch = model.disable_adapter() if self.lora else contextlib.nullcontext()
         with scoring_mode(model), switch:
             return sequence_logprobs(model, token_ids, attention_mask, temperature, first, chunk_bytes, packed)
+
+
+def with_kl_reward_penalty(batch: Batch, coef: float, advantage: str) -> tuple[Batch, dict[str, float]]:
+    """``batch`` with each reward lowered by ``coef *`` :func:`kl_in_reward` and its advantages
+    recomputed with the ``advantage`` estimator (:meth:`trainer.algorithm.batch.Batch.with_rewards`),
+    and the metrics ``kl_reward`` (mean per-sequence estimate, nats) and ``kl_reward_penalty``
+    (mean amount taken off a reward); ``batch`` itself and no metrics when ``coef`` is 0.
+
+    Example: ``coef`` 0.1, one sequence with reward 1.0 and estimate 0.5 nats: reward 0.95,
+    ``kl_reward`` 0.5, ``kl_reward_penalty`` 0.05.
+    """
+    if coef <= 0:
+        return batch, {}
+    kl = kl_in_reward(batch.behav_logprobs, batch.ref_logprobs, batch.loss_mask)
+    out = batch.with_rewards(batch.rewards - coef * kl, advantage)
+    return out, {"kl_reward": float(kl.mean()), "kl_reward_penalty": float(coef * kl.mean())}
