@@ -114,7 +114,7 @@ class TokenTrace:
 
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    behav_logprobs: list[float] = field(default_factory=list)
     """mu: the engine log-prob of each sampled token (nats); a 0.0 placeholder on context tokens."""
     versions: list[int] = field(default_factory=list)
     prompt_len: int = 0
@@ -127,28 +127,28 @@ class TokenTrace:
         """Append tokens the model did not sample (mask 0, version -1, placeholder mu 0.0)."""
         self.token_ids.extend(int(i) for i in ids)
         self.loss_mask.extend([0] * len(ids))
-        self.logprobs.extend([0.0] * len(ids))
+        self.behav_logprobs.extend([0.0] * len(ids))
         self.versions.extend([NO_VERSION] * len(ids))
 
     def last_version(self) -> int:
         """Newest version of any sampled token so far (:data:`protocol.NO_VERSION` if none)."""
         return max((v for v in self.versions if v >= 0), default=NO_VERSION)
 
-    def append_sampled(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+    def append_sampled(self, ids: list[int], behav_logprobs: list[float], versions: list[int]) -> None:
         """Append model-sampled tokens (mask 1) with their mu (nats) and the version of each.
 
         Raises:
             ValueError: the three lists differ in length, or a version is older than an earlier
                 sampled token's (versions never decrease within a trajectory).
         """
-        if not len(ids) == len(logprobs) == len(versions):
-            raise ValueError(f"completion: {len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions")
+        if not len(ids) == len(behav_logprobs) == len(versions):
+            raise ValueError(f"completion: {len(ids)} ids, {len(behav_logprobs)} logprobs, {len(versions)} versions")
         last = self.last_version()
         if versions and min(versions) < last:
             raise ValueError(f"versions: {min(versions)} is older than an earlier token's version {last}")
         self.token_ids.extend(int(i) for i in ids)
         self.loss_mask.extend([1] * len(ids))
-        self.logprobs.extend(float(x) for x in logprobs)
+        self.behav_logprobs.extend(float(x) for x in behav_logprobs)
         self.versions.extend(int(v) for v in versions)
 
     def trajectory_fields(self) -> dict[str, Any]:
@@ -156,7 +156,7 @@ class TokenTrace:
         return {
             "token_ids": np.asarray(self.token_ids, np.int32),
             "loss_mask": np.asarray(self.loss_mask, np.int8),
-            "behav_logprobs": np.asarray(self.logprobs, np.float32),
+            "behav_logprobs": np.asarray(self.behav_logprobs, np.float32),
             "versions": np.asarray(self.versions, np.int32),
             "prompt_len": self.prompt_len,
             "turn_boundaries": list(self.turn_boundaries),
@@ -187,18 +187,18 @@ class Episode(TokenTrace):
     """Exact pi_old attached at interruptions (interrupt_sync route): ``[len so far]``, NaN where unknown."""
     info: dict[str, Any] = field(default_factory=dict)
 
-    def add_sampled(self, ids: list[int], logprobs: list[float], version: int) -> None:
+    def add_sampled(self, ids: list[int], behav_logprobs: list[float], version: int) -> None:
         """Append model-sampled tokens with their behaviour log-probs (nats), all of ``version``.
 
         Raises:
             ValueError: lengths differ, or ``version`` is older than an earlier sampled token.
         """
-        if len(ids) != len(logprobs):
-            raise ValueError(f"logprobs: {len(logprobs)} values for {len(ids)} tokens")
+        if len(ids) != len(behav_logprobs):
+            raise ValueError(f"behav_logprobs: {len(behav_logprobs)} values for {len(ids)} tokens")
         last = self.last_version()
         if ids and version < last:
             raise ValueError(f"version: {version} is older than an earlier token's version {last}")
-        self.append_sampled(ids, logprobs, [int(version)] * len(ids))
+        self.append_sampled(ids, behav_logprobs, [int(version)] * len(ids))
         self.turn_budget -= len(ids)
 
     def start_turn(self, budget: int) -> None:

@@ -105,13 +105,13 @@ class EngineRequest:
 class StepDelta:
     """What one ``step()`` produced for one request.
 
-    ``token_ids`` / ``logprobs`` (nats) are the new tokens of this step (usually one);
+    ``token_ids`` / ``behav_logprobs`` (mu, nats) are the new tokens of this step (usually one);
     ``finish_reason`` is ``None`` while the request runs, else one of ``stop|length|abort``.
     """
 
     request_id: str
     token_ids: list[int]
-    logprobs: list[float]
+    behav_logprobs: list[float]
     finish_reason: str | None = None
 
 
@@ -229,7 +229,7 @@ class GenerationEngine(abc.ABC):
         return None
 
     def generate(self, requests: list[EngineRequest]) -> dict[str, tuple[list[int], list[float], str]]:
-        """Run requests to completion: ``{request_id: (token_ids, logprobs, finish_reason)}``."""
+        """Run requests to completion: ``{request_id: (token_ids, behav_logprobs, finish_reason)}``."""
         out: dict[str, tuple[list[int], list[float], str]] = {r.request_id: ([], [], "") for r in requests}
         for r in requests:
             self.add(r)
@@ -237,7 +237,7 @@ class GenerationEngine(abc.ABC):
             for d in self.step():
                 toks, lps, _ = out[d.request_id]
                 toks.extend(d.token_ids)
-                lps.extend(d.logprobs)
+                lps.extend(d.behav_logprobs)
                 if d.finish_reason:
                     out[d.request_id] = (toks, lps, d.finish_reason)
         return out

@@ -430,7 +430,7 @@ class RolloutWorkerCore:
         ep = self._running.get(d.request_id)
         if ep is None:  # output of a request we aborted: never recorded
             return
-        ep.add_sampled(d.token_ids, d.logprobs, version)
+        ep.add_sampled(d.token_ids, d.behav_logprobs, version)
         if d.finish_reason:
             del self._running[d.request_id]
             ep.engine_rid = None

@@ -236,7 +236,7 @@ class Gateway(SessionTable):
                 self.stats.overhead_s += max(0.0, self.clock() - t_turn - gen_s)
             self.touch(s)
         if req.logprobs:
-            reply.logprobs = logprobs_body(self.chat, c.ids, c.logprobs, kind)
+            reply.logprobs = logprobs_body(self.chat, c.ids, c.behav_logprobs, kind)
         return reply.answer(bool(req.stream))
 
     def _budget(self, req: Sampling, s: Session | None, prompt: list[int], kind: str) -> tuple[int, bool]:

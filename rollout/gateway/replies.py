@@ -75,16 +75,17 @@ class Reply:
         return _sse([body]) if self.kind == "text" else _stream_chat(body)
 
 
-def logprobs_body(chat: Any, ids: list[int], mu: list[float], kind: str) -> dict[str, Any]:
+def logprobs_body(chat: Any, ids: list[int], behav_logprobs: list[float], kind: str) -> dict[str, Any]:
     """OpenAI ``logprobs`` of the sampled tokens: ``{"content": [...]}`` (chat) or ``{"tokens",
-    "token_logprobs", ...}`` (text); ``mu`` in nats, no alternatives (``top_logprobs`` empty)."""
+    "token_logprobs", ...}`` (text); ``behav_logprobs`` (mu) in nats, no alternatives
+    (``top_logprobs`` empty)."""
     toks = [chat.decode_token(i) if hasattr(chat, "decode_token") else chat.decode([i]) for i in ids]
     if kind == "text":
-        return {"tokens": toks, "token_logprobs": mu, "top_logprobs": None, "text_offset": None}
+        return {"tokens": toks, "token_logprobs": behav_logprobs, "top_logprobs": None, "text_offset": None}
     return {
         "content": [
             {"token": t, "logprob": m, "bytes": list(t.encode()), "top_logprobs": []}
-            for t, m in zip(toks, mu, strict=True)
+            for t, m in zip(toks, behav_logprobs, strict=True)
         ]
     }
 

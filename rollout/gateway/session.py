@@ -33,7 +33,7 @@ class Completion:
     weights the worker served at that version (``Trajectory.served_fingerprint``)."""
 
     ids: list[int]
-    logprobs: list[float]
+    behav_logprobs: list[float]
     versions: list[int]
     finish_reason: str
     policy_version: int
@@ -44,7 +44,7 @@ class Completion:
         """The first ``k`` sampled tokens, ended for ``finish_reason`` (a stop string cut)."""
         old = self.old_logprobs[:k] if self.old_logprobs else self.old_logprobs
         return Completion(
-            self.ids[:k], self.logprobs[:k], self.versions[:k], finish_reason, self.policy_version, old,
+            self.ids[:k], self.behav_logprobs[:k], self.versions[:k], finish_reason, self.policy_version, old,
             self.served_fingerprint,
         )  # fmt: skip
 
@@ -91,7 +91,7 @@ class Segment(TokenTrace):
         """Append one call's sampled tokens as one model turn (checked as in
         :meth:`rollout.agent.TokenTrace.append_sampled`)."""
         start = len(self.token_ids)
-        self.append_sampled(c.ids, c.logprobs, c.versions)
+        self.append_sampled(c.ids, c.behav_logprobs, c.versions)
         self.old_logprobs += list(c.old_logprobs) if c.old_logprobs is not None else [math.nan] * len(c.ids)
         self.turn_boundaries.append((start, len(self.token_ids)))
         self.calls.append(call_id)
@@ -163,8 +163,8 @@ class Session:
                 the session is left as it was.
         """
         n = len(c.ids)
-        if len(c.logprobs) != n or len(c.versions) != n:
-            raise ValueError(f"completion: {n} ids, {len(c.logprobs)} logprobs, {len(c.versions)} versions")
+        if len(c.behav_logprobs) != n or len(c.versions) != n:
+            raise ValueError(f"completion: {n} ids, {len(c.behav_logprobs)} logprobs, {len(c.versions)} versions")
         seg = self.current
         if seg is not None and seg.extends(prompt_ids):
             last = seg.last_version()
@@ -180,7 +180,7 @@ class Session:
             self.segments.append(seg)
         seg.add_completion(call_id, c)
         rec = CallRecord(
-            call_id, list(prompt_ids), list(c.ids), list(c.logprobs), list(c.versions), c.finish_reason,
+            call_id, list(prompt_ids), list(c.ids), list(c.behav_logprobs), list(c.versions), c.finish_reason,
             len(self.segments) - 1, c.old_logprobs,
         )  # fmt: skip
         self.calls.append(rec)
