@@ -233,9 +233,7 @@ def bench_model(
             for r in ("old_logit_model", "interrupt_sync"):
                 svc = services[r]
                 f0 = svc.forwards
-                clocks[r].run(
-                    "score", svc.score_segments if r == "old_logit_model" else svc.score_prefixes, sub, TEMPERATURE
-                )
+                clocks[r].run("score", svc.score_prefixes, sub, TEMPERATURE)
                 clocks[r].forwards += (svc.forwards - f0) if clocks[r].steps else 0
             fake_step(learner, seed=V + 1)
             V += 1

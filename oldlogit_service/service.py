@@ -13,8 +13,8 @@ Routes (``route=``):
   ``memory_budget_bytes``. A request costs one forward per distinct *held* version present in it,
   batched over the items that contain that version; each token keeps its own version's value.
 * ``"old_logit_model"``: one scorer replica kept in step with every broadcast (newest version
-  only). Workers or the driver call :meth:`OldLogitService.score_segments` /
-  :meth:`OldLogitService.attach_old_logprobs` on each finished segment before its version is
+  only). Workers or the driver call :meth:`OldLogitService.attach_old_logprobs` on each
+  finished segment before its version is
   superseded, so the :class:`protocol.Trajectory` arrives with ``old_logprobs`` attached.
 * ``"interrupt_sync"``: the same single replica; at each weight update the in-flight prefixes are
   scored at the outgoing version (:meth:`OldLogitService.score_prefixes`) *before*
@@ -397,18 +397,25 @@ class OldLogitService:
         self._account(kind, time.perf_counter() - t0)
         return lps
 
-    def score_segments(
+    def score_prefixes(
         self,
         items: Sequence[OldLogitItem | Trajectory],
         temperature: float,
         old_logprobs: Sequence[np.ndarray | None] | None = None,
     ) -> list[np.ndarray]:
-        """old_logit_model route: score finished segments at the loaded (newest) version.
+        """interrupt_sync route: score interrupted in-flight prefixes at the outgoing version.
 
-        Call it with each finished segment (a whole trajectory or one version's segment of a
-        partial rollout) *before* its version is superseded. Tokens sampled at a held version (on
-        the single-replica routes: the loaded one) get exact ``pi_old``; every other token is NaN
-        and counted missing with its reason (an older, superseded version counts as evicted).
+        The update protocol is: workers interrupt and send their prefixes (token ids, loss mask,
+        versions of each token); the service scores them with this method while it still holds
+        the outgoing version; then :meth:`update_weights` installs the new version and generation
+        resumes (continue, not restart). Tokens of earlier versions in a prefix were scored at
+        earlier interruptions: pass what the sequence carries so far as ``old_logprobs`` and they
+        are kept (not rescored); the answer is the merged ``[seq]`` array. The time spent is the
+        interruption stall (``stats()["seconds"]["prefixes"]``).
+
+        The same scoring serves finished segments on the old_logit_model route (tokens of the loaded
+        version exact, every other token NaN and counted missing with its reason, a superseded
+        version as evicted); :meth:`attach_old_logprobs` wraps it for trajectories.
 
         Args:
             items: :class:`protocol.OldLogitItem` / :class:`protocol.Trajectory` objects (or item
@@ -426,26 +433,6 @@ class OldLogitService:
             TypeError: an item of another type (``items[i]``).
             ValueError: as :meth:`score` (field named ``items[i]...``), temperature <= 0, or
                 ``old_logprobs`` of the wrong count or longer than its item.
-        """
-        return self._score_current(items, temperature, "segments", old_logprobs)
-
-    def score_prefixes(
-        self,
-        items: Sequence[OldLogitItem | Trajectory],
-        temperature: float,
-        old_logprobs: Sequence[np.ndarray | None] | None = None,
-    ) -> list[np.ndarray]:
-        """interrupt_sync route: score interrupted in-flight prefixes at the outgoing version.
-
-        The update protocol is: workers interrupt and send their prefixes (token ids, loss mask,
-        versions of each token); the service scores them with this method while it still holds
-        the outgoing version; then :meth:`update_weights` installs the new version and generation
-        resumes (continue, not restart). Tokens of earlier versions in a prefix were scored at
-        earlier interruptions: pass what the sequence carries so far as ``old_logprobs`` and they
-        are kept (not rescored); the answer is the merged ``[seq]`` array. The time spent is the
-        interruption stall (``stats()["seconds"]["prefixes"]``).
-
-        Args / Returns / Raises: as :meth:`score_segments`.
         """
         return self._score_current(items, temperature, "prefixes", old_logprobs)
 

@@ -326,7 +326,7 @@ def test_single_replica_route_scores_the_loaded_adapter(tiny_model_path, lora_le
     assert svc.versions_held == [2] and svc.evicted == {0: "superseded"}
     items = _items([[2, 2, 2]], seed=3)
     ids = torch.as_tensor(items[0]["token_ids"])[None]
-    out = svc.score_segments(items, T)[0]
+    out = svc.score_prefixes(items, T)[0]
     ref = lora_learner.logprobs(2, ids, torch.ones_like(ids)).numpy()[0]
     assert np.array_equal(out[3:], ref[3:])
 

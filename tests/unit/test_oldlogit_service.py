@@ -289,7 +289,7 @@ def test_old_logit_model_stays_in_step_with_broadcasts(tiny_model_path, learner)
     # the last segment was scored on the full sequence: bit-exact with the learner's forward
     assert np.array_equal(traj.old_logprobs[7:], want[7:])
     # a segment that arrives after its version was superseded is honest about it
-    late = svc.score_segments([make_item("late", [2, 2], seed=13)], T)[0]
+    late = svc.score_prefixes([make_item("late", [2, 2], seed=13)], T)[0]
     assert np.isnan(late).all() and svc.stats()["tokens_missing"] == {"MISSING_EVICTED": 2}
     assert svc.score(request(make_item("q", [2, 3], seed=14))).status[0][3:].tolist() == [
         TokenStatus.MISSING_EVICTED,
@@ -364,9 +364,9 @@ def test_malformed_requests_and_publications_name_the_field(tiny_model_path, lea
     with pytest.raises(pydantic.ValidationError, match=r"items\.0\.schema_version\n  Input should be a valid integer"):
         svc.score({"request_id": "r", "temperature": 1.0, "items": [dict(good, schema_version=True)]})
     with pytest.raises(TypeError, match=r"items\[0\]"):
-        svc.score_segments([42], T)
+        svc.score_prefixes([42], T)
     with pytest.raises(ValueError, match="temperature"):
-        svc.score_segments([good], 0.0)
+        svc.score_prefixes([good], 0.0)
     # publications
     learner.step_to(2)
     man, pay = pack_weights(learner.model.state_dict().items(), 2)
