@@ -30,7 +30,9 @@ class _OldLogitActorBody(OldLogitService):
 
     A process Ray restarts (``max_restarts``) runs the constructor again with the same arguments; it
     then holds no version (``initial_version=None``) until the next publication: nothing held before
-    the restart is assumed, and tokens of those versions are answered ``missing``.
+    the restart is assumed, and tokens of those versions are answered ``missing``. The one exception
+    is a pinned initial version (``pin_initial``, the KL reference): it is the model folder's weights,
+    loaded again as they were (:func:`restart_kwargs`).
     """
 
     def __init__(self, *args: Any, torch_threads: int | None = None, yield_cpu: bool = False, **kwargs: Any) -> None:
@@ -41,13 +43,20 @@ class _OldLogitActorBody(OldLogitService):
 
             to_idle()
         torch.set_num_threads(torch_threads or int(os.environ.get("OMP_NUM_THREADS", "1")))
-        if ray.get_runtime_context().was_current_actor_reconstructed:
-            kwargs["initial_version"] = None
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **restart_kwargs(kwargs, ray.get_runtime_context().was_current_actor_reconstructed))
 
     def ready(self) -> bool:
         """True once the model is loaded (``ray.get(server.ready.remote())`` waits for it)."""
         return True
+
+
+def restart_kwargs(kwargs: dict[str, Any], reconstructed: bool) -> dict[str, Any]:
+    """The constructor's keyword arguments for a process that Ray started again: no initial version
+    (nothing held before the restart is assumed) unless it is pinned (``pin_initial``: the folder's
+    own weights, the same after a restart); ``kwargs`` unchanged for a first start."""
+    if reconstructed and not kwargs.get("pin_initial"):
+        return {**kwargs, "initial_version": None}
+    return kwargs
 
 
 OldLogitServer = ray.remote(num_cpus=0.5, max_restarts=0)(_OldLogitActorBody)

@@ -70,7 +70,7 @@ from modelkit.weights import torch_dtype, unpack_weights
 from oldlogit_service.intake import already_published, check_shapes, owned_copy
 from oldlogit_service.items import as_item, merge_old_logprobs, nan_extended
 from oldlogit_service.scoring import BoundModel, count_statuses, score_by_version, validate_items
-from oldlogit_service.store import Holding, VersionStore, unique_bytes
+from oldlogit_service.store import Holding, VersionStore, check_pinned_fits, unique_bytes
 from oldlogit_service.template import load_template, peft_named
 from protocol import (
     NO_VERSION,
@@ -115,9 +115,10 @@ class OldLogitService:
             request asks (:attr:`protocol.OldLogitRequest.reference_version`). Snapshot route only.
 
     Raises:
-        ValueError: an unknown route, negative ``max_staleness`` / budget, an unknown dtype, or
-            ``pin_initial`` off the snapshot route or without ``initial_version`` (the message names
-            the argument).
+        ValueError: an unknown route, negative ``max_staleness`` / budget, an unknown dtype,
+            ``pin_initial`` off the snapshot route or without ``initial_version``, or a budget that
+            cannot hold the pinned copy beside one published version (the message names the
+            argument).
     """
 
     def __init__(
@@ -197,6 +198,7 @@ class OldLogitService:
             self.store.put(initial_version, t.folder_version)
             if pin_initial:
                 self.store.pinned.add(initial_version)
+                check_pinned_fits(self.store.bytes, self.store.held_bytes[initial_version], memory_budget_bytes)
 
     # ------------------------------------------------------------------------------------------
     # weights

@@ -61,6 +61,23 @@ def dedup(weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {k: same.setdefault((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()), t) for k, t in weights.items()}
 
 
+def check_pinned_fits(held_bytes: int, version_bytes: int, budget: int | None) -> None:
+    """Refuse a memory budget that cannot hold what is held now (the pinned reference and any
+    base) plus one more version of ``version_bytes``: every publication would then be evicted at
+    once and no token would get an exact old log-prob.
+
+    Example: 540 MB held, versions of 540 MB: a budget of 1 GB is refused, 1.08 GB holds one.
+
+    Raises:
+        ValueError: naming ``oldlogit.memory_budget_bytes`` and ``oldlogit.score_reference``.
+    """
+    if budget is not None and held_bytes + version_bytes > budget:
+        raise ValueError(
+            f"oldlogit.memory_budget_bytes: {budget} bytes cannot hold the pinned KL reference and one published "
+            f"version ({held_bytes} + {version_bytes} bytes); raise it or set oldlogit.score_reference = false"
+        )
+
+
 def unique_bytes(tensors: Mapping[str, Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (tied aliases counted once)."""
     seen: dict[int, int] = {}

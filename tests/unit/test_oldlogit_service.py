@@ -14,6 +14,7 @@ from modelkit.modelhub import load_causal_lm
 from modelkit.scoring import sequence_logprobs
 from modelkit.weights import pack_weights
 from oldlogit_service import OldLogitService, status_from_old_logprobs
+from oldlogit_service.actor import restart_kwargs
 from oldlogit_service.scoring import row_chunks
 from protocol import OldLogitRequest, ProtocolError, TokenStatus, Trajectory
 
@@ -539,6 +540,20 @@ def test_a_pinned_reference_outlives_the_window_and_is_scored_beside_the_old_log
     assert tight.versions_held == [0, 2] and tight.evicted == {1: "memory_budget"}
     with pytest.raises(ValueError, match="pin_initial: needs the snapshot route and an initial_version"):
         OldLogitService(tiny_model_path, route="old_logit_model", pin_initial=True)
+    # a budget below the pinned copy plus one version would evict every publication: refused at start
+    with pytest.raises(ValueError, match=rf"oldlogit.memory_budget_bytes: {2 * copy - 1} bytes cannot hold"):
+        OldLogitService(tiny_model_path, route="snapshot", pin_initial=True, memory_budget_bytes=2 * copy - 1)
+    assert OldLogitService(
+        tiny_model_path, route="snapshot", pin_initial=True, memory_budget_bytes=2 * copy
+    ).versions_held == [0]
+
+
+def test_the_pinned_reference_is_the_one_version_a_restarted_server_loads_again():
+    kwargs = {"route": "snapshot", "initial_version": 0}
+    assert restart_kwargs(kwargs, reconstructed=False) == kwargs
+    assert restart_kwargs(kwargs, reconstructed=True) == {"route": "snapshot", "initial_version": None}
+    pinned = {**kwargs, "pin_initial": True}
+    assert restart_kwargs(pinned, reconstructed=True) == pinned  # the folder's weights are version 0 again
 
 
 def test_a_reference_request_names_what_does_not_match():

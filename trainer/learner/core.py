@@ -300,12 +300,13 @@ class LearnerCore:
         return replace(batch, recompute_logprobs=lp)
 
     def _with_reference(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
-        """``batch`` with ``ref_logprobs`` filled by the frozen reference (:func:`trainer.learner.ranks.score_rows`; with
+        """``batch`` with ``ref_logprobs`` filled by the frozen reference (:func:`score_rows`; with
         ``reference_in_batch`` the batch brings them), and with ``loss.kl_reward_coef`` its rewards
-        lowered by the KL penalty of the reward (:func:`trainer.algorithm.losses.kl_in_reward`) and
-        its advantages recomputed (:meth:`Batch.with_rewards`).
+        lowered by the KL penalty of the reward and its advantages recomputed
+        (:func:`trainer.learner.reference.with_kl_reward_penalty`).
 
-        Returns the batch and metrics: ``ref_forward_s`` (0 when the batch brought them); with the
+        Returns the batch and metrics: ``ref_forward_s`` (the reference's forwards, or only the
+        check of the values the batch brought: near 0); with the
         reward penalty ``kl_reward`` (mean per-sequence estimate, nats) and ``kl_reward_penalty``
         (mean amount taken off a reward).
 
@@ -325,8 +326,9 @@ class LearnerCore:
                     f"ref_logprobs: {missing} loss tokens of the batch at version {batch.consuming_version} came "
                     "without the reference's log-probs (oldlogit.score_reference: the service did not hold version 0)"
                 )
+        ref_forward_s = time.perf_counter() - t0
         batch, out = with_kl_reward_penalty(batch, self.settings.loss.kl_reward_coef, self.settings.loss.advantage)
-        return batch, {"ref_forward_s": time.perf_counter() - t0, **out}
+        return batch, {"ref_forward_s": ref_forward_s, **out}
 
     def _optimizer_step(self, batch: Batch, probe: bool, use_recompute: bool) -> dict[str, float]:
         """One optimizer step on one mini-batch (the whole rollout batch with one step per batch).

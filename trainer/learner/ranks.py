@@ -1,5 +1,6 @@
 """What a learner's data-parallel ranks combine: floats summed or maximised over the ranks, and
-``[batch, seq]`` rows each rank filled for its own share. Identity with one rank (no collective)."""
+``[batch, seq]`` rows each rank filled for its own share (:func:`score_rows` runs the forwards of
+a rank's share, the same number on every rank). Identity with one rank (no collective)."""
 
 from __future__ import annotations
 

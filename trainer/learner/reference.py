@@ -3,7 +3,8 @@
 Full-weight training keeps one frozen copy of the initial model (the model folder) in the learner's
 dtype, on the engine's device: one model's memory, and one no-grad forward per micro-batch. With
 LoRA the reference is the base model with the adapter switched off (peft's ``disable_adapter``): the
-engine's own module runs it, nothing is copied.
+engine's own module runs it, nothing is copied. :func:`with_kl_reward_penalty` lowers a batch's
+rewards by the KL penalty of the reward.
 """
 
 from __future__ import annotations
