@@ -234,15 +234,19 @@ def check_chunked(parts: Parts, batch: int, seq: int, reps: int) -> dict:
 
 
 def check_oldlogit(parts: Parts) -> dict:
-    """The snapshot service on the device scores version-``V`` tokens as the learner does."""
+    """The snapshot service on the device, built as a job builds it for a learner of this dtype
+    (:meth:`trainer.driver.config.schema.JobConfig.oldlogit_service_options`), scores version-``V``
+    tokens as the learner does."""
     import numpy as np
 
     from oldlogit_service import OldLogitService, items_from_trajectories
     from protocol import OldLogitRequest
     from trainer.algorithm.batch import collate
+    from trainer.driver.config.schema import load_config
 
     core = parts.learner()
-    svc = OldLogitService(parts.model_path, route="snapshot", max_staleness=2, device=parts.device, dtype=parts.dtype)
+    job = load_config(None, ['loss.method="snapshot"', "controller.max_staleness=2", f'learner.dtype="{parts.dtype}"'])
+    svc = OldLogitService(parts.model_path, device=parts.device, **job.oldlogit_service_options())
     manifest, payload = core.publish(dtype=parts.dtype)
     svc.update_weights(manifest, payload)
     trajs = synthetic_trajectories(core, n=6, length=48, prompt=12, seed=2)  # every row the same length

@@ -300,3 +300,20 @@ def test_the_reference_is_scored_in_the_service_by_default_where_it_holds_snapsh
     assert cfg.oldlogit.score_reference == "auto" or "oldlogit.score_reference=false" in sets
     assert cfg.reference_in_service is in_service
     assert learner_settings(cfg, tmp_path).reference_in_batch is in_service
+
+
+def test_the_old_logit_service_is_built_from_the_jobs_settings():
+    cfg = load_config(
+        None,
+        ['loss.method="snapshot"', "controller.max_staleness=3", 'learner.dtype="bfloat16"', "loss.kl_coef=0.01"],
+    )
+    opts = cfg.oldlogit_service_options()
+    assert (opts["route"], opts["max_staleness"], opts["dtype"], opts["pin_initial"], opts["adapter"]) == (
+        "snapshot",
+        3,
+        "bfloat16",
+        True,
+        None,
+    )
+    assert opts["memory_budget_bytes"] == cfg.oldlogit.memory_budget_bytes
+    assert opts["packed"] is cfg.learner.pack_sequences

@@ -440,6 +440,18 @@ class JobConfig(Section):
             return c.max_staleness
         return c.max_token_staleness
 
+    def oldlogit_service_options(self) -> dict[str, Any]:
+        """The old-logit service's constructor options for this job
+        (:class:`oldlogit_service.OldLogitService`, all but the model folder, device and threads):
+        its route and window, memory budget, adapter, the learner's dtype and packing, micro-batch
+        size and the pinned reference. The job and the GPU check build their services from it."""
+        return dict(
+            route=self.oldlogit_route, max_staleness=self.controller.max_staleness,
+            memory_budget_bytes=self.oldlogit.memory_budget_bytes, adapter=self.lora.spec() if self.lora.enabled else None,
+            dtype=self.learner.dtype, packed=self.learner.pack_sequences,
+            micro_batch_tokens=self.oldlogit.micro_batch_tokens, pin_initial=self.reference_in_service,
+        )  # fmt: skip
+
     @property
     def current_from_learner(self) -> bool:
         """Whether the learner gives pi_old of its own version's tokens and the service scores only

@@ -229,14 +229,7 @@ def start_service(cfg: JobConfig, model_path: Path, console: Console) -> Any:
             **cfg.oldlogit.actor_options(), max_restarts=restarts, max_task_retries=restarts
         ).remote(
             str(model_path),
-            route=cfg.oldlogit_route,
-            max_staleness=c.max_staleness,
-            memory_budget_bytes=cfg.oldlogit.memory_budget_bytes,
-            adapter=cfg.lora.spec() if cfg.lora.enabled else None,
-            dtype=cfg.learner.dtype,
-            packed=cfg.learner.pack_sequences,
-            micro_batch_tokens=cfg.oldlogit.micro_batch_tokens,
-            pin_initial=cfg.reference_in_service,
+            **cfg.oldlogit_service_options(),
             torch_threads=plan.oldlogit,
             yield_cpu=plan.yield_to_learner,
         )
