@@ -114,6 +114,12 @@ class LossConfig(BaseModel):
             raise ValueError("dual_clip is not defined for policy_loss='gspo'")
         return self
 
+    @property
+    def kl_penalty(self) -> bool:
+        """Whether a KL penalty to the frozen reference is on: ``kl_coef`` in the loss or
+        ``kl_reward_coef`` in the reward; either needs the reference's log-probs."""
+        return self.kl_coef > 0 or self.kl_reward_coef > 0
+
 
 _EXACT = {"proxy": "ewma", "behav_weight_cap": 5.0, "discrepancy_mask": True}
 

@@ -76,7 +76,7 @@ from trainer.algorithm.losses import compute_policy_loss, proxy_diagnostics
 from trainer.algorithm.proximal import RECOMPUTE_PROXIES
 from trainer.learner import checkpoint, publication
 from trainer.learner.guard import StepGuard, stage0_grad_norm
-from trainer.learner.models import ewma_logprobs, load_learner_models, needs_reference
+from trainer.learner.models import ewma_logprobs, load_learner_models
 from trainer.learner.ranks import all_reduce_floats, micro_batch_count, score_rows
 from trainer.learner.reference import with_kl_reward_penalty
 from trainer.learner.settings import LearnerSettings, init_distributed
@@ -231,7 +231,7 @@ class LearnerCore:
         steps = s.ppo_epochs * count
         recompute = steps > 1 and s.loss.proxy in RECOMPUTE_PROXIES
         kl_out: dict[str, float] = {}
-        if needs_reference(s):  # frozen: scored once for every optimizer step of the batch
+        if s.loss.kl_penalty:  # frozen: scored once for every optimizer step of the batch
             batch, kl_out = self._with_reference(batch)
         tr = time.perf_counter()
         if recompute and s.ppo_epochs > 1:  # every row is read by a later step: take them all at once
@@ -409,7 +409,7 @@ class LearnerCore:
             model = self._scorer if self._scorer is not None else self.engine.module
             ewma_lp = ewma_logprobs(self.ewma, model, mb, first, self._scoring)
         tb = time.perf_counter()
-        ref_lp = mb.ref_logprobs if needs_reference(self.settings) else None  # taken before the batch's first step
+        ref_lp = mb.ref_logprobs if self.settings.loss.kl_penalty else None  # taken before the batch's first step
         lp, entropy = sequence_logprobs_and_entropy(
             self.engine, mb.token_ids, mb.attention_mask, mb.temperature, first,
             entropy_grad=cfg.entropy_coef > 0, **self._scoring,

@@ -23,7 +23,7 @@ class LearnerModels:
         policy: the trainable model in train mode, fp32 (DeepSpeed casts it for bf16), KV cache off,
             LoRA-wrapped when ``lora.enabled`` and with gradient checkpointing when asked.
         pad_token_id: the model's pad token (0 when it names none).
-        reference: the KL penalties' frozen version 0, or None when :func:`needs_reference` is
+        reference: the KL penalties' frozen version 0, or None when ``settings.loss.kl_penalty`` is
             False or the reference's log-probs come with each batch (``reference_in_batch``).
         ewma_scorer: a frozen copy in the learner's dtype for the EWMA forwards when the proxy is
             "ewma" and the weights are trained whole; None otherwise (with LoRA the EWMA adapter is
@@ -34,12 +34,6 @@ class LearnerModels:
     pad_token_id: int
     reference: ReferencePolicy | None
     ewma_scorer: torch.nn.Module | None
-
-
-def needs_reference(settings: LearnerSettings) -> bool:
-    """Whether a KL penalty (``loss.kl_coef`` in the loss, ``loss.kl_reward_coef`` in the reward)
-    needs the frozen reference's log-probs."""
-    return settings.loss.kl_coef > 0 or settings.loss.kl_reward_coef > 0
 
 
 def load_learner_models(settings: LearnerSettings, dtype: torch.dtype) -> LearnerModels:
@@ -58,7 +52,7 @@ def load_learner_models(settings: LearnerSettings, dtype: torch.dtype) -> Learne
         from modelkit.lora import wrap_lora
 
         model = wrap_lora(model, lora.spec(), dropout=lora.dropout)
-    own = needs_reference(settings) and not settings.reference_in_batch
+    own = settings.loss.kl_penalty and not settings.reference_in_batch
     reference = ReferencePolicy(model, dtype, lora.enabled) if own else None
     scorer = frozen_copy(model, dtype) if settings.loss.proxy == "ewma" and not lora.enabled else None
     if settings.gradient_checkpointing:

@@ -370,7 +370,7 @@ class JobConfig(Section):
             raise ValueError(
                 f"oldlogit.score_reference: needs the snapshot route (loss.oldlogit_route), not {self.oldlogit_route!r}"
             )
-        if self.oldlogit.score_reference is True and not self.kl_penalty:
+        if self.oldlogit.score_reference is True and not self.loss.kl_penalty:
             raise ValueError(
                 "oldlogit.score_reference: no KL penalty to score it for (loss.kl_coef and loss.kl_reward_coef are 0)"
             )
@@ -418,17 +418,12 @@ class JobConfig(Section):
         return self.loss.oldlogit_route
 
     @property
-    def kl_penalty(self) -> bool:
-        """Whether a KL penalty to the frozen reference is on (in the loss or in the reward)."""
-        return self.loss.kl_coef > 0 or self.loss.kl_reward_coef > 0
-
-    @property
     def reference_in_service(self) -> bool:
         """Whether the old-logit server scores the KL reference (``oldlogit.score_reference``, its
         ``"auto"`` resolved: the snapshot route, a KL penalty and full weights)."""
         chosen = self.oldlogit.score_reference
         if chosen == AUTO:
-            return self.oldlogit_route == "snapshot" and self.kl_penalty and not self.lora.enabled
+            return self.oldlogit_route == "snapshot" and self.loss.kl_penalty and not self.lora.enabled
         return bool(chosen)
 
     @property
