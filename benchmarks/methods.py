@@ -186,11 +186,15 @@ def run_cell(cell: Cell, out_dir: Path, console: Console) -> dict[str, Any]:
     return rec
 
 
-def run_grid(cells: list[Cell], out_dir: Path, console: Console, grid_name: str) -> dict[str, Any]:
+def run_grid(
+    cells: list[Cell], out_dir: Path, console: Console, grid_name: str, stop_after_s: float | None = None
+) -> dict[str, Any]:
     """Run ``cells`` in one Ray session (reused if already initialised), writing outputs after each.
 
     The outputs cover every finished cell in ``out_dir`` (this grid's and earlier ones'), so grids
     run into one folder (``reduced``, then ``seeds``) make one table with the seeds pooled per row.
+    With ``stop_after_s`` no cell starts once that many seconds have passed since the grid started
+    (the cell under way finishes; the rest wait for a resumed grid).
     """
     from trainer.driver.cluster.environment import defaults_env
     from trainer.driver.cluster.session import ray_session
@@ -209,6 +213,11 @@ def run_grid(cells: list[Cell], out_dir: Path, console: Console, grid_name: str)
     first = load_config(None, cells[0].overrides(out_dir / "runs" / "_"))
     with ray_session(first):
         for i, cell in enumerate(cells):
+            if stop_after_s is not None and time.perf_counter() - t0 > stop_after_s:
+                console.print(
+                    f"stopped after {stop_after_s / 60:.0f} min: cells {i + 1}-{len(cells)} left for a resumed grid"
+                )
+                break
             console.print(f"[bold]cell {i + 1}/{len(cells)}[/bold] {cell.name}")
             try:
                 records.append(run_cell(cell, out_dir, console))
@@ -227,20 +236,27 @@ def run_grid(cells: list[Cell], out_dir: Path, console: Console, grid_name: str)
 
 
 def main(
-    out_dir: Path = Path("results/methods"), quick: bool = False, console: Console | None = None, kind: str = "full"
+    out_dir: Path = Path("results/methods"),
+    quick: bool = False,
+    console: Console | None = None,
+    kind: str = "full",
+    stop_after_min: float | None = None,
 ) -> dict[str, Any]:
     """``vintage bench methods``: grid ``kind`` (``quick`` when ``quick``); returns the results dict.
+    With ``stop_after_min`` no cell starts after that many minutes (:func:`run_grid`).
 
     Raises:
         ValueError: ``kind`` is not one of :data:`GRIDS`.
     """
     kind = "quick" if quick else kind
-    return run_grid(grid(kind), Path(out_dir), console or Console(), kind)
+    stop_after_s = None if stop_after_min is None else 60.0 * stop_after_min
+    return run_grid(grid(kind), Path(out_dir), console or Console(), kind, stop_after_s)
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--grid", default="full", choices=GRIDS)
     ap.add_argument("--out", type=Path, default=Path("results/methods"))
+    ap.add_argument("--stop-after-min", type=float, default=None, help="start no cell after this many minutes")
     a = ap.parse_args()
-    main(a.out, kind=a.grid)
+    main(a.out, kind=a.grid, stop_after_min=a.stop_after_min)

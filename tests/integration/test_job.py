@@ -4,7 +4,9 @@ Checks: versions advance one per step; no consumed token exceeds ``max_staleness
 route's answers stay exact for every token with the next batch scored while the learner trains; the
 status endpoint answers during the run; ``samples.jsonl`` holds two decoded trajectories per step;
 rollout workers scale up and down mid-run; the accounting identity holds; a mutating call without
-the token is refused; a resumed run continues the version sequence from its checkpoint.
+the token is refused; the learning-rate schedule and the adaptive entropy bonus reach the learner
+and step as worked out by hand; a resumed run continues the version sequence, the schedule's step
+and the entropy coefficient from its checkpoint.
 """
 
 from __future__ import annotations
@@ -27,6 +29,24 @@ from trainer.driver.records.samples import read_samples
 pytestmark = pytest.mark.integration
 
 
+SCHEDULE = [
+    'learner.lr_schedule="cosine"',
+    "learner.lr_warmup_steps=2",
+    "learner.lr_decay_steps=16",
+    "learner.lr_min_ratio=0.1",
+]
+"""Warm-up over 2 optimizer steps, then cosine decay to a tenth of ``learner.lr`` (1e-4) at step 16."""
+
+ENTROPY = [
+    "loss.entropy_coef=0.01",
+    "loss.entropy_target=100.0",
+    "loss.entropy_coef_delta=0.002",
+    "loss.entropy_coef_max=0.018",
+]
+"""An entropy bonus starting at 0.01 under a target no policy reaches (the tiny model's vocabulary
+holds far fewer than e^100 tokens), so the coefficient rises by 0.002 a version up to its ceiling."""
+
+
 def _wait_for(path: Path, timeout_s: float = 300.0) -> None:
     end = time.monotonic() + timeout_s
     while not path.exists():
@@ -42,7 +62,9 @@ def first_run(tmp_path_factory, tiny_model_path, ray_cluster):
         None,
         TINY_JOB
         + ["controller.total_steps=6", f'logging.run_dir="{run_dir}"', 'loss.method="snapshot"']
-        + ["learner.ppo_mini_batches=2", "controller.export_every=3"],
+        + ["learner.ppo_mini_batches=2", "controller.export_every=3"]
+        + SCHEDULE
+        + ENTROPY,
     )
     result: dict = {}
     th = threading.Thread(target=lambda: result.update(run_job(cfg)), daemon=True)
@@ -117,6 +139,19 @@ def test_two_optimizer_steps_per_version_and_exports_every_third(first_run):
         assert json.loads((folder / "vintage-export.json").read_text())["version"] == v
 
 
+def test_the_schedule_and_the_entropy_bonus_step_as_worked_by_hand(first_run):
+    """Each version's ``lr`` is the rate of its last optimizer step (0-based steps 1, 3, ..., 11 at
+    two steps a version): step 1 is in the warm-up, (1 + 1) / (2 + 1) = 2/3; then
+    0.1 + 0.9 (1 + cos(pi p)) / 2 with p = (step - 2) / 14: p = 1/14 -> 0.988718, 3/14 -> 0.901824,
+    5/14 -> 0.745248, 1/2 -> 0.55, 9/14 -> 0.354752. The entropy coefficient a version trains with
+    is the start plus 0.002 per version before it, held at the ceiling 0.018."""
+    run_dir, _, _ = first_run
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    factors = [2 / 3, 0.988718, 0.901824, 0.745248, 0.55, 0.354752]
+    assert [r["lr"] for r in rows] == pytest.approx([1e-4 * f for f in factors], rel=1e-5)
+    assert [r["entropy_coef"] for r in rows] == pytest.approx([0.010, 0.012, 0.014, 0.016, 0.018, 0.018])
+
+
 def test_samples_are_the_batches_first_trajectories_decoded(first_run):
     run_dir, _, _ = first_run
     recs = read_samples(run_dir)
@@ -159,6 +194,8 @@ def test_resume_continues_version_sequence(first_run, tmp_path):
             f'controller.resume_from="{run_dir / "checkpoints"}"',
             "env.eval_prompts=0",
             "server.enabled=false",
+            *SCHEDULE,
+            *ENTROPY,
         ],
     )
     summary = run_job(cfg)
@@ -167,6 +204,11 @@ def test_resume_continues_version_sequence(first_run, tmp_path):
     assert [int(r["consumed_version"]) for r in rows] == [6, 7]
     assert [r["run_segment"] for r in rows] == [1, 1] and summary["run_segment"] == 1  # versions 7, 8 of segment 1
     assert summary["accounting_ok"]
+    # one optimizer step a version now, counted on from the checkpoint's 12: steps 12 and 13,
+    # p = 10/14 -> 0.269430 and 11/14 -> 0.198176; the entropy coefficient stays at its ceiling
+    assert [r["optimizer_steps"] for r in rows] == [1, 1]
+    assert [r["lr"] for r in rows] == pytest.approx([1e-4 * 0.269430, 1e-4 * 0.198176], rel=1e-5)
+    assert [r["entropy_coef"] for r in rows] == pytest.approx([0.018, 0.018])
 
 
 @pytest.mark.parametrize("method", ["interrupt_sync", "old_logit_model"])

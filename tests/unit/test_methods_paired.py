@@ -240,3 +240,35 @@ def test_spanning_grid_runs_agent_sessions_that_wait_on_their_tool():
     assert cfg.env.kwargs == {"level": "easy", "max_turns": 3, "closing_turn": True}
     assert (cfg.agent.task_fields, cfg.agent.concurrency) == ({"tool_latency_s": 60}, 48)
     assert (cfg.controller.max_staleness, cfg.controller.total_steps, len(cells)) == (2, 12, 9)
+
+
+def test_a_grid_with_stop_after_starts_no_cell_past_it(monkeypatch, tmp_path):
+    """Cells of 100 s each under a 250 s limit: the cells started at 0, 100 and 200 s run, the one
+    due at 300 s does not; outputs are written after each finished cell and once at the end."""
+    import contextlib
+    import types
+
+    import benchmarks.methods as methods
+    import trainer.driver.cluster.environment as environment
+    import trainer.driver.cluster.session as session
+
+    clock = {"t": 0.0}
+    ran: list[str] = []
+    writes: list[int] = []
+
+    def fake_cell(cell, out_dir, console):
+        ran.append(cell.name)
+        clock["t"] += 100.0
+        return {}
+
+    monkeypatch.setattr(methods, "time", types.SimpleNamespace(perf_counter=lambda: clock["t"]))
+    monkeypatch.setattr(methods, "run_cell", fake_cell)
+    monkeypatch.setattr(methods, "folder_records", lambda out_dir: [])
+    monkeypatch.setattr(methods, "write_outputs", lambda recs, out_dir, meta: writes.append(1) or {"rows": []})
+    monkeypatch.setattr(methods, "table_markdown", lambda rows: "")
+    monkeypatch.setattr(session, "ray_session", lambda cfg: contextlib.nullcontext())
+    monkeypatch.setattr(environment, "defaults_env", lambda: None)
+    cells = grid("verdict")[:5]
+    methods.run_grid(cells, tmp_path, methods.Console(quiet=True), "verdict", stop_after_s=250.0)
+    assert ran == [c.name for c in cells[:3]]
+    assert len(writes) == 3 + 1
