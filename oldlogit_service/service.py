@@ -86,6 +86,48 @@ from protocol import (
 )
 
 
+def check_arguments(
+    holding: Holding,
+    route: str,
+    max_staleness: int,
+    memory_budget_bytes: int | None,
+    initial_version: int | None,
+    micro_batch_tokens: int | None,
+    pin_initial: bool,
+) -> None:
+    """Check :class:`OldLogitService`'s arguments (named as there) before anything is loaded.
+
+    Raises:
+        ValueError: ``pin_initial`` off the snapshot route or without an ``initial_version``; a
+            ``max_staleness`` that is not an int >= 0; ``micro_batch_tokens`` < 1;
+            ``memory_budget_bytes`` < 0; ``initial_version`` < 0 (the message names the argument).
+    """
+    if pin_initial and (holding.window is None or initial_version is None):
+        raise ValueError(
+            f"pin_initial: needs the snapshot route and an initial_version, got route {route!r}, "
+            f"initial_version {initial_version!r}"
+        )
+    if not isinstance(max_staleness, int) or max_staleness < 0:
+        raise ValueError(f"max_staleness: must be an int >= 0, got {max_staleness!r}")
+    if micro_batch_tokens is not None and micro_batch_tokens < 1:
+        raise ValueError(f"micro_batch_tokens: must be >= 1 or None, got {micro_batch_tokens}")
+    if memory_budget_bytes is not None and memory_budget_bytes < 0:
+        raise ValueError(f"memory_budget_bytes: must be >= 0 or None, got {memory_budget_bytes}")
+    if initial_version is not None and initial_version < 0:
+        raise ValueError(f"initial_version: must be >= 0 or None, got {initial_version}")
+
+
+def missing_reason(version: int, latest_version: int | None, evicted: Mapping[int, str]) -> TokenStatus:
+    """Why a token of ``version`` has no old log-prob: newer than the newest publication
+    (``MISSING_FUTURE``), once held and evicted (``MISSING_EVICTED``), or never held
+    (``MISSING_NEVER_STORED``, also when nothing was ever published)."""
+    if latest_version is None:
+        return TokenStatus.MISSING_NEVER_STORED
+    if version > latest_version:
+        return TokenStatus.MISSING_FUTURE
+    return TokenStatus.MISSING_EVICTED if version in evicted else TokenStatus.MISSING_NEVER_STORED
+
+
 class OldLogitService:
     """Versioned old-logit server (plain class; :data:`oldlogit_service.actor.OldLogitServer` wraps it).
 
@@ -136,19 +178,9 @@ class OldLogitService:
         pin_initial: bool = False,
     ) -> None:
         holding = Holding.of(route, max_staleness)  # raises on an unknown route name
-        if pin_initial and (holding.window is None or initial_version is None):
-            raise ValueError(
-                f"pin_initial: needs the snapshot route and an initial_version, got route {route!r}, "
-                f"initial_version {initial_version!r}"
-            )
-        if not isinstance(max_staleness, int) or max_staleness < 0:
-            raise ValueError(f"max_staleness: must be an int >= 0, got {max_staleness!r}")
-        if micro_batch_tokens is not None and micro_batch_tokens < 1:
-            raise ValueError(f"micro_batch_tokens: must be >= 1 or None, got {micro_batch_tokens}")
-        if memory_budget_bytes is not None and memory_budget_bytes < 0:
-            raise ValueError(f"memory_budget_bytes: must be >= 0 or None, got {memory_budget_bytes}")
-        if initial_version is not None and initial_version < 0:
-            raise ValueError(f"initial_version: must be >= 0 or None, got {initial_version}")
+        check_arguments(
+            holding, route, max_staleness, memory_budget_bytes, initial_version, micro_batch_tokens, pin_initial
+        )
         self.route: str = route
         self.holding = holding
         """How this route holds versions (:class:`oldlogit_service.store.Holding`)."""
@@ -285,11 +317,7 @@ class OldLogitService:
     # ------------------------------------------------------------------------------------------
 
     def _missing_reason(self, v: int) -> TokenStatus:
-        if self.latest_version is None or v > self.latest_version:
-            return TokenStatus.MISSING_FUTURE if self.latest_version is not None else TokenStatus.MISSING_NEVER_STORED
-        if v in self.evicted:
-            return TokenStatus.MISSING_EVICTED
-        return TokenStatus.MISSING_NEVER_STORED
+        return missing_reason(v, self.latest_version, self.evicted)
 
     @torch.no_grad()
     def _forward(self, version: int, ids: Tensor, mask: Tensor, temperature: float) -> Tensor:

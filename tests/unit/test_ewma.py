@@ -205,3 +205,10 @@ def test_window_default_is_documented_value():
     cfg = EwmaConfig()
     assert cfg.beta_source == "window" and cfg.window == 2.0 and cfg.reset_tau == 0.5 and cfg.device == "cpu"
     assert math.isclose(EwmaProximal(Scalar(), cfg).beta, 0.5)
+
+
+def test_the_probe_runs_every_probe_every_th_version_from_0():
+    """probe_every 4: versions 0, 4 and 8 probe, 1-3 and 5-7 do not; 0 never probes."""
+    every4 = EwmaConfig(probe_every=4)
+    assert [v for v in range(9) if every4.probes(v)] == [0, 4, 8]
+    assert not any(EwmaConfig(probe_every=0).probes(v) for v in range(9))

@@ -11,7 +11,7 @@ from trainer.algorithm.loss_config import loss_config
 from trainer.algorithm.losses import proxy_diagnostics
 from trainer.learner.ranks import all_reduce_floats, gather_rows, micro_batch_count
 from trainer.learner.settings import LearnerSettings
-from trainer.learner.steps import combine_step_metrics, reduce_metrics
+from trainer.learner.steps import combine_step_metrics, reads_taken_recompute, reduce_metrics
 
 
 def step(tokens, applied=1.0, **kw):
@@ -138,3 +138,11 @@ def test_the_rollback_copy_is_kept_only_without_gradient_clipping_unless_asked()
     assert LearnerSettings(model_path="m", grad_clip=0.0).keeps_rollback_copy
     assert LearnerSettings(model_path="m", rollback_copy="on").keeps_rollback_copy
     assert not LearnerSettings(model_path="m", grad_clip=0.0, rollback_copy="off").keeps_rollback_copy
+
+
+def test_which_mini_batches_read_the_recompute_taken_before_the_first_step():
+    """One pass: the first mini-batch's own forward is at the consuming version, the later ones read
+    the reference taken before; several passes: every mini-batch reads it; no recompute: none."""
+    assert reads_taken_recompute(3, 1, True) == [False, True, True]
+    assert reads_taken_recompute(3, 2, True) == [True, True, True]
+    assert reads_taken_recompute(2, 2, False) == [False, False]

@@ -16,6 +16,7 @@ from modelkit.weights import pack_weights
 from oldlogit_service import OldLogitService, status_from_old_logprobs
 from oldlogit_service.actor import restart_kwargs
 from oldlogit_service.scoring import row_chunks
+from oldlogit_service.service import missing_reason
 from protocol import OldLogitRequest, ProtocolError, TokenStatus, Trajectory
 
 T = 0.7
@@ -564,3 +565,13 @@ def test_a_reference_request_names_what_does_not_match():
         OldLogitRequest(
             request_id="r", temperature=T, items=[item], reference_version=0, reference_masks=[np.zeros(4, np.int8)]
         )
+
+
+def test_the_reason_a_token_has_no_old_logprob():
+    """Newest publication 5, version 2 evicted: version 7 is in the future, 2 evicted, 4 never held;
+    before any publication every version is never stored."""
+    evicted = {2: "staleness"}
+    assert missing_reason(7, 5, evicted) is TokenStatus.MISSING_FUTURE
+    assert missing_reason(2, 5, evicted) is TokenStatus.MISSING_EVICTED
+    assert missing_reason(4, 5, evicted) is TokenStatus.MISSING_NEVER_STORED
+    assert missing_reason(0, None, {}) is TokenStatus.MISSING_NEVER_STORED

@@ -2,12 +2,13 @@
 schedule, shuffled mini-batches. Hand-worked values."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from modelkit.scoring import sequence_logprobs_and_entropy
-from trainer.algorithm.batch import Batch, shuffled_rows
+from trainer.algorithm.batch import Batch, pass_order, shuffled_rows
 from trainer.algorithm.entropy_control import EntropyControl, adaptive_entropy_coef, smoothed_entropy
 from trainer.algorithm.loss_config import loss_config
 from trainer.algorithm.losses import (
@@ -17,7 +18,7 @@ from trainer.algorithm.losses import (
     kl_penalty,
     regularisers,
 )
-from trainer.learner.reference import with_kl_reward_penalty
+from trainer.learner.reference import require_reference_logprobs, with_kl_reward_penalty
 from trainer.learner.schedule import lr_multiplier
 
 
@@ -121,6 +122,20 @@ def test_the_reward_penalty_lowers_each_reward_by_its_kl_and_reports_the_means()
     assert same is b and none == {}
 
 
+def test_reference_logprobs_a_batch_brings_must_cover_every_loss_token():
+    """One loss token of three without a finite reference log-prob (a NaN on a loss token; the NaN
+    off the loss mask does not count) is refused with the count and the version."""
+    b = Batch(
+        token_ids=torch.ones(2, 2, dtype=torch.long), attention_mask=torch.ones(2, 2, dtype=torch.long),
+        loss_mask=torch.tensor([[True, True], [True, False]]), behav_logprobs=torch.zeros(2, 2),
+        advantages=torch.zeros(2, 2), consuming_version=3,
+        ref_logprobs=torch.tensor([[-1.0, math.nan], [-2.0, math.nan]]),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="ref_logprobs: 1 loss tokens of the batch at version 3 came without"):
+        require_reference_logprobs(b)
+    require_reference_logprobs(replace(b, ref_logprobs=torch.tensor([[-1.0, -1.0], [-2.0, math.nan]])))
+
+
 def test_no_regulariser_leaves_the_policy_loss_bit_for_bit():
     logp = t([[-1.0, -2.0]], grad=True)
     mu = t([[-1.2, -1.9]])
@@ -205,6 +220,19 @@ def test_a_shuffled_order_from_a_fixed_seed():
     assert shuffled_rows(8, 3, 5, 1) == shuffled_rows(8, 3, 5, 1)
     assert sorted(shuffled_rows(8, 3, 5, 1)) == list(range(8))
     assert shuffled_rows(8, 3, 5, 1) != shuffled_rows(8, 3, 5, 2)
+
+
+def test_a_pass_takes_the_shuffled_order_only_with_two_mini_batches_or_more():
+    """Rows 10, 11, 12, 13 at version 0, seed 0: pass 0 with 2 mini-batches reads rows
+    [0, 1, 3, 2] (:func:`shuffled_rows`), so rewards [10, 11, 13, 12]; one mini-batch, or shuffle
+    off, keeps the batch itself."""
+    b = Batch(
+        token_ids=torch.ones(4, 2, dtype=torch.long), attention_mask=torch.ones(4, 2, dtype=torch.long),
+        loss_mask=torch.ones(4, 2, dtype=torch.bool), behav_logprobs=torch.zeros(4, 2),
+        advantages=torch.zeros(4, 2), rewards=torch.tensor([10.0, 11.0, 12.0, 13.0]),
+    )  # fmt: skip
+    assert pass_order(b, 0, 0, 2, True).rewards.tolist() == [10.0, 11.0, 13.0, 12.0]
+    assert pass_order(b, 0, 0, 1, True) is b and pass_order(b, 0, 0, 2, False) is b
 
 
 # ---- adaptive entropy control -------------------------------------------------------------------

@@ -219,6 +219,15 @@ def shuffled_rows(size: int, seed: int, version: int, epoch: int) -> list[int]:
     return torch.randperm(size, generator=gen).tolist()
 
 
+def pass_order(batch: Batch, epoch: int, seed: int, mini_batches: int, shuffle: bool) -> Batch:
+    """``batch`` in the row order of pass ``epoch``: the rows in :func:`shuffled_rows` order (seed,
+    consuming version, epoch) when ``shuffle`` and the pass has more than one mini-batch
+    (``min(mini_batches, batch.size) >= 2``); otherwise ``batch`` itself."""
+    if not shuffle or min(mini_batches, batch.size) < 2:
+        return batch
+    return batch.select(shuffled_rows(batch.size, seed, batch.consuming_version, epoch))
+
+
 def empty_batch(consuming_version: int = 0, temperature: float = 1.0, pad_token_id: int = 0) -> Batch:
     """One padding row of 2 tokens with nothing to train on (keeps collectives aligned across ranks)."""
     ids = torch.full((1, 2), pad_token_id, dtype=torch.long)

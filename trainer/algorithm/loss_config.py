@@ -183,3 +183,8 @@ class EwmaConfig(BaseModel):
     So that the auto-reset signal stays measured when every token is exact, the forward still runs on
     the first micro-batch of every ``probe_every``-th step (step versions 0, k, 2k, ...; 0: never);
     on other steps without such tokens ``ewma_kept_frac`` is NaN and the EWMA does not reset."""
+
+    def probes(self, version: int) -> bool:
+        """Whether the step at ``version`` runs the probe forward (every ``probe_every``-th version
+        from 0; never when ``probe_every`` is 0). Example: ``probe_every`` 4 -> versions 0, 4, 8."""
+        return self.probe_every > 0 and version % self.probe_every == 0

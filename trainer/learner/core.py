@@ -69,7 +69,7 @@ from modelkit.scoring import (
 )
 from modelkit.weights import Transport
 from protocol import OldLogitAnswer, Trajectory, WeightManifest
-from trainer.algorithm.batch import Batch, collate, first_loss_position, shuffled_rows
+from trainer.algorithm.batch import Batch, collate, first_loss_position, pass_order
 from trainer.algorithm.entropy_control import EntropyControl
 from trainer.algorithm.ewma import EwmaProximal
 from trainer.algorithm.losses import compute_policy_loss, proxy_diagnostics
@@ -78,9 +78,9 @@ from trainer.learner import checkpoint, publication
 from trainer.learner.guard import StepGuard, stage0_grad_norm
 from trainer.learner.models import ewma_logprobs, load_learner_models
 from trainer.learner.ranks import all_reduce_floats, micro_batch_count, score_rows
-from trainer.learner.reference import with_kl_reward_penalty
+from trainer.learner.reference import require_reference_logprobs, with_kl_reward_penalty
 from trainer.learner.settings import LearnerSettings, init_distributed
-from trainer.learner.steps import combine_step_metrics, reduce_metrics, sum_max_min
+from trainer.learner.steps import combine_step_metrics, reads_taken_recompute, reduce_metrics, sum_max_min
 
 
 class LearnerCore:
@@ -236,22 +236,17 @@ class LearnerCore:
         tr = time.perf_counter()
         if recompute and s.ppo_epochs > 1:  # every row is read by a later step: take them all at once
             batch = self._with_recompute(batch)
-        # which mini-batches read a recompute reference taken before the first step: all of them with
-        # several steps and a proxy built from the current log-probs, but the first of a single pass,
-        # whose own forward is at the consuming version
-        taken = [recompute and (j > 0 or s.ppo_epochs > 1) for j in range(count)]
-        first_pass = self._epoch_order(batch, 0).mini_batches(count)
+        taken = reads_taken_recompute(count, s.ppo_epochs, recompute)
+        passes = [
+            pass_order(batch, epoch, s.seed, s.ppo_mini_batches, s.shuffle_mini_batches).mini_batches(count)
+            for epoch in range(s.ppo_epochs)
+        ]
         if s.ppo_epochs == 1:
-            first_pass = [self._with_recompute(mb) if t else mb for mb, t in zip(first_pass, taken, strict=True)]
+            passes[0] = [self._with_recompute(mb) if t else mb for mb, t in zip(passes[0], taken, strict=True)]
         recompute_s = time.perf_counter() - tr
-        probe = (
-            self.ewma is not None
-            and self.ewma.config.probe_every > 0
-            and self.version % self.ewma.config.probe_every == 0
-        )
+        probe = self.ewma is not None and self.ewma.config.probes(self.version)
         results = []
-        for epoch in range(s.ppo_epochs):
-            minis = first_pass if epoch == 0 else self._epoch_order(batch, epoch).mini_batches(count)
+        for epoch, minis in enumerate(passes):
             for j, mb in enumerate(minis):
                 results.append(self._optimizer_step(mb, probe and epoch == 0 and j == 0, taken[j]))
         self.last_optimizer_steps = results
@@ -261,7 +256,7 @@ class LearnerCore:
             self.version += 1
         out.update(combine_step_metrics(results))
         step_s = time.perf_counter() - t0
-        n_tok = float(sum(r["tokens"] for r in results[: len(minis)]))  # one pass
+        n_tok = float(sum(r["tokens"] for r in results[: len(passes[0])]))  # one pass
         out.update(
             applied=float(applied), version=float(self.version), skipped_steps=float(self.skipped_steps),
             nonfinite_weight_steps=float(self.nonfinite_weight_steps), tokens=n_tok, sequences=float(batch.size),
@@ -276,14 +271,6 @@ class LearnerCore:
             out.update({f"ewma_{k}": float(v) for k, v in self.ewma.status().items()})
         out.update({k: float(v) for k, v in batch.stats.items() if k not in out})
         return out
-
-    def _epoch_order(self, batch: Batch, epoch: int) -> Batch:
-        """``batch`` in the row order of pass ``epoch``: a permutation drawn from (seed, consuming
-        version, epoch), the same on every rank, when ``shuffle_mini_batches`` and the pass has more
-        than one mini-batch; otherwise ``batch`` itself."""
-        if not self.settings.shuffle_mini_batches or min(self.settings.ppo_mini_batches, batch.size) < 2:
-            return batch
-        return batch.select(shuffled_rows(batch.size, self.settings.seed, batch.consuming_version, epoch))
 
     @property
     def _ranks(self) -> tuple[int, int, int, torch.device]:
@@ -312,7 +299,7 @@ class LearnerCore:
 
         Raises:
             ValueError: with ``reference_in_batch``, a loss token without a finite reference log-prob
-                (the message counts them)."""
+                (:func:`trainer.learner.reference.require_reference_logprobs`)."""
         t0 = time.perf_counter()
         if self.reference is not None:
             lp = score_rows(batch, lambda mb, first: self.reference.logprobs(
@@ -320,12 +307,7 @@ class LearnerCore:
             ), *self._ranks)  # fmt: skip
             batch = replace(batch, ref_logprobs=lp)
         else:
-            missing = int((batch.loss_mask & ~torch.isfinite(batch.ref_logprobs)).sum())
-            if missing:
-                raise ValueError(
-                    f"ref_logprobs: {missing} loss tokens of the batch at version {batch.consuming_version} came "
-                    "without the reference's log-probs (oldlogit.score_reference: the service did not hold version 0)"
-                )
+            require_reference_logprobs(batch)
         ref_forward_s = time.perf_counter() - t0
         batch, out = with_kl_reward_penalty(batch, self.settings.loss.kl_reward_coef, self.settings.loss.advantage)
         return batch, {"ref_forward_s": ref_forward_s, **out}

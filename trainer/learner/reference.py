@@ -77,6 +77,21 @@ class ReferencePolicy:
             return sequence_logprobs(model, token_ids, attention_mask, temperature, first, chunk_bytes, packed)
 
 
+def require_reference_logprobs(batch: Batch) -> None:
+    """Check that every loss token of ``batch`` brings a finite reference log-prob (the batch's
+    ``ref_logprobs`` came from the old-logit service instead of the learner's own reference).
+
+    Raises:
+        ValueError: some loss tokens lack one; the message counts them and names the version.
+    """
+    missing = int((batch.loss_mask & ~torch.isfinite(batch.ref_logprobs)).sum())
+    if missing:
+        raise ValueError(
+            f"ref_logprobs: {missing} loss tokens of the batch at version {batch.consuming_version} came "
+            "without the reference's log-probs (oldlogit.score_reference: the service did not hold version 0)"
+        )
+
+
 def with_kl_reward_penalty(batch: Batch, coef: float, advantage: str) -> tuple[Batch, dict[str, float]]:
     """``batch`` with each reward lowered by ``coef *`` :func:`kl_in_reward` and its advantages
     recomputed with the ``advantage`` estimator (:meth:`trainer.algorithm.batch.Batch.with_rewards`),

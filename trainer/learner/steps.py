@@ -7,6 +7,15 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 
 
+def reads_taken_recompute(mini_batches: int, epochs: int, recompute: bool) -> list[bool]:
+    """Which mini-batches of a pass read a recompute reference taken before the batch's first step
+    (``recompute``: several optimizer steps and a proxy built from the current log-probs): all of
+    them with several passes, and all but the first of a single pass, whose own forward is at the
+    consuming version. Example: 3 mini-batches, 1 pass -> ``[False, True, True]``; 2 passes ->
+    ``[True, True, True]``; without ``recompute`` every entry is False."""
+    return [recompute and (j > 0 or epochs > 1) for j in range(mini_batches)]
+
+
 def sum_max_min(means: dict[str, float], weight: float, acc: dict[str, list[float]]) -> None:
     """Fold one micro-batch's metric means into ``acc``: ``{name: [weighted sum, weight, max, min]}``
     with ``weight`` its loss tokens (``n_tokens`` is skipped; a micro-batch without tokens adds nothing)."""
