@@ -53,7 +53,7 @@ Grids:
 * ``paper_real``: the same comparison on SmolLM2 and the demo's task (2 mini-batches of 8 per
   16-sample batch, W = 2, 3 seeds, 20 steps; ~2.5 hours here).
 * ``paper_real_stable``: ``paper_real``'s decoupled PPO (recompute) and IcePop cells, seeds 0-2, with
-  the demo's stabilisers (:data:`STABILISERS`; rows tagged ``mb2-stable``): how many still collapse.
+  the demo's stabilisers (:data:`STABILISERS`; rows tagged ``mb2-demo``): how many still collapse.
   Run it into ``paper_real``'s folder to read the rows side by side.
 * ``spanning``: rollouts that span versions: ``paper_agent``'s retail agent with a closing turn and
   a store that answers after 60 s (:data:`SPANNING`), decoupled PPO, snapshot and PPO-EWMA at W = 2,
@@ -271,13 +271,22 @@ over :data:`BASE`."""
 
 STABILISERS: tuple[str, ...] = (
     "loss.eps_high=0.28",
+    "loss.dual_clip=3.0",
     'learner.lr_schedule="cosine"',
     "learner.lr_warmup_steps=2",
     "learner.lr_min_ratio=0.1",
+    "loss.entropy_target=0.65",
+    "loss.entropy_coef_delta=0.03",
+    "loss.entropy_coef_max=0.5",
+    "loss.entropy_coef_backoff=0.5",
+    "loss.entropy_smoothing=0.5",
     "controller.dynamic_sampling=true",
 )
-"""The demo's stabilisers (``deploy/configs/demo.toml``): clip-higher, a cosine learning-rate decay
-from ``learner.lr`` to a tenth of it over the run after 2 warm-up steps, and dynamic sampling."""
+"""The demo's stabilisers (``deploy/configs/demo.toml``): clip-higher and dual clip, a cosine
+learning-rate decay from ``learner.lr`` to a tenth of it over the run after 2 warm-up steps, the
+adaptive entropy bonus (target 0.65 nats) and dynamic sampling. Rows tagged ``mb2-demo``; the
+``mb2-stable`` rows of ``results/methods/paper_real`` ran an earlier set without the entropy bonus
+and the dual clip (each cell record lists its own overrides)."""
 
 PAPER_AGENT_STEPS = 20
 """Versions per ``paper_agent`` run (~30 s per step here, plus two 32-task evaluations)."""
@@ -382,7 +391,7 @@ def grid(kind: str) -> list[Cell]:
     if kind == "paper_real_stable":
         extra = (*CONFIRM, "learner.ppo_mini_batches=2", "learner.micro_batch_size=8", *STABILISERS)
         return [
-            Cell(m, 2, "bf16", s, PAPER_REAL_STEPS, extra, model="smollm2", tag="mb2-stable")
+            Cell(m, 2, "bf16", s, PAPER_REAL_STEPS, extra, model="smollm2", tag="mb2-demo")
             for s in (0, 1, 2)
             for m in ("recompute", "icepop")
         ]

@@ -208,20 +208,28 @@ def test_paper_real_stable_is_paper_real_with_the_demos_stabilisers():
     assert [(c.method, c.seed) for c in cells] == [(m, s) for s in (0, 1, 2) for m in ("recompute", "icepop")]
     real = next(c for c in grid("paper_real") if c.method == "icepop" and c.seed == 1)
     ours = next(c for c in cells if c.method == "icepop" and c.seed == 1)
-    assert ours.name == "smollm2-icepop-W2-bf16-s1-mb2-stable"
+    assert ours.name == "smollm2-icepop-W2-bf16-s1-mb2-demo"
     added = set(ours.overrides(Path("/x"))) - set(real.overrides(Path("/x")))
     assert added == {
         "loss.eps_high=0.28",
+        "loss.dual_clip=3.0",
         'learner.lr_schedule="cosine"',
         "learner.lr_warmup_steps=2",
         "learner.lr_min_ratio=0.1",
+        "loss.entropy_target=0.65",
+        "loss.entropy_coef_delta=0.03",
+        "loss.entropy_coef_max=0.5",
+        "loss.entropy_coef_backoff=0.5",
+        "loss.entropy_smoothing=0.5",
         "controller.dynamic_sampling=true",
     }
     # the same stabilisers as the demo's config file
     demo = load_config("deploy/configs/demo.toml", [])
     cfg = load_config(None, ours.overrides(Path("/tmp/x")))
-    for section, field in [("loss", "eps_high"), ("learner", "lr_schedule"), ("learner", "lr_warmup_steps"),
-                           ("learner", "lr_min_ratio"), ("controller", "dynamic_sampling")]:  # fmt: skip
+    fields = [("loss", f) for f in ("eps_high", "dual_clip", "entropy_coef", "entropy_target", "entropy_coef_delta",
+              "entropy_coef_max", "entropy_coef_backoff", "entropy_smoothing", "kl_coef")]  # fmt: skip
+    fields += [("learner", f) for f in ("lr_schedule", "lr_warmup_steps", "lr_min_ratio")]
+    for section, field in [*fields, ("controller", "dynamic_sampling")]:
         assert getattr(getattr(cfg, section), field) == getattr(getattr(demo, section), field), field
 
 
