@@ -96,7 +96,7 @@ by seed, with paired t intervals, and evaluation noise beside run-to-run spread)
     python -m benchmarks.methods --grid reduced --out results/methods
     python -m benchmarks.methods --grid seeds --out results/methods
     python -m benchmarks.methods --grid confirm --out results/methods/confirm
-    python -m benchmarks.methods --grid verdict --out results/methods/verdict
+    python -m benchmarks.methods --grid verdict --out results/methods/verdict --stop-after-min 60  # in parts
     python -m benchmarks.methods --grid paper_real_stable --out results/methods/paper_real
     python -m benchmarks.methods --grid spanning --out results/methods/spanning
     python -m benchmarks.methods_report results/methods/paper_real   # tables from cells/, no run
