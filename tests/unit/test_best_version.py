@@ -31,7 +31,7 @@ from trainer.driver.records.export import ExportError, best_version, checkpoint_
 from trainer.driver.records.heldout import BestEval, beats, eval_due
 from trainer.driver.records.keeper import CheckpointKeeper
 from trainer.driver.sources.buffer import TrajectoryBuffer
-from trainer.driver.sources.resume import write_driver_state
+from trainer.driver.sources.resume import TRAJECTORIES_FILE, write_driver_state
 from trainer.driver.sources.source import SourceState
 from trainer.learner.checkpoint import (
     BEST_FILE,
@@ -298,3 +298,22 @@ def test_a_malformed_record_stops_the_resume_naming_the_field(tmp_path):
     (ckpt / BEST_FILE).write_text(json.dumps({"version": 20, "held_out": "high"}))
     with pytest.raises(ValueError, match="^vintage_best.json: held_out = 'high' is not a number$"):
         make_job(tmp_path, f'controller.resume_from="{ckpt}"', version=20, run_segment=1)
+
+
+def test_the_checkpoints_cost_in_seconds_and_bytes(tmp_path, monkeypatch):
+    """Saves that take 2, 5 and 3 s on a stand-in clock give a median of 3 s; one folder is the
+    state file the stand-in learner writes and the driver's trajectories file (their sizes read back
+    from disk); no save: 0 and None."""
+    import trainer.driver.records.keeper as keeper_module
+
+    j = make_job(tmp_path)
+    assert j.keeper.cost() == {"checkpoints": 0, "checkpoint_s_median": None, "checkpoint_bytes": 0}
+    ticks = iter([0.0, 2.0, 10.0, 15.0, 20.0, 23.0])  # (start, end) of each save
+    monkeypatch.setattr(keeper_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: next(ticks))}))
+    for v in (1, 2, 3):
+        j.version = v
+        j.checkpoint()
+    files = sorted((tmp_path / "checkpoints" / "v3").iterdir())
+    assert [p.name for p in files] == sorted([STATE_FILE, TRAJECTORIES_FILE])
+    size = sum(p.stat().st_size for p in files)
+    assert j.keeper.cost() == {"checkpoints": 3, "checkpoint_s_median": 3.0, "checkpoint_bytes": size}

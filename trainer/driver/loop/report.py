@@ -279,6 +279,7 @@ def run_summary(
         "fingerprint_mismatch": job.fingerprints.mismatches,
         "fingerprint_unverified": job.fingerprints.unverified,
         "eval_resubmitted": job.evals.resubmitted,
+        **job.keeper.cost(),
         "run_segment": job.run_segment,
         "loop_s": loop_s,
         "train_steps": job.train_steps,

@@ -20,6 +20,8 @@ another run's folder (a run resumed from there) is compared against but never re
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -70,6 +72,8 @@ class CheckpointKeeper:
         self._saved_for_eval: int | None = None
         """A version checkpointed only because its evaluation started (:meth:`save_for_eval`), until
         the evaluation's result decides whether the checkpoint stays (:meth:`note_best`)."""
+        self.saves: list[tuple[float, int]] = []
+        """``(seconds, bytes on disk)`` of each checkpoint this run saved, in order (:meth:`cost`)."""
         self.best: BestEval | None = self.starting_best()
         """The best pinned held-out evaluation so far, whose version's checkpoint is kept
         (:attr:`keeps_best`, :meth:`note_best`); None before the first, or without the setting."""
@@ -103,6 +107,7 @@ class CheckpointKeeper:
         """
         from trainer.learner.checkpoint import version_tag
 
+        t0 = time.perf_counter()
         directory, tag = self.checkpoints_dir, version_tag(version)
         extra = {
             **self.driver_state(directory / tag),
@@ -110,6 +115,7 @@ class CheckpointKeeper:
             "best": asdict(self.best) if self.best is not None else None,
         }
         folder = self.learner.save_checkpoint(str(directory), extra)
+        self.saves.append((time.perf_counter() - t0, folder_bytes(Path(folder))))
         self.checkpointed_version = version
         self.ledger("checkpoint", extra["buffer"]["buffered_ids"], tag=tag, held_back=extra["source"]["held_back_ids"])
         if for_eval:
@@ -121,6 +127,18 @@ class CheckpointKeeper:
             self._set_best(replace(self.best, saved_for_it=False))
         self.prune()
         return folder
+
+    def cost(self) -> dict[str, float | int | None]:
+        """What this run's checkpoints cost: ``checkpoints`` (saves), ``checkpoint_s_median`` (wall
+        seconds of one save: the driver's state, the learner's folder, the ledger line) and
+        ``checkpoint_bytes`` (one folder on disk, the last; 0 and None before the first save)."""
+        if not self.saves:
+            return {"checkpoints": 0, "checkpoint_s_median": None, "checkpoint_bytes": 0}
+        return {
+            "checkpoints": len(self.saves),
+            "checkpoint_s_median": statistics.median(s for s, _ in self.saves),
+            "checkpoint_bytes": self.saves[-1][1],
+        }
 
     def save_for_eval(self, version: int) -> None:
         """A held-out evaluation of ``version`` has started: with :attr:`keeps_best`, checkpoint the
@@ -236,3 +254,8 @@ class CheckpointKeeper:
         remove_checkpoint(self.checkpoints_dir, version)
         if self.checkpointed_version == version:
             self.checkpointed_version = None
+
+
+def folder_bytes(folder: Path) -> int:
+    """Bytes of the files under ``folder`` (recursively; 0 for a missing folder)."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
