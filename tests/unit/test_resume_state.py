@@ -191,7 +191,7 @@ def test_env_source_cursor_continues_across_a_resume_and_regenerates_the_groups_
     """Seeds 0 and 1 were taken and none of their samples came back by the checkpoint: the resumed
     source submits them again first, then goes on at seed 2. A group whose two samples were polled
     (here after the resume) is closed; one sample of two keeps it open."""
-    b = TrajectoryBuffer(capacity=64, max_staleness=4)
+    b = TrajectoryBuffer(capacity=64, max_staleness=3)
     pool = _Pool(room=1)
     src = _source(b, pool)
     src.top_up()  # room for 5 groups, the pool takes 1: the other seeds stay for later
@@ -201,7 +201,7 @@ def test_env_source_cursor_continues_across_a_resume_and_regenerates_the_groups_
     held = [traj("h", [0], "h")]
     src._held_back = list(held)
     assert src.state().pending == held and src.state().units == len(held)
-    b2 = TrajectoryBuffer(capacity=64, max_staleness=4)
+    b2 = TrajectoryBuffer(capacity=64, max_staleness=3)
     b2.load_state_dict(b.state_dict(), pending=1)
     pool2 = _Pool(room=10)
     src2 = _source(b2, pool2, segment=1)

@@ -154,15 +154,6 @@ class ControllerConfig(Section):
     max_token_staleness: int | None = Field(None, ge=0)
     """Per-token limit: tokens older than this are masked out of the loss (kept as context).
     ``None``: no limit, or ``max_staleness`` with ``stale_trajectories = "mask"``."""
-    adaptive_admission: bool = False
-    """Narrow the staleness window admission counts with by one version for each learner version
-    that saw a stale drop, and widen it back by one after ``admission_recover_after`` versions
-    without one, between 0 (one batch per version) and ``max_staleness``
-    (:class:`trainer.driver.sources.admission.AdmissionWindow`): work that arrives out of order
-    (agent sessions, a batch taken ahead) then cannot keep replacing what went stale. The bound
-    itself is unchanged."""
-    admission_recover_after: int = Field(4, ge=1)
-    """Learner versions in a row without a stale drop before the adaptive window widens by one."""
     stale_trajectories: Literal["drop", "mask"] = "drop"
     """What happens to a finished trajectory whose tokens outgrew ``max_staleness`` while it waited
     (a long agent session that spans versions, a step skipped): ``drop`` drops it once its oldest

@@ -33,7 +33,6 @@ from trainer.driver.config.schema import JobConfig, write_private
 from trainer.driver.loop.parts import Job
 from trainer.driver.publication.routes import Route, make_route, start_service
 from trainer.driver.records.ledger import Ledger
-from trainer.driver.sources.admission import AdmissionWindow
 from trainer.driver.sources.buffer import LOST_AT_RESTART, REPLAYED_AT_RESTART, TrajectoryBuffer
 from trainer.driver.sources.resume import SavedTrajectories, read_trajectories
 from trainer.driver.sources.source import AgentSource, EnvSource, TrajectorySource
@@ -65,9 +64,8 @@ def start_job(cfg: JobConfig, console: Console) -> Job:
     model_path = resolve_model(cfg)
     vocab_size = int(json.loads((model_path / "config.json").read_text())["vocab_size"])
     buffer = TrajectoryBuffer(
-        capacity=c.buffer_capacity, max_staleness=c.max_staleness, keep_partly_stale=c.stale_trajectories == "mask",
-        window=AdmissionWindow(c.max_staleness, c.admission_recover_after) if c.adaptive_admission else None,
-    )  # fmt: skip
+        capacity=c.buffer_capacity, max_staleness=c.max_staleness, keep_partly_stale=c.stale_trajectories == "mask"
+    )
     learner = start_learner(cfg, learner_settings(cfg, model_path), console)
     route = make_route(
         cfg.oldlogit_route,

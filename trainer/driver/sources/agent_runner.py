@@ -34,7 +34,7 @@ from typing import Any
 
 from protocol import RolloutRequest, Trajectory
 from trainer.driver.config.schema import JobConfig
-from trainer.driver.sources.buffer import TrajectoryBuffer
+from trainer.driver.sources.buffer import TrajectoryBuffer, admission_capacity
 
 
 def load_agent(path: str) -> Callable[..., Any]:
@@ -209,7 +209,9 @@ class AgentRunner:
         """
         with self._lock:
             scheduled = self.admitted - self.buffer.dropped_total
-            room = self.buffer.admission_room(self.admission_version(), self.batch_size, scheduled)
+            room = admission_capacity(
+                self.admission_version(), self.cfg.controller.max_staleness, self.batch_size, scheduled
+            )
             if room < n:
                 return False
             self.admitted += n

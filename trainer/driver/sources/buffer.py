@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protocol import NO_VERSION, Trajectory
-from trainer.driver.sources.admission import AdmissionWindow
 
 LOST_AT_RESTART, REPLAYED_AT_RESTART = "lost_at_restart", "replayed_at_restart"
 """Drop reasons of the trajectories in flight at the checkpoint a job resumed from: they never
@@ -115,8 +114,6 @@ class TrajectoryBuffer:
     (:func:`newest_token_staleness`): it stays consumable while any of its tokens is within
     ``max_staleness``, and the learner masks the older ones out of the loss
     (``controller.stale_trajectories = "mask"``)."""
-    window: AdmissionWindow | None = None
-    """The adaptive window admission counts with (``controller.adaptive_admission``); None: ``max_staleness``."""
     _items: OrderedDict = field(default_factory=OrderedDict)
     _held: dict = field(default_factory=dict)
 
@@ -138,14 +135,6 @@ class TrajectoryBuffer:
     def scheduled(self) -> int:
         """Trajectories submitted and not dropped: the count :func:`admission_capacity` bounds."""
         return self.submitted - self.dropped_total
-
-    def admission_room(self, version: int, batch_size: int, scheduled: int | None = None) -> int:
-        """How many more trajectories may be submitted now (:func:`admission_capacity` at
-        ``version`` over ``scheduled``, by default :attr:`scheduled`), with the adaptive window's
-        staleness when there is one (:class:`trainer.driver.sources.admission.AdmissionWindow`,
-        fed the stale drops so far)."""
-        w = self.max_staleness if self.window is None else self.window.update(version, self.dropped["stale"])
-        return admission_capacity(version, w, batch_size, self.scheduled if scheduled is None else scheduled)
 
     def _drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] += n

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from protocol import EnvRef, GatewayStatus, RolloutRequest, Trajectory
 from trainer.driver.config.schema import JobConfig
 from trainer.driver.records.heldout import PendingEval, held_out_requests, held_out_scores
-from trainer.driver.sources.buffer import TrajectoryBuffer
+from trainer.driver.sources.buffer import TrajectoryBuffer, admission_capacity
 
 if TYPE_CHECKING:
     from trainer.driver.sources.agent_runner import AgentRunner
@@ -175,7 +175,9 @@ class EnvSource:
     def top_up(self) -> None:
         """Submit as many new groups as the staleness admission rule allows (none without a worker)."""
         v = self.version()
-        room = self.buffer.admission_room(self.admission_version(), self.batch_size)
+        room = admission_capacity(
+            self.admission_version(), self.cfg.controller.max_staleness, self.batch_size, self.buffer.scheduled
+        )
         groups = room // self.group_size
         if groups and len(self.pool):
             again = self._regenerate[:groups]
