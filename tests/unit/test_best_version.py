@@ -307,7 +307,9 @@ def test_the_checkpoints_cost_in_seconds_and_bytes(tmp_path, monkeypatch):
     import trainer.driver.records.keeper as keeper_module
 
     j = make_job(tmp_path)
-    assert j.keeper.cost() == {"checkpoints": 0, "checkpoint_s_median": None, "checkpoint_bytes": 0}
+    assert j.keeper.cost() == {
+        "checkpoints": 0, "recovery_checkpoints": 0, "checkpoint_s_median": None, "checkpoint_bytes": 0
+    }  # fmt: skip
     ticks = iter([0.0, 2.0, 10.0, 15.0, 20.0, 23.0])  # (start, end) of each save
     monkeypatch.setattr(keeper_module, "time", type("Clock", (), {"perf_counter": staticmethod(lambda: next(ticks))}))
     for v in (1, 2, 3):
@@ -316,4 +318,52 @@ def test_the_checkpoints_cost_in_seconds_and_bytes(tmp_path, monkeypatch):
     files = sorted((tmp_path / "checkpoints" / "v3").iterdir())
     assert [p.name for p in files] == sorted([STATE_FILE, TRAJECTORIES_FILE])
     size = sum(p.stat().st_size for p in files)
-    assert j.keeper.cost() == {"checkpoints": 3, "checkpoint_s_median": 3.0, "checkpoint_bytes": size}
+    assert j.keeper.cost() == {
+        "checkpoints": 3, "recovery_checkpoints": 0, "checkpoint_s_median": 3.0, "checkpoint_bytes": size
+    }  # fmt: skip
+
+
+def run_with_recovery(j: Job, until: int, step_s: float, seen: dict | None = None) -> None:
+    """The loop's checkpoint order (trainer.driver.loop.job._loop): a regular checkpoint every
+    ``checkpoint_every`` versions, else a recovery one when due; ``step_s`` seconds a version on a
+    stand-in clock; ``seen`` gets the checkpoint folders after each version."""
+    clock = {"t": 0.0}
+    j.keeper.clock, j.keeper._last_save = (lambda: clock["t"]), 0.0
+    every = j.cfg.controller.checkpoint_every
+    while j.version < until:
+        j.version += 1
+        clock["t"] += step_s
+        if every and j.version % every == 0:
+            j.checkpoint()
+        elif j.keeper.recovery_due():
+            j.checkpoint(recovery=True)
+        if seen is not None:
+            seen[j.version] = checkpointed_versions(j.keeper.checkpoints_dir)
+    j.checkpoint()  # the run's final checkpoint
+
+
+def test_a_recovery_checkpoint_gives_way_to_the_next_save(tmp_path):
+    """Recovery every 100 s, 30 s a version, a regular checkpoint every 5 versions, 2 kept: a
+    recovery checkpoint is due 120 s after a save, at versions 4, 9, 14 and 19; each goes at the next
+    regular save and none pushes a regular one out (v14's stays beside v5 and v10); the final
+    checkpoint of v19 makes its recovery checkpoint a regular one, so v15 and v19 stay."""
+    j = make_job(tmp_path, "controller.eval_every=0", "controller.checkpoint_every=5",
+                 "controller.recovery_checkpoint_s=100")  # fmt: skip
+    seen: dict[int, list[int]] = {}
+    run_with_recovery(j, 19, 30.0, seen)
+    assert seen[4] == [4] and seen[5] == [5] and seen[9] == [5, 9] and seen[10] == [5, 10]
+    assert seen[14] == [5, 10, 14] and seen[15] == [10, 15] and seen[19] == [10, 15, 19]
+    assert checkpointed_versions(tmp_path / "checkpoints") == [15, 19] and latest_tag(tmp_path / "checkpoints") == "v19"
+    assert j.keeper.cost()["checkpoints"] == 8 and j.keeper.cost()["recovery_checkpoints"] == 4
+
+
+def test_recovery_checkpoints_alone_keep_only_the_newest_and_the_best(tmp_path):
+    """No regular cadence: recovery checkpoints at versions 4, 8 and 12 (120 s apart), each
+    replacing the one before, except v4 while it holds the best evaluation; the final one at 13."""
+    j = make_job(tmp_path, "controller.eval_every=0", "controller.recovery_checkpoint_s=100")
+    j.keeper.best = BestEval(4, 0.9, 0, "during", str(tmp_path / "checkpoints" / "v4"), False)
+    seen: dict[int, list[int]] = {}
+    run_with_recovery(j, 13, 30.0, seen)
+    assert seen[4] == [4] and seen[8] == [4, 8] and seen[12] == [4, 12]
+    assert checkpointed_versions(tmp_path / "checkpoints") == [4, 13]
+    assert j.keeper.recovery_saves == 3

@@ -76,5 +76,32 @@ def test_restarts_end_when_used_up_for_other_parts_and_without_a_checkpoint(tmp_
 
 
 def test_learner_restarts_need_checkpoints():
-    with pytest.raises(ValueError, match=r"controller.max_learner_restarts: 1 needs controller.checkpoint_every > 0"):
-        load_config(None, ['model.path="tiny"', "controller.max_learner_restarts=1"])
+    """By default a run restarts its learner once, from recovery checkpoints every 600 s; restarts
+    asked for with no checkpoint cadence at all are refused in one line naming both settings (the
+    default alone is accepted: such a run has nothing to restart from and ends as before)."""
+    c = load_config(None, ['model.path="tiny"']).controller
+    assert (c.max_learner_restarts, c.recovery_checkpoint_s, c.checkpoint_every) == (1, 600.0, 0)
+    load_config(None, ['model.path="tiny"', "controller.recovery_checkpoint_s=0"])
+    refused = r"max_learner_restarts: 1 needs controller.checkpoint_every > 0 or controller.recovery_checkpoint_s > 0"
+    with pytest.raises(ValueError, match=refused):
+        load_config(
+            None, ['model.path="tiny"', "controller.recovery_checkpoint_s=0", "controller.max_learner_restarts=1"]
+        )
+
+
+def test_a_learner_that_fails_to_start_is_not_restarted(tmp_path, monkeypatch):
+    """A start-up failure of the learner (summary.json: ``failed: start-up: learner``) would fail
+    the same way again: raised at once, one start, even with a checkpoint and restarts left."""
+    checkpointed(tmp_path)
+    seen: list = []
+    timeout = RuntimeError("learner: 1 rank(s) not started within controller.start_timeout_s = 5.0 s")
+
+    def run_job(cfg, console=None):
+        seen.append(cfg.controller.resume_from)
+        (tmp_path / "summary.json").write_text(json.dumps({"end_reason": "failed: start-up: learner"}))
+        raise timeout
+
+    monkeypatch.setattr(job_module, "run_job", run_job)
+    with pytest.raises(RuntimeError, match="not started within"):
+        job_module.run_with_restarts(config(tmp_path, 2), Console(quiet=True))
+    assert seen == [None]

@@ -185,12 +185,21 @@ class ControllerConfig(Section):
     counted from the loop's start, so start-up and the held-out evaluations come on top."""
     checkpoint_every: int = Field(0, ge=0)
     """Checkpoint every N steps into ``<run_dir>/checkpoints`` (0: only at the end)."""
-    max_learner_restarts: int = Field(0, ge=0)
+    recovery_checkpoint_s: float = Field(600.0, ge=0.0)
+    """Save a recovery checkpoint after a step once this many seconds have passed since the run's
+    last checkpoint (or the loop's start), so that a restart (``max_learner_restarts``, ``vintage
+    run --resume auto``) loses at most about this much training. A recovery checkpoint gives way
+    when the next checkpoint is saved (unless it holds the best version) and never counts against
+    ``keep_checkpoints``: it costs one checkpoint's disk and one save's seconds per interval (the
+    run's ``summary.json`` gives both: ``checkpoint_bytes``, ``checkpoint_s_median``). 0: none."""
+    max_learner_restarts: int = Field(1, ge=0)
     """When the learner fails (its process dies, or the kernel kills it for memory), start the job
     again from the run's latest complete checkpoint, as ``vintage run --resume auto`` would, at most
     this many times in one ``vintage run`` (0: the run fails). Each restart is a fresh job: new
     actors and, with a private cluster, a new Ray cluster; what was in flight is lost as at any
-    resume. ``summary.json`` counts them (``learner_restarts``). Needs ``checkpoint_every > 0``."""
+    resume. ``summary.json`` counts them (``learner_restarts``). Set above 0, it needs a checkpoint
+    cadence (``checkpoint_every`` or ``recovery_checkpoint_s``); a learner that fails to start, or
+    before the run's first checkpoint, ends the run."""
     keep_checkpoints: int = Field(0, ge=0)
     """Checkpoints kept in ``<run_dir>/checkpoints``: after each save only the newest N stay, the
     resume point and the best version (``keep_best``) (0: every one stays; ``vintage export
@@ -374,10 +383,11 @@ class JobConfig(Section):
             raise ValueError(
                 "oldlogit.score_reference: no KL penalty to score it for (loss.kl_coef and loss.kl_reward_coef are 0)"
             )
-        if c.max_learner_restarts and not c.checkpoint_every:
+        restarts_set = "max_learner_restarts" in c.model_fields_set  # the default gives way without a cadence
+        if restarts_set and c.max_learner_restarts and not (c.checkpoint_every or c.recovery_checkpoint_s):
             raise ValueError(
                 f"controller.max_learner_restarts: {c.max_learner_restarts} needs controller.checkpoint_every > 0 "
-                "(a restart continues from the run's own checkpoint)"
+                "or controller.recovery_checkpoint_s > 0 (a restart continues from the run's own checkpoint)"
             )
         if c.buffer_capacity < c.batch_groups * n:
             raise ValueError(

@@ -96,16 +96,20 @@ def run_with_restarts(cfg: JobConfig, console: Console | None = None) -> dict[st
     ``learner_restarts`` (also in ``summary.json``).
 
     Raises:
-        Exception: what :func:`run_job` raised, when another part failed, the restarts are used up,
-            or no checkpoint was written before the failure.
+        Exception: what :func:`run_job` raised, when another part failed, the learner failed to
+            start (``summary.json`` says ``failed: start-up``: the same start would fail again),
+            the restarts are used up, or no checkpoint was written before the failure.
     """
     console = console or Console(soft_wrap=True)
-    ckpt, restarts = Path(cfg.logging.run_dir) / "checkpoints", 0
+    run_dir = Path(cfg.logging.run_dir)
+    ckpt, restarts = run_dir / "checkpoints", 0
     while True:
         try:
             summary = run_job(cfg, console)
         except Exception as e:
             if failed_part(e) != "learner" or restarts >= cfg.controller.max_learner_restarts:
+                raise
+            if _failed_at_start(run_dir):
                 raise
             if latest_tag(ckpt) is None:
                 console.print("[red]learner failed before the first checkpoint: nothing to restart from[/red]")
@@ -123,6 +127,12 @@ def run_with_restarts(cfg: JobConfig, console: Console | None = None) -> dict[st
             path = Path(cfg.logging.run_dir) / "summary.json"
             path.write_text(json.dumps({**json.loads(path.read_text()), "learner_restarts": restarts}, indent=2))
             return summary
+
+
+def _failed_at_start(run_dir: Path) -> bool:
+    """Whether the run's ``summary.json`` says it failed before its loop began (``failed: start-up``)."""
+    path = run_dir / "summary.json"
+    return path.is_file() and str(json.loads(path.read_text()).get("end_reason", "")).startswith("failed: start-up")
 
 
 def run_job(cfg: JobConfig, console: Console | None = None) -> dict[str, Any]:
@@ -234,6 +244,8 @@ def _loop(
         samples.write(cfg, taken.trajectories, learned, taken.answer, job.version)  # a few, decoded
         if cfg.controller.checkpoint_every and job.version % cfg.controller.checkpoint_every == 0:
             job.checkpoint()
+        elif job.keeper.recovery_due():  # so that a restart loses at most recovery_checkpoint_s of training
+            job.checkpoint(recovery=True)
         if cfg.controller.export_every and job.version % cfg.controller.export_every == 0:
             job.export()  # a Hugging Face folder of this version under <run_dir>/exports
         board.update(**status_fields(job, report.oldlogit, m, report.workers))

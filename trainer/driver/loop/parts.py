@@ -409,12 +409,12 @@ class Job:
         calls = self.route.calls
         return calls.status() if calls is not None else None
 
-    def checkpoint(self) -> str:
+    def checkpoint(self, recovery: bool = False) -> str:
         """Save the current version's checkpoint and return its folder
         (:meth:`CheckpointKeeper.checkpoint`: the learner's state, every finished trajectory not yet
         consumed (:func:`trainer.driver.sources.resume.write_driver_state`), the best so far; older ones
-        pruned)."""
-        return self.keeper.checkpoint(self.version)
+        pruned); ``recovery``: a recovery checkpoint, which the next save replaces."""
+        return self.keeper.checkpoint(self.version, for_recovery=recovery)
 
     def export(self) -> Path:
         """A Hugging Face folder of the current version at ``<run_dir>/exports/v{version}``

@@ -15,7 +15,9 @@ the best pinned evaluation so far, and each save puts a ``checkpoint`` line in t
 held-out evaluation stays checkpointed and ``keep_checkpoints`` never prunes it; a checkpoint saved
 only for an evaluation lives until that evaluation's result and stays only while it is the best;
 ``<run_dir>/checkpoints/vintage_best.json`` names the current best; a best whose checkpoint is in
-another run's folder (a run resumed from there) is compared against but never removed.
+another run's folder (a run resumed from there) is compared against but never removed; a recovery
+checkpoint (``controller.recovery_checkpoint_s``) lives until the next regular or recovery save and
+never counts against ``keep_checkpoints``.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class CheckpointKeeper:
         version: int,
         run_segment: int,
         driver_state: Callable[[Path], dict[str, Any]],
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.cfg, self.run_dir, self.learner, self.ledger = cfg, Path(run_dir), learner, ledger
         self.run_segment, self.driver_state = run_segment, driver_state
@@ -74,6 +77,12 @@ class CheckpointKeeper:
         the evaluation's result decides whether the checkpoint stays (:meth:`note_best`)."""
         self.saves: list[tuple[float, int]] = []
         """``(seconds, bytes on disk)`` of each checkpoint this run saved, in order (:meth:`cost`)."""
+        self.clock = clock
+        self._last_save = clock()
+        """When this run last saved a checkpoint (``clock`` seconds; the job's start before the first)."""
+        self._recovery: int | None = None
+        """The version of the last recovery checkpoint (:meth:`recovery_due`) while it is the newest save."""
+        self.recovery_saves = 0
         self.best: BestEval | None = self.starting_best()
         """The best pinned held-out evaluation so far, whose version's checkpoint is kept
         (:attr:`keeps_best`, :meth:`note_best`); None before the first, or without the setting."""
@@ -90,7 +99,13 @@ class CheckpointKeeper:
         c = self.cfg.controller
         return c.keep_best and c.eval_every > 0
 
-    def checkpoint(self, version: int, for_eval: bool = False) -> str:
+    def recovery_due(self) -> bool:
+        """Whether ``controller.recovery_checkpoint_s`` (> 0) seconds have passed since this run's
+        last checkpoint (or the job's start): the loop then saves a recovery checkpoint."""
+        every = self.cfg.controller.recovery_checkpoint_s
+        return every > 0 and self.clock() - self._last_save >= every
+
+    def checkpoint(self, version: int, for_eval: bool = False, for_recovery: bool = False) -> str:
         """Save ``<run_dir>/checkpoints/v{version}`` (``version``: the learner's now) and return its
         folder: the learner's state (weights, optimizer, version, EWMA), the driver state
         (``driver_state``: the buffer's accounting, the source's cursor, and every finished
@@ -104,6 +119,9 @@ class CheckpointKeeper:
         ``for_eval``: saved only because the version's held-out evaluation started
         (:meth:`save_for_eval`): nothing is pruned, and :meth:`note_best` removes it again unless
         the evaluation is the best. A regular save of that version makes it a regular checkpoint.
+
+        ``for_recovery``: saved because :meth:`recovery_due`: nothing is pruned, and the next
+        regular or recovery save of another version removes it unless it holds the best version.
         """
         from trainer.learner.checkpoint import version_tag
 
@@ -116,10 +134,18 @@ class CheckpointKeeper:
         }
         folder = self.learner.save_checkpoint(str(directory), extra)
         self.saves.append((time.perf_counter() - t0, folder_bytes(Path(folder))))
+        self._last_save = self.clock()
         self.checkpointed_version = version
         self.ledger("checkpoint", extra["buffer"]["buffered_ids"], tag=tag, held_back=extra["source"]["held_back_ids"])
         if for_eval:
             self._saved_for_eval = version
+            return folder
+        previous, self._recovery = self._recovery, version if for_recovery else None
+        best = self.best if self._own(self.best) else None
+        if previous not in (None, version) and (best is None or best.version != previous):
+            self._drop(previous)  # a recovery checkpoint gives way to the next save
+        if for_recovery:
+            self.recovery_saves += 1
             return folder
         if self._saved_for_eval == version:
             self._saved_for_eval = None
@@ -129,13 +155,15 @@ class CheckpointKeeper:
         return folder
 
     def cost(self) -> dict[str, float | int | None]:
-        """What this run's checkpoints cost: ``checkpoints`` (saves), ``checkpoint_s_median`` (wall
+        """What this run's checkpoints cost: ``checkpoints`` (saves), ``recovery_checkpoints`` (of
+        them, for recovery: :meth:`recovery_due`), ``checkpoint_s_median`` (wall
         seconds of one save: the driver's state, the learner's folder, the ledger line) and
         ``checkpoint_bytes`` (one folder on disk, the last; 0 and None before the first save)."""
         if not self.saves:
-            return {"checkpoints": 0, "checkpoint_s_median": None, "checkpoint_bytes": 0}
+            return {"checkpoints": 0, "recovery_checkpoints": 0, "checkpoint_s_median": None, "checkpoint_bytes": 0}
         return {
             "checkpoints": len(self.saves),
+            "recovery_checkpoints": self.recovery_saves,
             "checkpoint_s_median": statistics.median(s for s, _ in self.saves),
             "checkpoint_bytes": self.saves[-1][1],
         }
@@ -247,7 +275,7 @@ class CheckpointKeeper:
 
     def _drop(self, version: int) -> None:
         """Remove ``version``'s checkpoint, saved only for an evaluation that is not (or no longer)
-        the best; the resume point moves back to the newest one left
+        the best, or for recovery; the resume point moves back to the newest one left
         (:func:`trainer.learner.checkpoint.remove_checkpoint`)."""
         from trainer.learner.checkpoint import remove_checkpoint
 
