@@ -92,6 +92,7 @@ def job_overrides(phase: str, run_dir: Path, seed: int, extra: list[str] | tuple
         "rollout.max_num_seqs=16", "rollout.sampling.max_tokens=12", "rollout.sampling.n=4",
         "controller.batch_groups=2", "controller.max_staleness=2", "controller.total_steps=1000000",
         "controller.checkpoint_every=1", "controller.keep_checkpoints=2", f"controller.seed={seed}", "learner.micro_batch_size=8",
+        "controller.max_learner_restarts=0",  # the soak restarts the job itself (--resume auto) and sees each exit
         "server.port=0", "logging.trackers=[]", "logging.plots=false", 'loss.method="snapshot"',
         "rollout.resources={rollout_node = 1}", "learner.resources={learner_node = 1}",
         "oldlogit.resources={oldlogit_node = 1}", "oldlogit.restart_timeout_s=300", "oldlogit.max_restarts=1000",

@@ -167,11 +167,12 @@ BASE: list[str] = [
     "logging.plots=false",
     "ray.num_cpus=6",
     "controller.recovery_checkpoint_s=0",
+    "controller.max_learner_restarts=0",
 ]
 """Settings shared by every cell. lr 1e-2 and 6-token replies: measured on this box, decoupled PPO at
 W = 1 goes 0.43 -> 0.81 in 30 steps (slower settings barely moved: lr 3e-3, 16 tokens: 0.43 -> 0.45).
-No recovery checkpoints: a cell is run again whole when it stops, and a save mid-run would change
-its timing against cells run before they existed."""
+No recovery checkpoints and no learner restarts: a cell is run again whole when it stops, and a save
+mid-run would change its timing against cells run before they existed."""
 
 
 @dataclass(frozen=True)

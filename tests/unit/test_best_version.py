@@ -42,6 +42,8 @@ from trainer.learner.checkpoint import (
     checkpointed_versions,
     latest_tag,
     read_best,
+    read_recovery,
+    write_recovery,
 )
 from vintage_cli.main import app
 
@@ -335,7 +337,7 @@ def run_with_recovery(j: Job, until: int, step_s: float, seen: dict | None = Non
         clock["t"] += step_s
         if every and j.version % every == 0:
             j.checkpoint()
-        elif j.keeper.recovery_due():
+        elif j.keeper.recovery_due(j.version):
             j.checkpoint(recovery=True)
         if seen is not None:
             seen[j.version] = checkpointed_versions(j.keeper.checkpoints_dir)
@@ -367,3 +369,71 @@ def test_recovery_checkpoints_alone_keep_only_the_newest_and_the_best(tmp_path):
     assert seen[4] == [4] and seen[8] == [4, 8] and seen[12] == [4, 12]
     assert checkpointed_versions(tmp_path / "checkpoints") == [4, 13]
     assert j.keeper.recovery_saves == 3
+
+
+def save(j: Job, version: int, **kind: bool) -> None:
+    """The job at ``version`` saves its checkpoint (the stand-in learner saves the job's version)."""
+    j.version = version
+    j.keeper.checkpoint(version, **kind)
+
+
+def test_a_recovery_checkpoint_that_was_the_best_goes_once_beaten(tmp_path):
+    """A recovery save at v5 that its evaluation makes the best stays past the regular save of v6;
+    when v10 scores higher it goes like any recovery checkpoint (keep_checkpoints 0 keeps the
+    regular ones: v6, v10)."""
+    j = make_job(tmp_path, "controller.keep_checkpoints=0", "controller.eval_every=5")
+    k = j.keeper
+    save(j, 5, for_recovery=True)
+    k.note_best({"version": 5, "reward": 0.5, "tag": "during"})
+    save(j, 6)
+    assert checkpointed_versions(k.checkpoints_dir) == [5, 6] and k.best.version == 5
+    save(j, 10)
+    k.note_best({"version": 10, "reward": 0.9, "tag": "during"})
+    assert checkpointed_versions(k.checkpoints_dir) == [6, 10] and k.best.version == 10
+
+
+def test_a_run_resumed_from_a_recovery_checkpoint_still_treats_it_as_one(tmp_path):
+    """Recovery at v5 is the resume point when the job stops; the job resumed from its own folder
+    reads vintage_recovery.json, and its first regular save (v8) removes v5."""
+    j = make_job(tmp_path, "controller.keep_checkpoints=0")
+    save(j, 5, for_recovery=True)
+    assert read_recovery(tmp_path / "checkpoints") == {5}
+    ckpt = f'controller.resume_from="{tmp_path / "checkpoints"}"'
+    resumed = make_job(tmp_path, "controller.keep_checkpoints=0", ckpt, version=5, run_segment=1)
+    save(resumed, 8)
+    assert checkpointed_versions(tmp_path / "checkpoints") == [8] and read_recovery(tmp_path / "checkpoints") == set()
+
+
+def test_an_export_keeps_the_recovery_checkpoint_of_its_version(tmp_path, monkeypatch):
+    """A recovery save at v4 then the export of v4: the checkpoint becomes a regular one and stays
+    after the recovery save of v8; no version is saved twice."""
+    import trainer.driver.records.export as export_module
+
+    monkeypatch.setattr(export_module, "export_run", lambda *a, **k: None)
+    j = make_job(tmp_path, "controller.keep_checkpoints=0")
+    save(j, 4, for_recovery=True)
+    j.keeper.export(4)
+    save(j, 8, for_recovery=True)
+    assert checkpointed_versions(j.keeper.checkpoints_dir) == [4, 8] and j.learner.saves == [4, 8]
+
+
+def test_no_recovery_checkpoint_of_a_version_already_saved(tmp_path):
+    """600 s after the save of v3 with no step applied since: nothing is due at v3, one is at v4."""
+    j = make_job(tmp_path, "controller.recovery_checkpoint_s=600")
+    clock = {"t": 0.0}
+    j.keeper.clock = lambda: clock["t"]
+    j.version = 3
+    j.checkpoint()
+    clock["t"] = 600.0
+    assert not j.keeper.recovery_due(3) and j.keeper.recovery_due(4)
+
+
+def test_the_recovery_list_round_trips_and_refuses_what_is_not_one(tmp_path):
+    write_recovery(tmp_path, {12, 5})
+    assert json.loads((tmp_path / "vintage_recovery.json").read_text()) == [5, 12]
+    assert read_recovery(tmp_path) == {5, 12}
+    write_recovery(tmp_path, set())
+    assert not (tmp_path / "vintage_recovery.json").exists() and read_recovery(tmp_path) == set()
+    (tmp_path / "vintage_recovery.json").write_text('{"v": 5}')
+    with pytest.raises(ValueError, match=r"vintage_recovery.json: not a list of versions: \{'v': 5\}"):
+        read_recovery(tmp_path)

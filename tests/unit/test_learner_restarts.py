@@ -22,14 +22,17 @@ def config(tmp_path, restarts: int):
     )  # fmt: skip
 
 
-def scripted(tmp_path, outcomes: list[BaseException | None], seen: list):
+def scripted(tmp_path, outcomes: list[BaseException | None], seen: list, saves: bool = True):
     """A run_job that records the resume point it was given and fails as ``outcomes`` say in turn
-    (None: finishes, writing its summary as run_job does)."""
+    (None: finishes, writing its summary as run_job does); with ``saves``, a run that fails has
+    saved a checkpoint first (v3 becomes the resume point of an existing checkpoints folder)."""
 
     def run_job(cfg, console=None):
         seen.append(cfg.controller.resume_from)
         outcome = outcomes.pop(0)
         if outcome is not None:
+            if saves and (tmp_path / "checkpoints").is_dir():
+                (tmp_path / "checkpoints" / LATEST_FILE).write_text("v3")
             raise outcome
         summary = {"state": "finished", "end_reason": "completed"}
         (tmp_path / "summary.json").write_text(json.dumps(summary))
@@ -77,16 +80,14 @@ def test_restarts_end_when_used_up_for_other_parts_and_without_a_checkpoint(tmp_
 
 def test_learner_restarts_need_checkpoints():
     """By default a run restarts its learner once, from recovery checkpoints every 600 s; restarts
-    asked for with no checkpoint cadence at all are refused in one line naming both settings (the
-    default alone is accepted: such a run has nothing to restart from and ends as before)."""
+    with no checkpoint cadence at all are refused in one line naming the settings."""
     c = load_config(None, ['model.path="tiny"']).controller
     assert (c.max_learner_restarts, c.recovery_checkpoint_s, c.checkpoint_every) == (1, 600.0, 0)
-    load_config(None, ['model.path="tiny"', "controller.recovery_checkpoint_s=0"])
+    load_config(None, ['model.path="tiny"', "controller.recovery_checkpoint_s=0", "controller.checkpoint_every=5"])
     refused = r"max_learner_restarts: 1 needs controller.checkpoint_every > 0 or controller.recovery_checkpoint_s > 0"
     with pytest.raises(ValueError, match=refused):
-        load_config(
-            None, ['model.path="tiny"', "controller.recovery_checkpoint_s=0", "controller.max_learner_restarts=1"]
-        )
+        load_config(None, ['model.path="tiny"', "controller.recovery_checkpoint_s=0"])
+    load_config(None, ['model.path="tiny"', "controller.recovery_checkpoint_s=0", "controller.max_learner_restarts=0"])
 
 
 def test_a_learner_that_fails_to_start_is_not_restarted(tmp_path, monkeypatch):
@@ -105,3 +106,22 @@ def test_a_learner_that_fails_to_start_is_not_restarted(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="not started within"):
         job_module.run_with_restarts(config(tmp_path, 2), Console(quiet=True))
     assert seen == [None]
+
+
+def test_a_checkpoint_an_earlier_run_left_is_not_restarted_from(tmp_path, monkeypatch):
+    """The folder holds an earlier run's v2 when a fresh run starts; its learner dies before the run
+    saves anything: no restart (it would continue the other run). A run resumed from that folder
+    may restart from it."""
+    checkpointed(tmp_path)
+    died = RuntimeError("learner: the actor died unexpectedly")
+    monkeypatch.setattr(job_module, "run_job", scripted(tmp_path, [died], seen := [], saves=False))
+    with pytest.raises(RuntimeError, match="actor died"):
+        job_module.run_with_restarts(config(tmp_path, 1), Console(quiet=True))
+    assert seen == [None]
+    resumed = load_config(
+        None,
+        ['model.path="tiny"', f'logging.run_dir="{tmp_path}"', "controller.checkpoint_every=1",
+         f'controller.resume_from="{tmp_path / "checkpoints"}"'],
+    )  # fmt: skip
+    monkeypatch.setattr(job_module, "run_job", scripted(tmp_path, [died, None], seen := [], saves=False))
+    assert job_module.run_with_restarts(resumed, Console(quiet=True))["learner_restarts"] == 1

@@ -178,6 +178,7 @@ def test_each_phases_job_settings_are_accepted_by_the_config(phase, tmp_path):
 
     cfg = load_config(None, job_overrides(phase, tmp_path / phase, seed=3))
     assert (cfg.rollout.max_num_seqs, cfg.controller.seed, cfg.controller.checkpoint_every) == (16, 3, 1)
+    assert cfg.controller.max_learner_restarts == 0  # a killed learner ends the job: the soak restarts it and sees that
     assert cfg.logging.run_dir == str(tmp_path / phase)
     if phase == "agent":  # outside agents (the soak's agent process) only, through the gateway
         assert (cfg.agent.path, cfg.agent.concurrency, cfg.gateway.call_timeout_s) == (None, 8, 60.0)

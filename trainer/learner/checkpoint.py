@@ -52,6 +52,8 @@ STATE_FILE = "vintage_state.pt"
 LATEST_FILE = "vintage_latest"
 BEST_FILE = "vintage_best.json"
 """The driver's record of the best pinned held-out evaluation (:func:`write_best`)."""
+RECOVERY_FILE = "vintage_recovery.json"
+"""The driver's list of checkpoints saved only for recovery (:func:`write_recovery`)."""
 DEEPSPEED_LATEST_FILE = "latest"
 """DeepSpeed's own pointer (vintage loads by tag and never reads it)."""
 FORMAT = 1
@@ -157,8 +159,8 @@ def checkpoints_to_remove(
     checkpoints stay (``keep = 0``: every regular one stays), and so do the one ``latest`` names
     (the resume point) and ``best`` (the best pinned held-out evaluation's version,
     ``controller.keep_best``), on top of the ``keep``. ``extra``: versions saved only because they
-    were evaluated; they do not count among the newest ``keep`` and go unless they are ``latest``
-    or ``best``.
+    were evaluated or for recovery; they do not count among the newest ``keep`` and go unless they
+    are ``latest`` or ``best``.
 
     Example: versions ``[2, 4, 6, 8]``, latest 8, keep 2 -> ``[2, 4]``; latest 4, keep 1 ->
     ``[2, 6]``; latest 8, keep 1, best 4 -> ``[2, 6]``; latest 8, keep 2, best 4, extra (4,) ->
@@ -222,6 +224,35 @@ def write_best(directory: str | Path, record: dict[str, Any] | None) -> None:
         return
     d.mkdir(parents=True, exist_ok=True)
     _write_atomic(d / BEST_FILE, json.dumps(record, indent=1))
+
+
+def write_recovery(directory: str | Path, versions: set[int]) -> None:
+    """Record ``versions`` (checkpoints saved only for recovery) as ``directory / RECOVERY_FILE``,
+    atomically; an empty set removes the file."""
+    d = Path(directory)
+    if not versions:
+        (d / RECOVERY_FILE).unlink(missing_ok=True)
+        return
+    d.mkdir(parents=True, exist_ok=True)
+    _write_atomic(d / RECOVERY_FILE, json.dumps(sorted(versions)))
+
+
+def read_recovery(directory: str | Path) -> set[int]:
+    """The versions :func:`write_recovery` left in ``directory`` (empty: no file).
+
+    Raises:
+        ValueError: the file is not a JSON list of ints (the message names it).
+    """
+    p = Path(directory) / RECOVERY_FILE
+    if not p.is_file():
+        return set()
+    try:
+        versions = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(versions, list) or not all(isinstance(v, int) for v in versions):
+        raise ValueError(f"{p}: not a list of versions: {versions!r}")
+    return set(versions)
 
 
 def read_best(directory: str | Path) -> dict[str, Any] | None:

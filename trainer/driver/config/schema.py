@@ -197,9 +197,9 @@ class ControllerConfig(Section):
     again from the run's latest complete checkpoint, as ``vintage run --resume auto`` would, at most
     this many times in one ``vintage run`` (0: the run fails). Each restart is a fresh job: new
     actors and, with a private cluster, a new Ray cluster; what was in flight is lost as at any
-    resume. ``summary.json`` counts them (``learner_restarts``). Set above 0, it needs a checkpoint
+    resume. ``summary.json`` counts them (``learner_restarts``). Above 0 it needs a checkpoint
     cadence (``checkpoint_every`` or ``recovery_checkpoint_s``); a learner that fails to start, or
-    before the run's first checkpoint, ends the run."""
+    before this run's first checkpoint, ends the run."""
     keep_checkpoints: int = Field(0, ge=0)
     """Checkpoints kept in ``<run_dir>/checkpoints``: after each save only the newest N stay, the
     resume point and the best version (``keep_best``) (0: every one stays; ``vintage export
@@ -383,11 +383,11 @@ class JobConfig(Section):
             raise ValueError(
                 "oldlogit.score_reference: no KL penalty to score it for (loss.kl_coef and loss.kl_reward_coef are 0)"
             )
-        restarts_set = "max_learner_restarts" in c.model_fields_set  # the default gives way without a cadence
-        if restarts_set and c.max_learner_restarts and not (c.checkpoint_every or c.recovery_checkpoint_s):
+        if c.max_learner_restarts and not (c.checkpoint_every or c.recovery_checkpoint_s):
             raise ValueError(
                 f"controller.max_learner_restarts: {c.max_learner_restarts} needs controller.checkpoint_every > 0 "
-                "or controller.recovery_checkpoint_s > 0 (a restart continues from the run's own checkpoint)"
+                "or controller.recovery_checkpoint_s > 0 (a restart continues from the run's own checkpoint); "
+                "set it to 0 for a run without checkpoints"
             )
         if c.buffer_capacity < c.batch_groups * n:
             raise ValueError(

@@ -98,11 +98,14 @@ def run_with_restarts(cfg: JobConfig, console: Console | None = None) -> dict[st
     Raises:
         Exception: what :func:`run_job` raised, when another part failed, the learner failed to
             start (``summary.json`` says ``failed: start-up``: the same start would fail again),
-            the restarts are used up, or no checkpoint was written before the failure.
+            the restarts are used up, or this run wrote no checkpoint before the failure (a
+            checkpoint an earlier run left in the folder is not one to restart from).
     """
     console = console or Console(soft_wrap=True)
     run_dir = Path(cfg.logging.run_dir)
     ckpt, restarts = run_dir / "checkpoints", 0
+    own = cfg.controller.resume_from is not None and Path(cfg.controller.resume_from).resolve() == ckpt.resolve()
+    found = None if own else _resume_point(ckpt)  # an earlier run's checkpoint there is not this run's
     while True:
         try:
             summary = run_job(cfg, console)
@@ -111,8 +114,8 @@ def run_with_restarts(cfg: JobConfig, console: Console | None = None) -> dict[st
                 raise
             if _failed_at_start(run_dir):
                 raise
-            if latest_tag(ckpt) is None:
-                console.print("[red]learner failed before the first checkpoint: nothing to restart from[/red]")
+            if latest_tag(ckpt) is None or (restarts == 0 and _resume_point(ckpt) == found):
+                console.print("[red]learner failed before the run's first checkpoint: nothing to restart from[/red]")
                 raise
             restarts += 1
             console.print(
@@ -127,6 +130,18 @@ def run_with_restarts(cfg: JobConfig, console: Console | None = None) -> dict[st
             path = Path(cfg.logging.run_dir) / "summary.json"
             path.write_text(json.dumps({**json.loads(path.read_text()), "learner_restarts": restarts}, indent=2))
             return summary
+
+
+def _resume_point(ckpt: Path) -> tuple[str, int, int] | None:
+    """The resume point of a checkpoints folder, as ``(tag, inode, mtime in ns)`` of its pointer
+    file; None without one. A save rewrites the pointer (a new file), even for the same version."""
+    from trainer.learner.checkpoint import LATEST_FILE
+
+    tag = latest_tag(ckpt)
+    if tag is None:
+        return None
+    st = (ckpt / LATEST_FILE).stat()
+    return tag, st.st_ino, st.st_mtime_ns
 
 
 def _failed_at_start(run_dir: Path) -> bool:
@@ -244,7 +259,7 @@ def _loop(
         samples.write(cfg, taken.trajectories, learned, taken.answer, job.version)  # a few, decoded
         if cfg.controller.checkpoint_every and job.version % cfg.controller.checkpoint_every == 0:
             job.checkpoint()
-        elif job.keeper.recovery_due():  # so that a restart loses at most recovery_checkpoint_s of training
+        elif job.keeper.recovery_due(job.version):  # a restart loses at most recovery_checkpoint_s of training
             job.checkpoint(recovery=True)
         if cfg.controller.export_every and job.version % cfg.controller.export_every == 0:
             job.export()  # a Hugging Face folder of this version under <run_dir>/exports

@@ -16,8 +16,10 @@ held-out evaluation stays checkpointed and ``keep_checkpoints`` never prunes it;
 only for an evaluation lives until that evaluation's result and stays only while it is the best;
 ``<run_dir>/checkpoints/vintage_best.json`` names the current best; a best whose checkpoint is in
 another run's folder (a run resumed from there) is compared against but never removed; a recovery
-checkpoint (``controller.recovery_checkpoint_s``) lives until the next regular or recovery save and
-never counts against ``keep_checkpoints``.
+checkpoint (``controller.recovery_checkpoint_s``) never counts against ``keep_checkpoints`` and
+stays only while it is the resume point or the best, or until a regular save (an export's
+included) of its version makes it a regular one; ``<run_dir>/checkpoints/vintage_recovery.json``
+lists them, so a resumed run still knows them.
 """
 
 from __future__ import annotations
@@ -80,8 +82,8 @@ class CheckpointKeeper:
         self.clock = clock
         self._last_save = clock()
         """When this run last saved a checkpoint (``clock`` seconds; the job's start before the first)."""
-        self._recovery: int | None = None
-        """The version of the last recovery checkpoint (:meth:`recovery_due`) while it is the newest save."""
+        self._recovery: set[int] = self._starting_recovery()
+        """Versions whose checkpoints were saved only for recovery (:meth:`recovery_due`) and are on disk."""
         self.recovery_saves = 0
         self.best: BestEval | None = self.starting_best()
         """The best pinned held-out evaluation so far, whose version's checkpoint is kept
@@ -99,11 +101,21 @@ class CheckpointKeeper:
         c = self.cfg.controller
         return c.keep_best and c.eval_every > 0
 
-    def recovery_due(self) -> bool:
-        """Whether ``controller.recovery_checkpoint_s`` (> 0) seconds have passed since this run's
-        last checkpoint (or the job's start): the loop then saves a recovery checkpoint."""
+    def _starting_recovery(self) -> set[int]:
+        """The recovery checkpoints on disk when the job starts: those the checkpoints folder lists
+        when the run resumes from its own folder; none otherwise."""
+        from trainer.learner.checkpoint import checkpointed_versions, read_recovery
+
+        if self.checkpointed_version is None:  # not resumed from this run's own folder
+            return set()
+        return read_recovery(self.checkpoints_dir) & set(checkpointed_versions(self.checkpoints_dir))
+
+    def recovery_due(self, version: int) -> bool:
+        """Whether to save a recovery checkpoint of ``version`` now: ``controller.recovery_checkpoint_s``
+        (> 0) seconds have passed since this run's last checkpoint (or the job's start), and the
+        version is not checkpointed already."""
         every = self.cfg.controller.recovery_checkpoint_s
-        return every > 0 and self.clock() - self._last_save >= every
+        return every > 0 and self.clock() - self._last_save >= every and self.checkpointed_version != version
 
     def checkpoint(self, version: int, for_eval: bool = False, for_recovery: bool = False) -> str:
         """Save ``<run_dir>/checkpoints/v{version}`` (``version``: the learner's now) and return its
@@ -120,8 +132,9 @@ class CheckpointKeeper:
         (:meth:`save_for_eval`): nothing is pruned, and :meth:`note_best` removes it again unless
         the evaluation is the best. A regular save of that version makes it a regular checkpoint.
 
-        ``for_recovery``: saved because :meth:`recovery_due`: nothing is pruned, and the next
-        regular or recovery save of another version removes it unless it holds the best version.
+        ``for_recovery``: saved because :meth:`recovery_due`: it never counts against
+        ``keep_checkpoints`` and :meth:`prune` removes it once it is neither the resume point nor
+        the best, unless a regular save of its version came first.
         """
         from trainer.learner.checkpoint import version_tag
 
@@ -140,13 +153,11 @@ class CheckpointKeeper:
         if for_eval:
             self._saved_for_eval = version
             return folder
-        previous, self._recovery = self._recovery, version if for_recovery else None
-        best = self.best if self._own(self.best) else None
-        if previous not in (None, version) and (best is None or best.version != previous):
-            self._drop(previous)  # a recovery checkpoint gives way to the next save
         if for_recovery:
+            self._recovery.add(version)
             self.recovery_saves += 1
-            return folder
+        else:
+            self._recovery.discard(version)  # saved as a regular checkpoint: it follows keep_checkpoints
         if self._saved_for_eval == version:
             self._saved_for_eval = None
         if self.best is not None and self.best.saved_for_it and self.best.checkpoint == str(self._folder(version)):
@@ -182,6 +193,9 @@ class CheckpointKeeper:
 
         if self.checkpointed_version != version:
             self.checkpoint(version)
+        elif version in self._recovery:  # the export's version stays, as a regular checkpoint
+            self._recovery.discard(version)
+            self.prune()
         out = self.run_dir / "exports" / f"v{version}"
         export_run(self.run_dir, out, version, overwrite=True)
         return out
@@ -264,18 +278,23 @@ class CheckpointKeeper:
     def prune(self) -> list[int]:
         """Remove the checkpoints the retention rule lets go
         (:func:`trainer.learner.checkpoint.checkpoints_to_remove`): the newest
-        ``controller.keep_checkpoints`` regular ones, the resume point and the best version stay.
-        Returns the versions removed."""
-        from trainer.learner.checkpoint import prune_checkpoints
+        ``controller.keep_checkpoints`` regular ones, the resume point and the best version stay;
+        recovery checkpoints do not count among the regular ones. Returns the versions removed."""
+        from trainer.learner.checkpoint import prune_checkpoints, write_recovery
 
         best = self.best if self._own(self.best) else None
         kept = best.version if best is not None else None
         extra = (best.version,) if best is not None and best.saved_for_it else ()
-        return prune_checkpoints(self.checkpoints_dir, self.cfg.controller.keep_checkpoints, kept, extra)
+        gone = prune_checkpoints(
+            self.checkpoints_dir, self.cfg.controller.keep_checkpoints, kept, extra + tuple(sorted(self._recovery))
+        )
+        self._recovery -= set(gone)
+        write_recovery(self.checkpoints_dir, self._recovery)
+        return gone
 
     def _drop(self, version: int) -> None:
         """Remove ``version``'s checkpoint, saved only for an evaluation that is not (or no longer)
-        the best, or for recovery; the resume point moves back to the newest one left
+        the best; the resume point moves back to the newest one left
         (:func:`trainer.learner.checkpoint.remove_checkpoint`)."""
         from trainer.learner.checkpoint import remove_checkpoint
 
