@@ -237,17 +237,18 @@ class LearnerCore:
         if recompute and s.ppo_epochs > 1:  # every row is read by a later step: take them all at once
             batch = self._with_recompute(batch)
         taken = reads_taken_recompute(count, s.ppo_epochs, recompute)
-        passes = [
-            pass_order(batch, epoch, s.seed, s.ppo_mini_batches, s.shuffle_mini_batches).mini_batches(count)
-            for epoch in range(s.ppo_epochs)
-        ]
+
+        def one_pass(epoch: int) -> list[Batch]:  # built when its pass starts: one reordered copy at a time
+            return pass_order(batch, epoch, s.seed, s.ppo_mini_batches, s.shuffle_mini_batches).mini_batches(count)
+
+        first = one_pass(0)
         if s.ppo_epochs == 1:
-            passes[0] = [self._with_recompute(mb) if t else mb for mb, t in zip(passes[0], taken, strict=True)]
+            first = [self._with_recompute(mb) if t else mb for mb, t in zip(first, taken, strict=True)]
         recompute_s = time.perf_counter() - tr
         probe = self.ewma is not None and self.ewma.config.probes(self.version)
         results = []
-        for epoch, minis in enumerate(passes):
-            for j, mb in enumerate(minis):
+        for epoch in range(s.ppo_epochs):
+            for j, mb in enumerate(first if epoch == 0 else one_pass(epoch)):
                 results.append(self._optimizer_step(mb, probe and epoch == 0 and j == 0, taken[j]))
         self.last_optimizer_steps = results
         applied = any(r["applied"] > 0 for r in results)
@@ -256,7 +257,7 @@ class LearnerCore:
             self.version += 1
         out.update(combine_step_metrics(results))
         step_s = time.perf_counter() - t0
-        n_tok = float(sum(r["tokens"] for r in results[: len(passes[0])]))  # one pass
+        n_tok = float(sum(r["tokens"] for r in results[: len(first)]))  # one pass
         out.update(
             applied=float(applied), version=float(self.version), skipped_steps=float(self.skipped_steps),
             nonfinite_weight_steps=float(self.nonfinite_weight_steps), tokens=n_tok, sequences=float(batch.size),
