@@ -187,11 +187,11 @@ class ControllerConfig(Section):
     """Checkpoint every N steps into ``<run_dir>/checkpoints`` (0: only at the end)."""
     recovery_checkpoint_s: float = Field(600.0, ge=0.0)
     """Save a recovery checkpoint after a step once this many seconds have passed since the run's
-    last checkpoint (or the loop's start), so that a restart (``max_learner_restarts``, ``vintage
-    run --resume auto``) loses at most about this much training. A recovery checkpoint gives way
-    when the next checkpoint is saved (unless it holds the best version) and never counts against
-    ``keep_checkpoints``: it costs one checkpoint's disk and one save's seconds per interval (the
-    run's ``summary.json`` gives both: ``checkpoint_bytes``, ``checkpoint_s_median``). 0: none."""
+    last checkpoint (or the job's start), so that a restart (``max_learner_restarts``, ``vintage
+    run --resume auto``) loses at most about this much training. It stays only while it is the
+    resume point or the best version (an export of its version keeps it as a regular one) and
+    never counts against ``keep_checkpoints``: one checkpoint's disk and one save's seconds per
+    interval (``summary.json``: ``checkpoint_bytes``, ``checkpoint_s_median``). 0: none."""
     max_learner_restarts: int = Field(1, ge=0)
     """When the learner fails (its process dies, or the kernel kills it for memory), start the job
     again from the run's latest complete checkpoint, as ``vintage run --resume auto`` would, at most
