@@ -226,6 +226,20 @@ def write_best(directory: str | Path, record: dict[str, Any] | None) -> None:
     _write_atomic(d / BEST_FILE, json.dumps(record, indent=1))
 
 
+def _read_json(path: Path, missing: Any) -> Any:
+    """The JSON value in ``path``, or ``missing`` when there is no such file.
+
+    Raises:
+        ValueError: the file is not JSON (the message names it, the line and the reason).
+    """
+    if not path.is_file():
+        return missing
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e.msg} at line {e.lineno})") from None
+
+
 def write_recovery(directory: str | Path, versions: set[int]) -> None:
     """Record ``versions`` (checkpoints saved only for recovery) as ``directory / RECOVERY_FILE``,
     atomically; an empty set removes the file."""
@@ -244,12 +258,7 @@ def read_recovery(directory: str | Path) -> set[int]:
         ValueError: the file is not a JSON list of ints (the message names it).
     """
     p = Path(directory) / RECOVERY_FILE
-    if not p.is_file():
-        return set()
-    try:
-        versions = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None
+    versions = _read_json(p, [])
     if not isinstance(versions, list) or not all(isinstance(v, int) for v in versions):
         raise ValueError(f"{p}: not a list of versions: {versions!r}")
     return set(versions)
@@ -264,10 +273,7 @@ def read_best(directory: str | Path) -> dict[str, Any] | None:
     p = Path(directory) / BEST_FILE
     if not p.is_file():
         return None
-    try:
-        record = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None
+    record = _read_json(p, None)
     if not isinstance(record, dict):
         raise ValueError(f"{p}: holds a JSON {type(record).__name__}, not an object")
     return record
