@@ -368,7 +368,7 @@ def test_recovery_checkpoints_alone_keep_only_the_newest_and_the_best(tmp_path):
     run_with_recovery(j, 13, 30.0, seen)
     assert seen[4] == [4] and seen[8] == [4, 8] and seen[12] == [4, 12]
     assert checkpointed_versions(tmp_path / "checkpoints") == [4, 13]
-    assert j.keeper.recovery_saves == 3
+    assert j.keeper.cost()["recovery_checkpoints"] == 3
 
 
 def save(j: Job, version: int, **kind: bool) -> None:

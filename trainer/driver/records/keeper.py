@@ -77,14 +77,13 @@ class CheckpointKeeper:
         self._saved_for_eval: int | None = None
         """A version checkpointed only because its evaluation started (:meth:`save_for_eval`), until
         the evaluation's result decides whether the checkpoint stays (:meth:`note_best`)."""
-        self.saves: list[tuple[float, int]] = []
-        """``(seconds, bytes on disk)`` of each checkpoint this run saved, in order (:meth:`cost`)."""
+        self.saves: list[tuple[float, int, bool]] = []
+        """``(seconds, bytes on disk, for recovery)`` of each checkpoint this run saved, in order (:meth:`cost`)."""
         self.clock = clock
         self._last_save = clock()
         """When this run last saved a checkpoint (``clock`` seconds; the job's start before the first)."""
         self._recovery: set[int] = self._starting_recovery()
         """Versions whose checkpoints were saved only for recovery (:meth:`recovery_due`) and are on disk."""
-        self.recovery_saves = 0
         self.best: BestEval | None = self.starting_best()
         """The best pinned held-out evaluation so far, whose version's checkpoint is kept
         (:attr:`keeps_best`, :meth:`note_best`); None before the first, or without the setting."""
@@ -146,7 +145,7 @@ class CheckpointKeeper:
             "best": asdict(self.best) if self.best is not None else None,
         }
         folder = self.learner.save_checkpoint(str(directory), extra)
-        self.saves.append((time.perf_counter() - t0, folder_bytes(Path(folder))))
+        self.saves.append((time.perf_counter() - t0, folder_bytes(Path(folder)), for_recovery))
         self._last_save = self.clock()
         self.checkpointed_version = version
         self.ledger("checkpoint", extra["buffer"]["buffered_ids"], tag=tag, held_back=extra["source"]["held_back_ids"])
@@ -155,7 +154,6 @@ class CheckpointKeeper:
             return folder
         if for_recovery:
             self._recovery.add(version)
-            self.recovery_saves += 1
         else:
             self._recovery.discard(version)  # saved as a regular checkpoint: it follows keep_checkpoints
         if self._saved_for_eval == version:
@@ -174,8 +172,8 @@ class CheckpointKeeper:
             return {"checkpoints": 0, "recovery_checkpoints": 0, "checkpoint_s_median": None, "checkpoint_bytes": 0}
         return {
             "checkpoints": len(self.saves),
-            "recovery_checkpoints": self.recovery_saves,
-            "checkpoint_s_median": statistics.median(s for s, _ in self.saves),
+            "recovery_checkpoints": sum(recovery for _, _, recovery in self.saves),
+            "checkpoint_s_median": statistics.median(s for s, _, _ in self.saves),
             "checkpoint_bytes": self.saves[-1][1],
         }
 
