@@ -258,3 +258,50 @@ def test_the_oldest_whole_group_is_taken_first_and_arrival_breaks_ties():
     for tid, g, versions in (("d0", "d", [3, 5]), ("d1", "d", [5]), ("e0", "e", [4, 4]), ("e1", "e", [4])):
         assert m.offer(traj(tid, versions, group=g))
     assert [t.trajectory_id for t in m.take(2, 5, 2)] == ["e0", "e1"]
+
+
+def test_a_held_batch_that_passes_over_a_group_on_its_last_chance_is_taken_again():
+    """Bound 2, batch of one group of 2, taken ahead for version 5 while group a (tokens at 3) had
+    one member: b (tokens at 4) is taken. Then a1 arrives: a is whole at 5 and stale at 6 (its last
+    chance), b could wait (staleness 2 at 6): the batch goes back and the retake at 5 trains a; b
+    is taken at 6 within the bound, and nothing is dropped."""
+    b = TrajectoryBuffer(capacity=8, max_staleness=2)
+    b.note_submitted(4)
+    for tid, v, g in (("a0", 3, "a"), ("b0", 4, "b"), ("b1", 4, "b")):
+        assert b.offer(traj(tid, [v], group=g))
+    held = b.take_ahead(2, consuming_version=5, group_size=2)
+    assert [t.trajectory_id for t in held] == ["b0", "b1"]
+    assert not b.passes_over_last_chance(5, group_size=2)  # a is not whole yet
+    assert b.offer(traj("a1", [3], group="a"))
+    assert b.passes_over_last_chance(5, group_size=2)
+    b.put_back(held)
+    assert [t.trajectory_id for t in b.take(2, 5, 2, hold=True)] == ["a0", "a1"]
+    assert not b.passes_over_last_chance(5, group_size=2)  # b, buffered, can wait
+    assert [t.trajectory_id for t in b.take(2, 6, 2)] == ["b0", "b1"]
+    assert (b.dropped["stale"], b.held, b.accounting_ok()) == (0, 2, True)
+
+
+def test_no_retake_when_the_held_batch_cannot_wait_or_the_group_has_another_chance():
+    """Bound 2, consuming version 5, one group of 2 per batch. Held c (tokens at 3) is itself on its
+    last chance: no retake for a (at 3). Held b (at 4) with d (at 4, can wait) whole in the buffer:
+    no retake. Whole e (tokens 3, 4 and 4) is on its last chance, unless stale tokens are masked: judged
+    by its newest token, it can wait."""
+    b = TrajectoryBuffer(capacity=8, max_staleness=2)
+    b.note_submitted(8)
+    for tid, v, g in (("c0", 3, "c"), ("c1", 3, "c"), ("a0", 3, "a"), ("a1", 3, "a")):
+        assert b.offer(traj(tid, [v], group=g))
+    b.take_ahead(2, consuming_version=5, group_size=2)
+    assert b.held_ids() == {"c0", "c1"} and not b.passes_over_last_chance(5, group_size=2)
+    b2 = TrajectoryBuffer(capacity=8, max_staleness=2)
+    b2.note_submitted(4)
+    for tid, g in (("b0", "b"), ("b1", "b"), ("d0", "d"), ("d1", "d")):
+        assert b2.offer(traj(tid, [4], group=g))
+    b2.take_ahead(2, consuming_version=5, group_size=2)
+    assert not b2.passes_over_last_chance(5, group_size=2)
+    for mask, retake in ((False, True), (True, False)):
+        m = TrajectoryBuffer(capacity=8, max_staleness=2, keep_partly_stale=mask)
+        m.note_submitted(4)
+        assert m.offer(traj("b0", [4], group="b")) and m.offer(traj("b1", [4], group="b"))
+        m.take_ahead(2, consuming_version=5, group_size=2)
+        assert m.offer(traj("e0", [3, 4], group="e")) and m.offer(traj("e1", [4], group="e"))
+        assert m.passes_over_last_chance(5, group_size=2) is retake

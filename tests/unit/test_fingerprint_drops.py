@@ -5,6 +5,7 @@ workers that applied a publication outside a publish (joiners, late workers) are
 
 from __future__ import annotations
 
+from collections import Counter
 from types import SimpleNamespace
 
 import numpy as np
@@ -79,9 +80,10 @@ def test_entries_below_the_staleness_bound_are_pruned():
 def _job(buffer: TrajectoryBuffer) -> Job:
     j = Job.__new__(Job)  # only the buffer, the route's answer and the fingerprint check are needed
     j.cfg = load_config(None, ["controller.max_staleness=2"])
-    j.buffer, j.version, j.vocab_size, j.taken_ahead = buffer, 4, 1000, 0
-    j.batch_size, j.group_size = 4, 2
-    j.route = SimpleNamespace(async_old_logits=lambda batch, v, temperature: None)
+    j.buffer, j.version, j.vocab_size, j.taken_ahead, j.retaken = buffer, 4, 1000, 0, 0
+    j.batch_size, j.group_size, j.times = 4, 2, Counter()
+    j.source = SimpleNamespace(poll=lambda: [])  # nothing finishes meanwhile
+    j.route = SimpleNamespace(async_old_logits=lambda batch, v, temperature: None, attach=lambda got, temperature: got)
     j.fingerprints = FingerprintCheck(j.cfg, Console(quiet=True), None, j.route)
     j.fingerprints.expected = dict(EXPECTED)
     return j
@@ -112,7 +114,7 @@ def test_buffered_and_taken_ahead_mismatches_are_dropped_and_the_ledger_closes()
     assert [t.trajectory_id for t in ahead.trajectories] == ["t1", "t2", "t3", "t4"] and buf.held == 4
     j.fingerprints.expected = dict(EXPECTED)  # now it is (an adapter version's merge, checked after its take)
     events.clear()
-    assert j.still_whole(ahead) is None
+    assert j.confirm_ahead(ahead) is None
     assert events == [("dropped", ["t5", "t2"], FINGERPRINT_MISMATCH)]
     assert dict(buf.dropped) == {FINGERPRINT_MISMATCH: 2} and buf.held == 0
     assert [t.trajectory_id for t in buf.saved()] == ["t1", "t3", "t4", "t6", "t7", "t8"]
@@ -125,7 +127,7 @@ def test_buffered_and_taken_ahead_mismatches_are_dropped_and_the_ledger_closes()
     buf.offer(traj("t9", "g1", "w0", 3, A))
     buf.offer(traj("t10", "g3", "w0", 4, B))
     kept = j.take(ahead=True)
-    assert j.still_whole(kept) is kept and [t.trajectory_id for t in kept.trajectories] == ["t1", "t9", "t6", "t10"]
+    assert j.confirm_ahead(kept) is kept and [t.trajectory_id for t in kept.trajectories] == ["t1", "t9", "t6", "t10"]
 
 
 class _Pool:

@@ -82,7 +82,7 @@ def job(polls, *overrides, version=3, workers=0):
     j.served_version = version
     j.buffer = TrajectoryBuffer(capacity=16, max_staleness=j.cfg.controller.max_staleness)
     j.source = EnvSource(j.cfg, j.pool, j.buffer, lambda: j.version, 0, lambda: j.admission_version)
-    j.batch_size, j.group_size, j.vocab_size, j.taken_ahead = 4, 2, 1000, 0
+    j.batch_size, j.group_size, j.vocab_size, j.taken_ahead, j.retaken = 4, 2, 1000, 0, 0
     j.fingerprints = FingerprintCheck(j.cfg, Console(quiet=True), j.pool, j.route)
     j.buffer.note_submitted(6)
     return j
@@ -165,3 +165,26 @@ def test_loop_per_step_and_ratio_to_the_learner():
 
     assert loop_per_step(90.0, 75.0, 3) == {"loop_s_per_step": 30.0, "train_s_per_step": 25.0, "loop_over_learner": 1.2}
     assert loop_per_step(0.0, 0.0, 0) == {"loop_s_per_step": None, "train_s_per_step": None, "loop_over_learner": None}
+
+
+def test_a_batch_taken_ahead_gives_way_to_a_group_on_its_last_chance():
+    """Bound 1, learner at 3, batch of 2 groups of 2. Ahead for version 4: a (tokens at 3) has one
+    member, so b (tokens at 3) and c (at 4) are taken. The step ends and the version is 4; a1 has
+    finished meanwhile: a is whole at 4 and stale at 5, c can wait, so the batch goes back and the
+    take at 4 trains b (returned to the front) and a, the oldest; c waits for 5, nothing is dropped."""
+    polls = [
+        [traj("a0", "a", [3]), traj("b0", "b", [3]), traj("b1", "b", [3])],
+        [traj("c0", "c", [4]), traj("c1", "c", [4])],
+        [traj("a1", "a", [3])],  # finished after the batch was taken ahead
+    ]
+    j = job(polls)
+    j.buffer.note_submitted(1)
+    taken = j.take_ahead(Step(finish_after=10))
+    assert [t.trajectory_id for t in taken.trajectories] == ["b0", "b1", "c0", "c1"]
+    j.version = 4
+    assert j.confirm_ahead(taken) is None and j.retaken == 1
+    batch = j.take()
+    assert [t.trajectory_id for t in batch.trajectories] == ["b0", "b1", "a0", "a1"]
+    assert j.route.asked == [(4, 4), (4, 4)]  # its old logits are asked for again
+    b = j.buffer
+    assert ([*b._items], b.held, sum(b.dropped.values())) == (["c0", "c1"], 4, 0) and b.accounting_ok()

@@ -14,7 +14,9 @@
                       routes attach exact pi_old here, before their version is superseded)
         take          ``Job.take``: a batch at the learner's version (stale ones dropped, with a
                       reason) and a reference to the snapshot route's per-token answer for it -
-                      unless the batch was already taken ahead during the previous step
+                      unless the batch taken ahead during the previous step still stands
+                      (``Job.confirm_ahead``: what finished since is collected; a batch that lost
+                      a trajectory or passes over a group on its last chance is taken again)
         train         ``Job.async_train``: waits for the batch's old logits, then launches one
                       learner step (exact where known, the configured proxy elsewhere)
         admit         ``Job.top_up`` again: the room the new version opened is submitted while
@@ -235,8 +237,8 @@ def _loop(
             job.top_up()  # the source admits new work under the staleness rule
             job.collect()  # finished trajectories into the buffer
         # a batch at the learner's version, its exact pi_old asked for (one taken ahead unless it lost
-        # a trajectory to a fingerprint mismatch found since)
-        taken, nxt = job.still_whole(nxt) or job.take(), None
+        # a trajectory to a fingerprint mismatch found since or passes over a group on its last chance)
+        taken, nxt = job.confirm_ahead(nxt) or job.take(), None
         if taken is None:
             time.sleep(0.05)
             continue

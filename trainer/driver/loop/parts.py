@@ -178,6 +178,8 @@ class Job:
         when a resumed run re-reaches a version number it had passed before the resume point."""
         self.times = Counter()
         self.train_steps = self.taken_ahead = 0
+        self.retaken = 0
+        """Batches taken ahead and returned to train a group on its last chance (:meth:`confirm_ahead`)."""
         self.first_launch: float | None = None  # perf_counter at the first learner step's launch
         self.tokens_exact = self.tokens_total = 0
         self.learner_rss_bytes: float | None = None
@@ -250,16 +252,26 @@ class Job:
         self.taken_ahead += int(ahead)
         return TakenBatch(batch, self.route.async_old_logits(batch, v, self.cfg.rollout.sampling.temperature), ahead)
 
-    def still_whole(self, taken: TakenBatch | None) -> TakenBatch | None:
-        """``taken`` (a batch taken ahead) if none of its trajectories is dropped by
-        :meth:`FingerprintCheck.drop_mismatched`; otherwise the rest goes back to the buffer,
-        unconsumed, and None (the loop takes a batch again: the groups it broke are no longer whole)."""
+    def confirm_ahead(self, taken: TakenBatch | None) -> TakenBatch | None:
+        """``taken`` (a batch taken ahead), to be trained at the learner's version now, or None: the
+        rest of it goes back to the buffer, unconsumed, and the loop takes a batch again.
+
+        First the trajectories finished since it was taken are collected (:meth:`collect`). It goes
+        back when a trajectory of it is dropped by :meth:`FingerprintCheck.drop_mismatched` (the
+        groups it broke are no longer whole), or when it passes over a group on its last chance
+        (:meth:`TrajectoryBuffer.passes_over_last_chance`: a member that finished after the batch
+        was taken made its group whole, and the group would be stale at the next version); the
+        retake trains that group and leaves a younger one to the next batch (counted in
+        :attr:`retaken`; its old logits are asked for again)."""
         if taken is None:
             return None
+        self.collect()
         self.fingerprints.drop_mismatched(self.buffer)
         held = self.buffer.held_ids()
-        if all(t.trajectory_id in held for t in taken.trajectories):
+        whole = all(t.trajectory_id in held for t in taken.trajectories)
+        if whole and not self.buffer.passes_over_last_chance(self.version, self.group_size):
             return taken
+        self.retaken += int(whole)
         self.buffer.put_back([t for t in taken.trajectories if t.trajectory_id in held])
         return None
 

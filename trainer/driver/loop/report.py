@@ -284,6 +284,7 @@ def run_summary(
         "loop_s": loop_s,
         "train_steps": job.train_steps,
         "batches_taken_ahead": job.taken_ahead,
+        "batches_retaken": job.retaken,
         **loop_per_step(
             t_end - job.first_launch if job.first_launch is not None else 0.0, job.times["train"], job.train_steps
         ),

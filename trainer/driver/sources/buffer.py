@@ -296,19 +296,62 @@ class TrajectoryBuffer:
         Example: bound 2, consuming version 5, whole groups arrived in the order a (tokens at 4),
         b (3), c (4); one group wanted: b, then a, then c.
         """
-        groups: OrderedDict[str, list[str]] = OrderedDict()
-        for k, t in self._items.items():
-            if not self._stale(t, consuming_version):
-                groups.setdefault(t.group_id, []).append(k)
+        groups = self._by_group(self._items, consuming_version)
         chosen: list[str] = []
         used = 0
         oldest = lambda keys: min(self._judged_version(self._items[k]) for k in keys)  # noqa: E731
         for keys in sorted(groups.values(), key=oldest):
             closed = self._items[keys[0]].baseline is not None
-            if (closed or len(keys) >= group_size) and used + group_size <= n:
+            if self._whole(self._items, keys, group_size) and used + group_size <= n:
                 chosen += keys
                 used += group_size if closed else len(keys)
         return chosen if used >= n else None
+
+    def _by_group(self, store: dict[str, Trajectory], consuming_version: int) -> OrderedDict[str, list[str]]:
+        """Keys of ``store``'s trajectories within the bound at ``consuming_version``, by group, in
+        arrival order."""
+        groups: OrderedDict[str, list[str]] = OrderedDict()
+        for k, t in store.items():
+            if not self._stale(t, consuming_version):
+                groups.setdefault(t.group_id, []).append(k)
+        return groups
+
+    @staticmethod
+    def _whole(store: dict[str, Trajectory], keys: list[str], group_size: int) -> bool:
+        """Whether the trajectories ``keys`` of one group make it whole: ``group_size`` of them, or
+        closed short by their sender (they carry a :attr:`protocol.Trajectory.baseline`)."""
+        return len(keys) >= group_size or store[keys[0]].baseline is not None
+
+    def passes_over_last_chance(self, consuming_version: int, group_size: int) -> bool:
+        """Whether the batch held for ``consuming_version`` passes over a group that is consumable at
+        that version and never again, while it holds a group that could wait for the next batch.
+
+        A buffered group is on its last chance when it is whole within the bound at
+        ``consuming_version`` and a member of it is past the bound at ``consuming_version + 1`` (so
+        it would never be whole again, and the next take drops it as ``stale``). A held group can
+        wait when none of its members is past the bound at ``consuming_version + 1``. When this is
+        True, returning the held batch (:meth:`put_back`) and taking again at ``consuming_version``
+        trains the group on its last chance (:meth:`_choose` takes the oldest first) and leaves a
+        group that can wait to the next batch: a batch taken ahead, before a late member finished,
+        no longer costs its group. The retake keeps the staleness bound (every group taken is
+        within it at ``consuming_version``).
+
+        Example: bound 2, consuming version 5, a held batch of group b (tokens at 4); group a (tokens
+        at 3) becomes whole in the buffer: a is on its last chance (staleness 3 at 6), b can wait
+        (2 at 6): True. Were a's tokens at 4, or b's at 3: False.
+        """
+        nxt = consuming_version + 1
+
+        def can_wait(store: dict[str, Trajectory], keys: list[str]) -> bool:
+            return not any(self._stale(store[k], nxt) for k in keys)
+
+        last_chance = any(
+            self._whole(self._items, keys, group_size) and not can_wait(self._items, keys)
+            for keys in self._by_group(self._items, consuming_version).values()
+        )
+        return last_chance and any(
+            can_wait(self._held, keys) for keys in self._by_group(self._held, consuming_version).values()
+        )
 
     def take(
         self, n: int, consuming_version: int, group_size: int = 1, *, hold: bool = False
