@@ -47,7 +47,7 @@ model: install
 
 test: install
 	$(VENV)/bin/vintage model prepare
-	$(PY) -m trainer.driver.cluster.netguard $(PY) -m pytest -q -x --timeout=1200 tests
+	$(PY) -m trainer.driver.cluster.netguard $(PY) -m pytest -q -x --timeout=1200 --durations=15 tests
 
 test-fast: install
 	$(PY) -m pytest -q -x tests/unit

@@ -28,6 +28,9 @@ class WorkerStatus(Message):
     """Fingerprint of the weights the engine serves now, read back after the last update (None: not known)."""
     rss_bytes: int = Field(0, ge=0)
     """Resident memory of the worker's process and the processes it started (its engine's), bytes."""
+    resumed_prefill_tokens: int = Field(0, ge=0)
+    """Tokens prefilled again when requests interrupted by weight updates resumed (0 when the engine
+    keeps its requests across updates, ``rollout.keep_requests_on_update``)."""
 
 
 class OldLogitServiceStatus(Message):

@@ -13,7 +13,9 @@ Contract of every engine (the worker and the tests rely on it):
   are never guessed from the last token id;
 * ``update_weights`` verifies the whole update before touching the model; ``version`` changes only
   after every tensor is applied, and a failed update raises and keeps the old version serving
-  (an engine whose weights may be half-applied marks itself ``failed`` and refuses to step).
+  (an engine whose weights may be half-applied marks itself ``failed`` and refuses to step);
+* weights are applied with no request running, unless ``keep_requests_on_update``: then running
+  requests stay and go on under the new weights with the KV cache their prefix had.
 """
 
 from __future__ import annotations
@@ -64,6 +66,14 @@ class EngineConfig(BaseModel):
     """Most sequences decoded in one step."""
     device: str = "cpu"
     """transformers engine only: torch device."""
+    keep_requests_on_update: bool = False
+    """A weight update leaves the running requests in the engine: each goes on under the new
+    weights with the KV cache of its prefix computed under the old ones (an in-flight update, as
+    PipelineRL's), so nothing is prefilled again. ``False``: the worker aborts them between two
+    tokens and resumes each from its prefix, prefilled under the new weights (every token after the
+    update sees the new weights only). vLLM: prefix caching is off with it (a KV block computed under
+    old weights would otherwise serve later requests, and vLLM cannot reset its prefix cache while
+    requests hold blocks)."""
     test_skip_weight_loads: bool = False
     """Tests only, never in a job: ``update_weights`` checks the update and moves ``version`` but
     copies nothing into the model, so the engine keeps serving the old weights under the new
@@ -158,6 +168,16 @@ class GenerationEngine(abc.ABC):
         request.validate(self.config.max_model_len)
         if request.request_id in running:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
+
+    def _check_idle(self, running: int) -> None:
+        """Before weights are applied: no request may be running unless
+        :attr:`EngineConfig.keep_requests_on_update` keeps them.
+
+        Raises:
+            EngineError: ``running`` requests and they are not kept (the message says how many).
+        """
+        if running and not self.config.keep_requests_on_update:
+            raise EngineError(f"weight update with {running} requests running; abort them first")
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the engine's memory. The object must not be used afterwards."""
@@ -364,6 +384,7 @@ class VllmEngine(GenerationEngine):
             max_model_len=config.max_model_len,
             gpu_memory_utilization=config.gpu_memory_utilization,
             max_num_seqs=config.max_num_seqs,
+            enable_prefix_caching=not config.keep_requests_on_update,
             disable_log_stats=True,
             use_tqdm_on_load=False,
         )
@@ -430,12 +451,12 @@ class VllmEngine(GenerationEngine):
         return bool(self._live) or self._llm.has_unfinished_requests()
 
     def _apply(self, named: dict[str, torch.Tensor]) -> None:
-        if self._live:
-            raise EngineError(f"weight update with {len(self._live)} requests running; abort them first")
+        self._check_idle(len(self._live))
         method = "vintage_load_inplace" if self.inplace_updates else "vintage_reload"
         self._llm.collective_rpc(method, args=(list(named.items()),))
-        # KV blocks computed under the old weights must never be reused as a prefix hit
-        if not self._llm.reset_prefix_cache():
+        # KV blocks computed under the old weights must never be reused as a prefix hit (with kept
+        # requests prefix caching is off: nothing to reset)
+        if not self.config.keep_requests_on_update and not self._llm.reset_prefix_cache():
             raise EngineError("reset_prefix_cache refused after a weight update")
 
     def _read_samples(self, shapes: dict[str, list[int]]) -> dict[str, list[float]]:
@@ -549,8 +570,7 @@ class TransformersEngine(GenerationEngine):
 
     @torch.no_grad()
     def _apply(self, named: dict[str, torch.Tensor]) -> None:
-        if self._seqs:
-            raise EngineError(f"weight update with {len(self._seqs)} requests running; abort them first")
+        self._check_idle(len(self._seqs))
         params = dict(self.model.named_parameters())
         for name, t in named.items():
             params[name].copy_(t)

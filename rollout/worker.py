@@ -9,9 +9,13 @@ Invariants:
 * every sampled token is stamped with ``engine.version`` at the step that sampled it; all tokens
   of one step come from one version, because weights change only between steps (under the lock);
 * a weight update interrupts every running request *between two tokens*, applies the new version,
-  and resumes each one from its generated prefix (prompt + tokens so far, budget = what is left).
-  The version boundary therefore falls at the exact token; a request that had produced nothing yet
-  gets the version of its first token. Versions never decrease within a sequence;
+  and resumes each one from its generated prefix (prompt + tokens so far, budget = what is left;
+  the tokens prefilled again count in ``resumed_prefill_tokens``). The version boundary therefore
+  falls at the exact token; a request that had produced nothing yet gets the version of its first
+  token. Versions never decrease within a sequence. With
+  :attr:`rollout.engine.EngineConfig.keep_requests_on_update` the running requests stay in the
+  engine instead and go on under the new version, with their prefix's KV cache from the old one;
+  the boundary still falls between two tokens;
 * ``score_prefixes(items, temperature, known) -> [old_logprobs]`` (optional, the interrupt_sync
   route) is called after the interruption and before the new weights are applied, while the
   old-logit service still holds the outgoing version, with one :class:`protocol.OldLogitItem` for
@@ -158,6 +162,9 @@ class RolloutWorkerCore:
         self._known: set[str] = set()
         self.generated_tokens = self.generated_trajectories = self.errors = self.updates = 0
         self.busy_seconds = 0.0
+        self.resumed_prefill_tokens = 0
+        """Tokens handed to the engine again when requests interrupted by weight updates resumed
+        (their prompt and everything sampled so far): the prefill that keeping requests saves."""
         self.last_update_seconds: float | None = None
         self.last_error = ""
         self.state = "running"
@@ -247,7 +254,9 @@ class RolloutWorkerCore:
             named = self.weights.merged_adapter(named, manifest.adapter)
         t0 = time.perf_counter()
         with self._locked():
-            self._interrupt()
+            if not self.engine.config.keep_requests_on_update:
+                self.resumed_prefill_tokens += sum(len(ep.token_ids) for ep in self._running.values())
+                self._interrupt()
             outgoing = self.engine.version
             if self.score_prefixes is not None:
                 try:
@@ -287,6 +296,7 @@ class RolloutWorkerCore:
                 last_error=self.last_error[-500:],
                 served_fingerprint=self.served_fingerprint,
                 rss_bytes=tree_rss_bytes(),
+                resumed_prefill_tokens=self.resumed_prefill_tokens,
             )
 
     def step(self) -> int:

@@ -12,7 +12,7 @@ import torch
 
 from modelkit.weights import pack_weights
 from protocol import EnvRef, RolloutRequest, SamplingParams
-from rollout.engine import EngineConfig, GenerationEngine, StepDelta
+from rollout.engine import EngineConfig, EngineError, EngineRequest, GenerationEngine, StepDelta
 from rollout.worker import RolloutWorkerCore
 
 EOS = 2
@@ -74,6 +74,7 @@ class FakeEngine(GenerationEngine):
         return bool(self.live)
 
     def _apply(self, named):
+        self._check_idle(len(self.live))  # as the real engines do
         self.applied.append(named)
 
 
@@ -182,11 +183,43 @@ def test_resume_boundary_at_exact_token_case5():
     assert t.token_ids[t.prompt_len :].tolist() == list(range(10, 16)) + [EOS]  # resumed, not restarted
     np.testing.assert_allclose(t.behav_logprobs[t.prompt_len :], [-0.28] * 3 + [-0.29] * 4, atol=1e-6)
     assert eng.prompts[-1] == [5, 6, 7, 10, 11, 12] and t.info["resumes"] == 1
+    assert core.status().resumed_prefill_tokens == 6  # the 3 prompt tokens and the 3 sampled, again
     # one call: the updates to 1, 2, 3 came before any sequence held tokens
     ((items, outgoing, temperature, known),) = seen
     assert (outgoing, temperature, known, len(items)) == (3, 0.7, [None], 1)
     assert items[0].loss_mask.tolist() == [0, 0, 0, 1, 1, 1] and items[0].versions.tolist() == [-1] * 3 + [3] * 3
     # the prefix (3 prompt + 3 version-3 tokens) carries the scorer's pi_old, the rest is NaN
+    np.testing.assert_array_equal(t.old_logprobs, [-0.25] * 6 + [np.nan] * 4)
+
+
+def test_kept_requests_go_on_across_an_update_and_nothing_is_prefilled_again():
+    """keep_requests_on_update: the request of case 5 goes on in the engine from its 4th token
+    under version 4 (one engine request, no resume); the interrupt_sync scorer still gets the
+    prefix of the outgoing version. Without it, an engine with a running request refuses weights."""
+    eng = FakeEngine([(list(range(10, 16)) + [EOS], "stop")])
+    eng.add(EngineRequest("x@0", [5, 6, 7], 4, 1.0))
+    with pytest.raises(EngineError, match="weight update with 1 requests running; abort them first"):
+        eng.update_weights({"w": torch.zeros(2)}, 1)
+    eng = FakeEngine([(list(range(10, 16)) + [EOS], "stop")])
+    eng.config = eng.config.model_copy(update={"keep_requests_on_update": True})
+    seen = []
+
+    def scorer(items, temperature, known):
+        seen.append([i.versions.tolist() for i in items])
+        return [np.full(len(i.token_ids), -0.25) for i in items]
+
+    core = RolloutWorkerCore(eng, chat=FakeChat(), score_prefixes=scorer)
+    for v in (1, 2, 3):
+        core.update_weights(*_weights(v))
+    core.submit(_req(env=False, max_tokens=7))
+    for _ in range(3):
+        assert core.step() == 1
+    assert core.update_weights(*_weights(4)) == 4
+    (t,) = core.run_until_idle()
+    assert t.versions[t.prompt_len :].tolist() == [3, 3, 3, 4, 4, 4, 4]
+    assert t.token_ids[t.prompt_len :].tolist() == list(range(10, 16)) + [EOS]
+    assert eng.prompts == [[5, 6, 7]] and t.info["resumes"] == 0 and core.status().resumed_prefill_tokens == 0
+    assert seen == [[[-1] * 3 + [3] * 3]]  # one call, one sequence: the prompt and 3 tokens of version 3
     np.testing.assert_array_equal(t.old_logprobs, [-0.25] * 6 + [np.nan] * 4)
 
 

@@ -79,6 +79,10 @@ class RolloutConfig(Placement):
     worker's cap on sequences handed to it (the rest wait, in order)."""
     max_model_len: int = Field(2048, ge=16, le=1 << 20)
     """Context length (prompt + all turns) each engine accepts, tokens."""
+    keep_requests_on_update: bool = False
+    """Running requests go on across a weight update with their prefix's KV cache from the old weights
+    (no prefill again; vLLM's prefix caching is then off). ``false``: each resumes from its prefix
+    under the new weights (``resumed_prefill_tokens`` in ``/v1/status`` ``workers``)."""
     inject_mismatch_std: float = Field(0.0, ge=0.0, le=1.0)
     """Experiments only: weights published to the rollout workers (not the learner or the old-logit
     service) are multiplied by ``1 + N(0, std)`` per element, injecting train-inference mismatch.

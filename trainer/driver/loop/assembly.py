@@ -212,7 +212,8 @@ def start_learner(cfg: JobConfig, settings: LearnerSettings, console: Console) -
 
 def engine_config(cfg: JobConfig, model_path: Path | str) -> EngineConfig:
     """The engine every rollout worker of the job runs over the HF folder ``model_path``
-    (``rollout.engine``, ``rollout.dtype``, ``rollout.max_num_seqs`` sequences, ``controller.seed``)."""
+    (``rollout.engine``, ``rollout.dtype``, ``rollout.max_num_seqs`` sequences,
+    ``rollout.keep_requests_on_update``, ``controller.seed``)."""
     from rollout.engine import EngineConfig
 
     return EngineConfig(
@@ -223,6 +224,7 @@ def engine_config(cfg: JobConfig, model_path: Path | str) -> EngineConfig:
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         max_num_seqs=cfg.rollout.max_num_seqs,
         max_model_len=cfg.rollout.max_model_len,
+        keep_requests_on_update=cfg.rollout.keep_requests_on_update,
         seed=cfg.controller.seed,
     )
 
