@@ -10,6 +10,14 @@
    the tiny model and the given model.
 
 Prints a table and writes ``runs/bench/rollout.json``.
+
+    python -m benchmarks.bench_rollout --compare-keep [--update-every 1.0] --out results/keep_requests.json
+
+3. Only this, with ``--compare-keep``: generation under a weight update every ``--update-every``
+   seconds (the same weights under a new version each time, so both modes sample from the same
+   distribution), with the interrupted requests resumed from their prefix (the default) and kept in
+   the engine (``keep_requests_on_update``), one engine after the other: tokens/s of each, the tokens
+   prefilled again, the updates applied and the seconds per update.
 """
 
 from __future__ import annotations
@@ -135,12 +143,75 @@ def bench_update(core: RolloutWorkerCore, ids, max_tokens: int, repeats: int = 3
     }
 
 
+def bench_keep(cfg: EngineConfig, ids, max_tokens: int, every_s: float) -> dict:
+    """Section 3 for one engine setting (``cfg.keep_requests_on_update``): the worker's background
+    thread generates ``ids`` (``max_tokens`` each) while this thread applies a weight update every
+    ``every_s`` seconds until all are finished; seconds are wall time from the submission."""
+    from modelkit.modelhub import load_causal_lm
+
+    named = list(load_causal_lm(cfg.model_path).state_dict().items())
+    core = RolloutWorkerCore(VllmEngine(cfg), max_num_seqs=cfg.max_num_seqs)
+    core.start()
+    core.submit(_requests(ids[:2], max_tokens, "warm"))
+    _drain(core, 2)
+    t0 = time.perf_counter()
+    core.submit(_requests(ids, max_tokens, "k"))
+    got, updates, update_s = [], 0, []
+    while len(got) < len(ids):
+        end = time.perf_counter() + every_s
+        while len(got) < len(ids) and time.perf_counter() < end:
+            got += core.poll()
+            time.sleep(0.002)
+        if len(got) < len(ids):
+            u0 = time.perf_counter()
+            core.update_weights(*pack_weights(named, version=core.version + 1))
+            update_s.append(time.perf_counter() - u0)
+            updates += 1
+    seconds = time.perf_counter() - t0
+    n = sum(t.num_generated for t in got)
+    out = {
+        "keep_requests_on_update": cfg.keep_requests_on_update,
+        "tokens": n,
+        "seconds": seconds,
+        "tokens_per_s": n / seconds,
+        "updates": updates,
+        "update_s_median": sorted(update_s)[len(update_s) // 2] if update_s else None,
+        "resumed_prefill_tokens": core.status().resumed_prefill_tokens,
+        "resumes": sum(t.info.get("resumes", 0) for t in got),
+    }
+    core.close()
+    return out
+
+
+def compare_keep(a: argparse.Namespace, real: Path, ids) -> dict:
+    """Section 3: both settings on the same prompts, one after the other; prints a table."""
+    cfg = EngineConfig(model_path=str(real), max_model_len=1024, kv_cache_gib=1, max_num_seqs=max(a.prompts, 8))
+    rows = [bench_keep(cfg.model_copy(update={"keep_requests_on_update": k}), ids, a.max_tokens, a.update_every)
+            for k in (False, True)]  # fmt: skip
+    print(
+        f"{'requests':10s} {'tok/s':>8s} {'tokens':>7s} {'s':>7s} {'updates':>8s} {'update s':>9s} {'prefilled again':>16s}"
+    )
+    for r in rows:
+        name = "kept" if r["keep_requests_on_update"] else "resumed"
+        print(
+            f"{name:10s} {r['tokens_per_s']:8.1f} {r['tokens']:7d} {r['seconds']:7.1f} {r['updates']:8d} "
+            f"{r['update_s_median'] or 0:9.3f} {r['resumed_prefill_tokens']:16d}"
+        )
+    return {
+        "update_every_s": a.update_every,
+        "rows": rows,
+        "kept_over_resumed": rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default="runs/bench/rollout.json")
+    ap.add_argument("--compare-keep", action="store_true", help="only section 3: resumed vs kept requests")
+    ap.add_argument("--update-every", type=float, default=1.0, help="section 3: seconds between weight updates")
     a = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -155,6 +226,9 @@ def main() -> None:
         "max_tokens": a.max_tokens,
         "torch_threads": torch.get_num_threads(),
     }
+    if a.compare_keep:
+        result["keep"] = compare_keep(a, real, ids)
+        return _write(result, Path(a.out))
     cfg = EngineConfig(model_path=str(real), max_model_len=1024, kv_cache_gib=1, max_num_seqs=max(a.prompts, 8))
 
     result["bare_vllm"] = bench_bare(cfg, ids, a.max_tokens)
@@ -183,7 +257,10 @@ def main() -> None:
             f"update {u['model_bytes'] / 2**20:8.1f} MiB   idle {u['idle_update_s'] * 1e3:7.1f} ms   "
             f"mid-generation {u['mid_generation_update_s'] * 1e3:7.1f} ms"
         )
-    out = Path(a.out)
+    _write(result, Path(a.out))
+
+
+def _write(result: dict, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
