@@ -13,11 +13,13 @@ Prints a table and writes ``runs/bench/rollout.json``.
 
     python -m benchmarks.bench_rollout --compare-keep [--update-every 1.0] --out results/keep_requests.json
 
-3. Only this, with ``--compare-keep``: generation under a weight update every ``--update-every``
-   seconds (the same weights under a new version each time, so both modes sample from the same
-   distribution), with the interrupted requests resumed from their prefix (the default) and kept in
-   the engine (``keep_requests_on_update``), one engine after the other: tokens/s of each, the tokens
-   prefilled again, the updates applied and the seconds per update.
+3. Only this, with ``--compare-keep``: generation of ``--prompts`` samples in groups of
+   ``--group-size`` sharing a prompt, under a weight update every ``--update-every`` seconds (the
+   same weights under a new version each time, so both modes sample from the same distribution),
+   with the interrupted requests resumed from their prefix (the default, vLLM's prefix caching on)
+   and kept in the engine (``keep_requests_on_update``, prefix caching off), one engine after the
+   other: tokens/s of each, the tokens prefilled again, the updates applied and the seconds per
+   update.
 """
 
 from __future__ import annotations
@@ -84,13 +86,14 @@ def bench_bare(cfg: EngineConfig, ids: list[list[int]], max_tokens: int) -> dict
     return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt}
 
 
-def _requests(ids, max_tokens, tag):
+def _requests(ids, max_tokens, tag, n=1):
+    """One request per prompt of ``ids``, ``n`` samples each (a group sharing the prompt)."""
     return [
         RolloutRequest(
             request_id=f"{tag}{i}",
-            group_id=tag,
+            group_id=f"{tag}{i}",
             prompt_ids=p,
-            sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens),
+            sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens, n=n),
         )
         for i, p in enumerate(ids)
     ]
@@ -143,10 +146,11 @@ def bench_update(core: RolloutWorkerCore, ids, max_tokens: int, repeats: int = 3
     }
 
 
-def bench_keep(cfg: EngineConfig, ids, max_tokens: int, every_s: float) -> dict:
+def bench_keep(cfg: EngineConfig, ids, max_tokens: int, every_s: float, n: int) -> dict:
     """Section 3 for one engine setting (``cfg.keep_requests_on_update``): the worker's background
-    thread generates ``ids`` (``max_tokens`` each) while this thread applies a weight update every
-    ``every_s`` seconds until all are finished; seconds are wall time from the submission."""
+    thread generates ``n`` samples of each prompt of ``ids`` (``max_tokens`` each) while this thread
+    applies a weight update every ``every_s`` seconds until all are finished; seconds are wall time
+    from the submission."""
     from modelkit.modelhub import load_causal_lm
 
     named = list(load_causal_lm(cfg.model_path).state_dict().items())
@@ -155,14 +159,14 @@ def bench_keep(cfg: EngineConfig, ids, max_tokens: int, every_s: float) -> dict:
     core.submit(_requests(ids[:2], max_tokens, "warm"))
     _drain(core, 2)
     t0 = time.perf_counter()
-    core.submit(_requests(ids, max_tokens, "k"))
+    want = core.submit(_requests(ids, max_tokens, "k", n))
     got, updates, update_s = [], 0, []
-    while len(got) < len(ids):
+    while len(got) < want:
         end = time.perf_counter() + every_s
-        while len(got) < len(ids) and time.perf_counter() < end:
+        while len(got) < want and time.perf_counter() < end:
             got += core.poll()
             time.sleep(0.002)
-        if len(got) < len(ids):
+        if len(got) < want:
             u0 = time.perf_counter()
             core.update_weights(*pack_weights(named, version=core.version + 1))
             update_s.append(time.perf_counter() - u0)
@@ -171,6 +175,8 @@ def bench_keep(cfg: EngineConfig, ids, max_tokens: int, every_s: float) -> dict:
     n = sum(t.num_generated for t in got)
     out = {
         "keep_requests_on_update": cfg.keep_requests_on_update,
+        "prompts": len(ids),
+        "group_size": n,
         "tokens": n,
         "seconds": seconds,
         "tokens_per_s": n / seconds,
@@ -185,9 +191,12 @@ def bench_keep(cfg: EngineConfig, ids, max_tokens: int, every_s: float) -> dict:
 
 def compare_keep(a: argparse.Namespace, real: Path, ids) -> dict:
     """Section 3: both settings on the same prompts, one after the other; prints a table."""
+    groups = max(1, a.prompts // a.group_size)
     cfg = EngineConfig(model_path=str(real), max_model_len=1024, kv_cache_gib=1, max_num_seqs=max(a.prompts, 8))
-    rows = [bench_keep(cfg.model_copy(update={"keep_requests_on_update": k}), ids, a.max_tokens, a.update_every)
-            for k in (False, True)]  # fmt: skip
+    rows = [
+        bench_keep(cfg.model_copy(update={"keep_requests_on_update": k}), ids[:groups], a.max_tokens, a.update_every, a.group_size)
+        for k in (False, True)
+    ]  # fmt: skip
     print(
         f"{'requests':10s} {'tok/s':>8s} {'tokens':>7s} {'s':>7s} {'updates':>8s} {'update s':>9s} {'prefilled again':>16s}"
     )
@@ -212,6 +221,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench/rollout.json")
     ap.add_argument("--compare-keep", action="store_true", help="only section 3: resumed vs kept requests")
     ap.add_argument("--update-every", type=float, default=1.0, help="section 3: seconds between weight updates")
+    ap.add_argument("--group-size", type=int, default=8, help="section 3: samples per prompt (--prompts in all)")
     a = ap.parse_args()
     from transformers import AutoTokenizer
 

@@ -1,7 +1,8 @@
 """Generation engines behind one token-level interface: vLLM in-process, and a transformers fallback.
 
 The rollout worker drives an engine one decode step at a time (:meth:`GenerationEngine.step`), so
-generation can be interrupted between two tokens for a weight update and resumed from the prefix.
+a weight update falls between two tokens: generation is interrupted there and resumed from the
+prefix, or (``keep_requests_on_update``) the running requests go on under the new weights.
 
 Contract of every engine (the worker and the tests rely on it):
 
@@ -169,16 +170,6 @@ class GenerationEngine(abc.ABC):
         if request.request_id in running:
             raise ValueError(f"request_id: {request.request_id!r} is already running")
 
-    def _check_idle(self, running: int) -> None:
-        """Before weights are applied: no request may be running unless
-        :attr:`EngineConfig.keep_requests_on_update` keeps them.
-
-        Raises:
-            EngineError: ``running`` requests and they are not kept (the message says how many).
-        """
-        if running and not self.config.keep_requests_on_update:
-            raise EngineError(f"weight update with {running} requests running; abort them first")
-
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the engine's memory. The object must not be used afterwards."""
 
@@ -201,10 +192,14 @@ class GenerationEngine(abc.ABC):
         Raises:
             ValueError: ``version`` is not newer than the serving one, a tensor is missing, unknown
                 or mis-shaped (the message names it); the old version keeps serving.
-            EngineError: the copy itself failed; the engine is marked failed.
+            EngineError: a request is running and :attr:`EngineConfig.keep_requests_on_update` is
+                off (nothing is applied; the old version keeps serving), or the copy itself failed
+                (the engine is marked failed).
         """
         if self.failed:
             raise EngineError(f"engine failed earlier: {self.failed}")
+        if self.has_unfinished() and not self.config.keep_requests_on_update:
+            raise EngineError("weight update with requests running: abort them first or keep_requests_on_update")
         if version <= self.version:
             raise ValueError(f"version: update to {version} is not newer than serving version {self.version}")
         want = self.expected_weights()
@@ -451,7 +446,6 @@ class VllmEngine(GenerationEngine):
         return bool(self._live) or self._llm.has_unfinished_requests()
 
     def _apply(self, named: dict[str, torch.Tensor]) -> None:
-        self._check_idle(len(self._live))
         method = "vintage_load_inplace" if self.inplace_updates else "vintage_reload"
         self._llm.collective_rpc(method, args=(list(named.items()),))
         # KV blocks computed under the old weights must never be reused as a prefix hit (with kept
@@ -570,7 +564,6 @@ class TransformersEngine(GenerationEngine):
 
     @torch.no_grad()
     def _apply(self, named: dict[str, torch.Tensor]) -> None:
-        self._check_idle(len(self._seqs))
         params = dict(self.model.named_parameters())
         for name, t in named.items():
             params[name].copy_(t)

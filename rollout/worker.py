@@ -17,7 +17,8 @@ Invariants:
   engine instead and go on under the new version, with their prefix's KV cache from the old one;
   the boundary still falls between two tokens;
 * ``score_prefixes(items, temperature, known) -> [old_logprobs]`` (optional, the interrupt_sync
-  route) is called after the interruption and before the new weights are applied, while the
+  route) is called after the interruption (or, with kept requests, at the update) and before the
+  new weights are applied, while the
   old-logit service still holds the outgoing version, with one :class:`protocol.OldLogitItem` for
   every sequence - in flight *or finished but not yet polled* - that holds tokens of the
   outgoing version; the exact ``pi_old`` it returns is attached to the sequence (values attached at
@@ -163,8 +164,9 @@ class RolloutWorkerCore:
         self.generated_tokens = self.generated_trajectories = self.errors = self.updates = 0
         self.busy_seconds = 0.0
         self.resumed_prefill_tokens = 0
-        """Tokens handed to the engine again when requests interrupted by weight updates resumed
-        (their prompt and everything sampled so far): the prefill that keeping requests saves."""
+        """Tokens handed to the engine again, to be prefilled again, when requests interrupted by
+        applied weight updates resume (their prompt and everything sampled so far; requests the
+        engine had not scheduled yet count too): the prefill that keeping requests saves."""
         self.last_update_seconds: float | None = None
         self.last_error = ""
         self.state = "running"
@@ -233,6 +235,8 @@ class RolloutWorkerCore:
 
     def update_weights(self, manifest: WeightManifest, payload: Mapping[str, Any]) -> int:
         """Interrupt in-flight requests, apply weights ``manifest.version``, resume; returns the version.
+        With ``keep_requests_on_update`` the requests are not interrupted: they go on under the new
+        weights.
 
         ``payload`` is ``{hf_name: tensor}`` from ``modelkit.weights.pack_weights``; it is verified
         (checksum, shapes) before anything is interrupted. An adapter publication is merged into
@@ -254,8 +258,9 @@ class RolloutWorkerCore:
             named = self.weights.merged_adapter(named, manifest.adapter)
         t0 = time.perf_counter()
         with self._locked():
+            resumed = 0
             if not self.engine.config.keep_requests_on_update:
-                self.resumed_prefill_tokens += sum(len(ep.token_ids) for ep in self._running.values())
+                resumed = sum(len(ep.token_ids) for ep in self._running.values())
                 self._interrupt()
             outgoing = self.engine.version
             if self.score_prefixes is not None:
@@ -264,6 +269,7 @@ class RolloutWorkerCore:
                 except Exception as e:  # those tokens stay NaN: the learner uses its proxy, and says so
                     self._record_error(f"score_prefixes failed: {e!r}")
             self.engine.update_weights(named, manifest.version)
+            self.resumed_prefill_tokens += resumed  # they resume under the new version
             self.weights.record_update(named)
             self.updates += 1
             self.last_update_seconds = time.perf_counter() - t0

@@ -2,8 +2,9 @@
 
 Each call becomes a :class:`protocol.RolloutRequest` with ``prompt_ids`` (the worker's raw
 "continue these ids" request kind): the worker samples it exactly like an in-process rollout, so
-every token is stamped with the version that sampled it and a weight update interrupts the call
-between two tokens and resumes it under the new version. The finished one-turn
+every token is stamped with the version that sampled it and a weight update falls between two
+tokens of the call, which goes on under the new version (resumed from its prefix, or kept in the
+engine with ``rollout.keep_requests_on_update``). The finished one-turn
 :class:`protocol.Trajectory` carries the prompt (mask 0) followed by the sampled ids (mask 1),
 their mu and versions.
 

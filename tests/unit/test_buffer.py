@@ -168,10 +168,17 @@ def test_a_group_with_split_sessions_is_taken_whole():
     b.note_submitted(4)
     for tid, g in (("a0", "a"), ("a1/0", "a"), ("a1/1", "a"), ("b0", "b")):
         b.offer(traj(tid, [0], group=g))
-    assert b.take(4, consuming_version=0, group_size=2) is None  # b is incomplete: a alone is 3 < 4
+    assert b.take(4, consuming_version=0, group_size=2) is None  # b is incomplete: a is one group of 2
     got = b.take(2, consuming_version=0, group_size=2)
     assert [t.trajectory_id for t in got] == ["a0", "a1/0", "a1/1"]
     assert (b.consumed, len(b)) == (3, 1) and b.accounting_ok()
+    # a split group taken first still leaves room for another: a batch of 2 groups holds 2 + 3
+    b.note_submitted(4)
+    for tid, g in (("c0", "c"), ("c1/0", "c"), ("c1/1", "c"), ("b1", "b")):
+        b.offer(traj(tid, [0], group=g))
+    got = b.take(4, consuming_version=0, group_size=2)
+    assert [t.trajectory_id for t in got] == ["b0", "b1", "c0", "c1/0", "c1/1"]
+    assert (b.consumed, len(b)) == (8, 0) and b.accounting_ok()
 
 
 def test_take_ahead_passes_over_stale_without_dropping_and_holds():

@@ -177,8 +177,7 @@ def test_a_batch_taken_ahead_gives_way_to_a_group_on_its_last_chance():
         [traj("c0", "c", [4]), traj("c1", "c", [4])],
         [traj("a1", "a", [3])],  # finished after the batch was taken ahead
     ]
-    j = job(polls)
-    j.buffer.note_submitted(1)
+    j = job(polls)  # 6 submitted: a0, a1, b0, b1, c0, c1
     taken = j.take_ahead(Step(finish_after=10))
     assert [t.trajectory_id for t in taken.trajectories] == ["b0", "b1", "c0", "c1"]
     j.version = 4

@@ -291,7 +291,9 @@ class TrajectoryBuffer:
         is trained first, so a long rollout that arrives after shorter, newer ones is not left to go
         stale behind them. A group is whole with ``group_size`` trajectories or more, or when its
         trajectories carry a :attr:`protocol.Trajectory.baseline` (their sender closed the group
-        short of its size); such a group takes the place of one group of ``group_size`` in the batch.
+        short of its size); every whole group takes the place of one group of ``group_size`` in the
+        batch, so a group of more (an agent session split into segments) makes the batch larger,
+        one closed short makes it smaller.
 
         Example: bound 2, consuming version 5, whole groups arrived in the order a (tokens at 4),
         b (3), c (4); one group wanted: b, then a, then c.
@@ -301,10 +303,9 @@ class TrajectoryBuffer:
         used = 0
         oldest = lambda keys: min(self._judged_version(self._items[k]) for k in keys)  # noqa: E731
         for keys in sorted(groups.values(), key=oldest):
-            closed = self._items[keys[0]].baseline is not None
             if self._whole(self._items, keys, group_size) and used + group_size <= n:
                 chosen += keys
-                used += group_size if closed else len(keys)
+                used += group_size
         return chosen if used >= n else None
 
     def _by_group(self, store: dict[str, Trajectory], consuming_version: int) -> OrderedDict[str, list[str]]:
@@ -327,8 +328,9 @@ class TrajectoryBuffer:
         that version and never again, while it holds a group that could wait for the next batch.
 
         A buffered group is on its last chance when it is whole within the bound at
-        ``consuming_version`` and a member of it is past the bound at ``consuming_version + 1`` (so
-        it would never be whole again, and the next take drops it as ``stale``). A held group can
+        ``consuming_version`` and a member of it is past the bound at ``consuming_version + 1`` (the
+        next take drops that member as ``stale``, and the group, short of it, is no longer whole
+        unless it holds more than ``group_size`` or was closed short by its sender). A held group can
         wait when none of its members is past the bound at ``consuming_version + 1``. When this is
         True, returning the held batch (:meth:`put_back`) and taking again at ``consuming_version``
         trains the group on its last chance (:meth:`_choose` takes the oldest first) and leaves a
@@ -360,8 +362,8 @@ class TrajectoryBuffer:
 
         Stale trajectories are dropped first. Returns None (taking nothing) if fewer than ``n``
         trajectories in complete groups are available. A group holding more than ``group_size``
-        trajectories (an agent session split into segments that share its reward) is taken whole,
-        so the batch may then hold more than ``n``; a group closed short of ``group_size`` by its
+        trajectories (an agent session split into segments that share its reward) is taken whole
+        and counts as one group, so the batch may then hold more than ``n``; a group closed short of ``group_size`` by its
         sender (trajectories with a ``baseline``) counts as one group, so it may hold fewer. The batch counts as consumed, or with ``hold``
         as held until :meth:`consume` (its step starts) or :meth:`put_back`.
         """

@@ -442,7 +442,7 @@ class WorkerPool:
         return out
 
     def update_weights(self, manifest: WeightManifest, payload_ref: Any) -> list[int]:
-        """Apply a publication on every worker (interrupt, update, resume); returns the versions of
+        """Apply a publication on every worker (:meth:`rollout.worker.RolloutWorkerCore.update_weights`); returns the versions of
         those that answered (within ``hang_timeout_s``; a worker with a late call is not waited for)."""
         with self._lock:
             self._latest = (manifest, payload_ref)
