@@ -497,7 +497,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             summary = read_json(ph.run_dir / "summary.json")
             res["summary"] = {k: summary.get(k) for k in ("end_reason", "steps", "run_segment", "generated", "consumed",
                               "buffered", "in_flight", "dropped", "accounting_ok", "worker_restarts",
-                              "oldlogit_restarts", "fingerprint_mismatch", "tokens_exact", "tokens_total")} if summary else None  # fmt: skip
+                              "oldlogit_restarts", "fingerprint_mismatch", "tokens_exact", "tokens_total",
+                              "batches_taken_ahead", "batches_retaken")} if summary else None  # fmt: skip
             res["ledger"] = ledger_check(read_ledger(ph.run_dir), v0, summary)
             w0, w1 = res.pop("window")
             res["rss_growth"] = rss_growth(a.sampler.samples, w0, w1)
