@@ -33,7 +33,8 @@ The two steps, each on its own copy of the model loaded from the same folder:
 * **learner**: :meth:`trainer.learner.core.LearnerCore.train_step` (DeepSpeed ZeRO 0, torch fused
   AdamW, the guard, the EWMA where the method's proxy is "ewma"; ``micro_batch_size = --batch``).
   Its own metrics give ``step_s`` (:meth:`~trainer.learner.core.LearnerCore.train_batch`, from the
-  collated batch to the version bump) and the parts ``forward_backward_s``, ``ewma_forward_s``,
+  collated batch to the version bump) and the parts ``forward_loss_s`` (log-probs and loss),
+  ``backward_s``, ``ewma_forward_s``,
   ``ref_forward_s``, ``optimizer_s`` (``engine.step()`` with the guard's copy of the updated
   tensors and DeepSpeed's clipping), ``ewma_update_s``, ``recompute_forward_s``;
   ``remainder_s = step_s - sum(parts)``. ``wall_s`` is the ``train_step`` call measured outside
@@ -72,7 +73,8 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 LEARNER_PARTS = (
-    "forward_backward_s", "ewma_forward_s", "ref_forward_s", "optimizer_s", "ewma_update_s", "recompute_forward_s",
+    "forward_loss_s", "backward_s", "ewma_forward_s", "ref_forward_s", "optimizer_s", "ewma_update_s",
+    "recompute_forward_s",
 )  # fmt: skip
 """The phases of the learner's own metrics (seconds, summed over its optimizer steps) that split ``step_s``."""
 PLAIN_PARTS = ("forward_loss_s", "backward_s", "optimizer_s")
@@ -105,7 +107,7 @@ def learner_split(metrics: Mapping[str, float], wall_s: float) -> dict[str, floa
     absent), ``remainder_s = step_s - sum(parts)``, ``wall_s`` (the ``train_step`` call, measured
     outside) and ``collate_s = wall_s - step_s``; seconds.
 
-    Example: step_s 1.0, forward_backward_s 0.6, optimizer_s 0.2, ewma_update_s 0.05, wall 1.1 ->
+    Example: step_s 1.0, forward_loss_s 0.2, backward_s 0.4, optimizer_s 0.2, ewma_update_s 0.05, wall 1.1 ->
     remainder 0.15, collate 0.1.
     """
     step = float(metrics["step_s"])

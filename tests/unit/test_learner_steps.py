@@ -21,10 +21,10 @@ def step(tokens, applied=1.0, **kw):
 
 def test_token_weighted_means_extremes_sums_and_clip_shares():
     a = step(10, loss=0.4, clip_frac_high=0.1, clip_frac_low=0.0, ratio_max=1.0, ratio_min=1.0, grad_norm=2.0,
-             forward_backward_s=1.5, micro_batches=2, pg_weight=1.0, pg_weight_clipped=0.0,
+             forward_loss_s=0.5, backward_s=1.0, micro_batches=2, pg_weight=1.0, pg_weight_clipped=0.0,
              proxy_err_sum=0.5, proxy_err_tokens=10, ewma_reset=0.0)  # fmt: skip
     b = step(30, loss=0.0, clip_frac_high=0.3, clip_frac_low=0.1, ratio_max=1.6, ratio_min=0.7, grad_norm=4.0,
-             forward_backward_s=2.5, micro_batches=2, pg_weight=2.0, pg_weight_clipped=1.0,
+             forward_loss_s=1.0, backward_s=1.5, micro_batches=2, pg_weight=2.0, pg_weight_clipped=1.0,
              proxy_err_sum=1.5, proxy_err_tokens=30, ewma_reset=1.0)  # fmt: skip
     out = combine_step_metrics([a, b])
     assert out["loss"] == pytest.approx((0.4 * 10 + 0.0 * 30) / 40)  # 0.1
@@ -32,7 +32,7 @@ def test_token_weighted_means_extremes_sums_and_clip_shares():
     assert out["clip_frac_step_max"] == pytest.approx(0.4)  # step b: 0.3 + 0.1
     assert (out["ratio_max"], out["ratio_min"]) == (1.6, 0.7)
     assert out["grad_norm"] == 3.0 and out["grad_norm_max"] == 4.0
-    assert out["forward_backward_s"] == 4.0 and out["micro_batches"] == 4.0
+    assert (out["forward_loss_s"], out["backward_s"], out["micro_batches"]) == (1.5, 2.5, 4.0)
     # 30 x 1.0 / (10 x 1.0 + 30 x 2.0) = 30 / 70 of the gradient weight sat on clipped tokens
     assert out["clip_grad_removed_frac"] == pytest.approx(3 / 7)
     assert out["proxy_abs_err"] == pytest.approx(2.0 / 40) and out["proxy_err_tokens"] == 40

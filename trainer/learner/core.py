@@ -215,7 +215,7 @@ class LearnerCore:
         policy-gradient weight |w r A| on clipped tokens), ``proxy_abs_err`` (mean |proxy - exact|
         in nats over exact tokens, NaN without any) and ``proxy_err_tokens``, ``ewma_*`` (beta,
         total_weight, resets, kept_frac, reset, bytes), ``step_s``, ``tokens_per_s``, phase seconds
-        summed over steps (``recompute_forward_s``, ``ewma_forward_s``, ``forward_backward_s``,
+        summed over steps (``recompute_forward_s``, ``ewma_forward_s``, ``forward_loss_s``, ``backward_s``,
         ``optimizer_s``, ``ewma_update_s``) and the collation counts (``stale_masked_tokens``,
         ``overlong_masked_seqs``, ``staleness_*``, ``response_tokens_*``, ``groups``,
         ``zero_variance_groups``: groups whose rewards are all equal).
@@ -335,7 +335,7 @@ class LearnerCore:
         self._guard.clear()
         acc: dict[str, list[float]] = {}
         sums = {"loss": 0.0, "err": 0.0, "err_n": 0.0, "ewma_keep": 0.0, "ewma_n": 0.0}
-        timing = {"ewma_forward_s": 0.0, "forward_backward_s": 0.0}
+        timing = {"ewma_forward_s": 0.0, "forward_loss_s": 0.0, "backward_s": 0.0}
         ewma_runs = 0
         self.engine.train()
         for i, mb in enumerate(micro):
@@ -407,9 +407,11 @@ class LearnerCore:
             ewma_logprobs=ewma_lp if ewma_lp is not None or self.ewma is None else lp.detach(),
             global_token_count=counts[0], global_seq_count=counts[1],
         )  # fmt: skip
+        tc = time.perf_counter()
         self.engine.backward(loss * float(self.world_size))  # DeepSpeed averages gradients over ranks
         timing["ewma_forward_s"] += tb - ta
-        timing["forward_backward_s"] += time.perf_counter() - tb
+        timing["forward_loss_s"] += tc - tb
+        timing["backward_s"] += time.perf_counter() - tc
         sums["loss"] += float(loss.detach())
         m["entropy"] = float(entropy.detach()[mask].sum() / mask.sum().clamp(min=1))
         sum_max_min(m, float(mask.sum()), acc)

@@ -31,7 +31,7 @@ def sum_max_min(means: dict[str, float], weight: float, acc: dict[str, list[floa
 
 
 _SUMMED = (
-    "ewma_forward_s", "forward_backward_s", "optimizer_s", "ewma_update_s", "micro_batches",
+    "ewma_forward_s", "forward_loss_s", "backward_s", "optimizer_s", "ewma_update_s", "micro_batches",
     "ewma_forward_micro_batches", "proxy_err_sum", "proxy_err_tokens",
 )  # fmt: skip
 _OWN_RULE = ("tokens", "applied", "grad_norm", "ewma_kept_frac", "lr")
