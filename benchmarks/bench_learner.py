@@ -3,6 +3,7 @@ and the learner's step split into its parts.
 
     python -m benchmarks.bench_learner [--model tiny|real] [--method snapshot] [--batch 16] [--prompt 64]
         [--completion 32] [--threads 1] [--repeats 5] [--dtype float32|bfloat16] [--pack]
+        [--chunk-bytes N]
         [--out runs/bench/learner.json]
     vintage bench learner [--model tiny]
 
@@ -321,7 +322,7 @@ def run_repeat(index: int, core: Any, plain: tuple[Any, Any], trajs: list, olds:
 
 def run(
     model_path: str, model_name: str, method: str, batch: int, prompt: int, completion: int, threads: int,
-    repeats: int, dtype: str, seed: int = 0, pack: bool = False,
+    repeats: int, dtype: str, seed: int = 0, pack: bool = False, chunk_bytes: int | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Build the batch, the learner and the plain model, run ``repeats`` repeats; the result dict
     (``config``, ``batch``, ``tokens``, ``repeats``, ``summary``; see :func:`main`)."""
@@ -343,6 +344,7 @@ def run(
         settings = LearnerSettings(
             model_path=model_path, lr=LR, grad_clip=GRAD_CLIP, micro_batch_size=batch, dtype=dtype, loss=cfg,
             torch_threads=threads, seed=seed, master_port=free_port(), pack_sequences=pack,
+            **({} if chunk_bytes is None else {"logprob_chunk_bytes": chunk_bytes}),
         )  # fmt: skip
         core = LearnerCore(settings)
         device = core.engine.device
@@ -366,7 +368,7 @@ def run(
             "model": model_name, "model_path": model_path, "params": sum(p.numel() for p in model.parameters()),
             "method": method, "dtype": dtype, "threads": threads, "batch": batch, "prompt": prompt,
             "completion": completion, "repeats": repeats, "seed": seed, "lr": LR, "grad_clip": GRAD_CLIP, "pack": pack,
-            "micro_batch_size": batch, "zero_stage": settings.zero_stage, "device": str(device),
+            "logprob_chunk_bytes": settings.logprob_chunk_bytes, "micro_batch_size": batch, "zero_stage": settings.zero_stage, "device": str(device),
             "loss": cfg.model_dump(),
         },
         "batch": {
@@ -397,6 +399,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--seed", type=int, default=0, help="seed of the batch and of torch")
     ap.add_argument("--pack", action="store_true", help="the learner packs its rows (learner.pack_sequences)")
+    ap.add_argument(
+        "--chunk-bytes", type=int, default=None,
+        help="the learner's learner.logprob_chunk_bytes (default: its default; 0: whole logits, no recompute)",
+    )  # fmt: skip
     ap.add_argument("--out", default="runs/bench/learner.json")
     a = ap.parse_args(argv)
     from trainer.algorithm.loss_config import METHODS
@@ -421,7 +427,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         res = run(
             path, "SmolLM2-135M" if a.model == "real" else "tiny", a.method, a.batch, a.prompt, a.completion,
-            a.threads, a.repeats, a.dtype, a.seed, a.pack,
+            a.threads, a.repeats, a.dtype, a.seed, a.pack, a.chunk_bytes,
         )  # fmt: skip
     finally:
         torch.set_num_threads(before)
