@@ -159,9 +159,13 @@ def test_context_budget_exhausted_counts_as_truncation():
     assert len(t.token_ids) == 16 and t.info["turns"] == 3  # 3 | 3+3 | 3+3 | 3+1: the last turn cut by the budget
 
 
-def test_resume_boundary_at_exact_token_case5():
-    """Abort after 3 tokens at version 3, update, resume: boundary at output offset 3."""
+def _case5(keep: bool = False):
+    """Case 5's run: a request sampled 3 tokens at version 3, then version 4 is applied (requests
+    kept in the engine with ``keep``) and it runs to the end; the interrupt_sync scorer records
+    ``(items, outgoing version, temperature, known)`` and answers -0.25. Returns ``(engine, core,
+    trajectory, seen)``."""
     eng = FakeEngine([(list(range(10, 16)) + [EOS], "stop")])
+    eng.config = eng.config.model_copy(update={"keep_requests_on_update": keep})
     seen = []
 
     def scorer(items, temperature, known):  # the interrupt_sync route's scorer, still at the outgoing version
@@ -176,19 +180,30 @@ def test_resume_boundary_at_exact_token_case5():
         assert core.step() == 1
     assert core.update_weights(*_weights(4)) == 4
     (t,) = core.run_until_idle()
-    out = t.versions[t.prompt_len :].tolist()
-    assert out == [3, 3, 3, 4, 4, 4, 4]
+    return eng, core, t, seen
+
+
+def _check_case5_trajectory(t, seen):
+    """What both settings give: the boundary at output offset 3, each version's mu, one scorer call
+    for the prefix of version 3 (the updates to 1, 2, 3 came before any sequence held tokens), whose
+    pi_old covers the prompt and the 3 version-3 tokens (NaN after)."""
+    assert t.versions[t.prompt_len :].tolist() == [3, 3, 3, 4, 4, 4, 4]
     assert t.segments() == [(3, 3), (4, 6)]  # (version, start_offset) in the full sequence
-    assert t.token_ids[t.prompt_len :].tolist() == list(range(10, 16)) + [EOS]  # resumed, not restarted
+    assert t.token_ids[t.prompt_len :].tolist() == list(range(10, 16)) + [EOS]  # continued, not restarted
     np.testing.assert_allclose(t.behav_logprobs[t.prompt_len :], [-0.28] * 3 + [-0.29] * 4, atol=1e-6)
-    assert eng.prompts[-1] == [5, 6, 7, 10, 11, 12] and t.info["resumes"] == 1
-    assert core.status().resumed_prefill_tokens == 6  # the 3 prompt tokens and the 3 sampled, again
-    # one call: the updates to 1, 2, 3 came before any sequence held tokens
     ((items, outgoing, temperature, known),) = seen
     assert (outgoing, temperature, known, len(items)) == (3, 0.7, [None], 1)
     assert items[0].loss_mask.tolist() == [0, 0, 0, 1, 1, 1] and items[0].versions.tolist() == [-1] * 3 + [3] * 3
-    # the prefix (3 prompt + 3 version-3 tokens) carries the scorer's pi_old, the rest is NaN
     np.testing.assert_array_equal(t.old_logprobs, [-0.25] * 6 + [np.nan] * 4)
+
+
+def test_resume_boundary_at_exact_token_case5():
+    """Abort after 3 tokens at version 3, update, resume: boundary at output offset 3; the resumed
+    request is prefilled again with the prompt and the 3 tokens."""
+    eng, core, t, seen = _case5()
+    _check_case5_trajectory(t, seen)
+    assert eng.prompts[-1] == [5, 6, 7, 10, 11, 12] and t.info["resumes"] == 1
+    assert core.status().resumed_prefill_tokens == 6  # the 3 prompt tokens and the 3 sampled, again
 
 
 def test_kept_requests_go_on_across_an_update_and_nothing_is_prefilled_again():
@@ -200,28 +215,9 @@ def test_kept_requests_go_on_across_an_update_and_nothing_is_prefilled_again():
     with pytest.raises(EngineError, match="weight update with requests running: abort them first"):
         eng.update_weights({"w": torch.zeros(2)}, 1)
     assert (eng.version, eng.failed, eng.applied) == (0, "", [])  # refused before anything was applied
-    eng = FakeEngine([(list(range(10, 16)) + [EOS], "stop")])
-    eng.config = eng.config.model_copy(update={"keep_requests_on_update": True})
-    seen = []
-
-    def scorer(items, temperature, known):
-        seen.append([i.versions.tolist() for i in items])
-        return [np.full(len(i.token_ids), -0.25) for i in items]
-
-    core = RolloutWorkerCore(eng, chat=FakeChat(), score_prefixes=scorer)
-    for v in (1, 2, 3):
-        core.update_weights(*_weights(v))
-    core.submit(_req(env=False, max_tokens=7))
-    for _ in range(3):
-        assert core.step() == 1
-    assert core.update_weights(*_weights(4)) == 4
-    (t,) = core.run_until_idle()
-    assert t.versions[t.prompt_len :].tolist() == [3, 3, 3, 4, 4, 4, 4]
-    assert t.token_ids[t.prompt_len :].tolist() == list(range(10, 16)) + [EOS]
+    eng, core, t, seen = _case5(keep=True)
+    _check_case5_trajectory(t, seen)
     assert eng.prompts == [[5, 6, 7]] and t.info["resumes"] == 0 and core.status().resumed_prefill_tokens == 0
-    np.testing.assert_allclose(t.behav_logprobs[t.prompt_len :], [-0.28] * 3 + [-0.29] * 4, atol=1e-6)
-    assert seen == [[[-1] * 3 + [3] * 3]]  # one call, one sequence: the prompt and 3 tokens of version 3
-    np.testing.assert_array_equal(t.old_logprobs, [-0.25] * 6 + [np.nan] * 4)
 
 
 def test_request_waiting_across_update_gets_first_token_version():
