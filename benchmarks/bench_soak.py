@@ -67,7 +67,7 @@ from benchmarks.soak_logic import (
     rss_growth,
     worst_growth,
 )
-from deploy.local_cluster import LocalRayHead, LocalRayNode
+from deploy.local_cluster import LocalRayHead, LocalRayNode, outside_private_cluster
 from trainer.driver.cluster import owned
 
 REPO = Path(__file__).resolve().parents[1]
@@ -479,7 +479,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     per_phase = a.minutes / len(a.phases)
     kinds = {"env": ENV_KINDS, "agent": AGENT_KINDS}
     plan = kill_schedule(a.seed, [(p, per_phase * 60, kinds[p]) for p in a.phases], a.kill_every, a.max_kills)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # jobs join the soak's cluster as its nodes do (without a loopback interposer this process may hold)
+    env = {
+        **outside_private_cluster(os.environ),
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     v0 = v0_fingerprint()
     started, t_start = time.time(), time.monotonic()
     load0 = os.getloadavg()

@@ -47,6 +47,7 @@ def ray_session(cfg: JobConfig):
     Raises:
         trainer.driver.cluster.netguard.LoopbackUnavailable: ``ray.loopback_only`` and no C compiler to build the
             bind interposer.
+        ValueError: a driver that the cluster's actors could not reach (:func:`check_driver_reachable`).
     """
     if ray.is_initialized():
         yield
@@ -56,6 +57,11 @@ def ray_session(cfg: JobConfig):
     env = {"env_vars": {k: os.environ[k] for k in ENV_VARS if k in os.environ}}
     started: list[psutil.Process] = []  # the private cluster's processes
     if cfg.ray.address:
+        import ray._private.ray_constants as ray_constants
+
+        from trainer.driver.cluster import netguard
+
+        check_driver_reachable(cfg.ray.address, netguard.active(), not ray_constants.ENABLE_RAY_CLUSTER)
         ray.init(address=cfg.ray.address, runtime_env=env, log_to_driver=True)
     else:
         started = _start_private_cluster(cfg, env)
@@ -69,6 +75,25 @@ def ray_session(cfg: JobConfig):
 
 
 _SESSION_KEY = ("ray_session", "private_cluster")
+
+
+def check_driver_reachable(address: str, loopback_bound: bool, advertises_loopback: bool) -> None:
+    """Refuse to join the Ray cluster at ``address`` when its actors could not reach this driver:
+    the process listens on loopback only (``loopback_bound``: started with the bind interposer,
+    :func:`trainer.driver.cluster.netguard.active`) while Ray would give the cluster the machine's
+    outward address for it (``advertises_loopback`` False: Ray's ``ENABLE_RAY_CLUSTER``). Actors then
+    wait for ever for what the driver owns (weight publications, requests) on another node.
+
+    Raises:
+        ValueError: that case; the message names ``ray.address`` and its value.
+    """
+    if loopback_bound and not advertises_loopback:
+        raise ValueError(
+            f"ray.address: {address!r}: this driver listens on loopback only (the bind interposer is in "
+            "LD_PRELOAD) but would give the cluster its outward address, so actors on other nodes could not "
+            "reach it; start it without the interposer, or with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 to join a "
+            "loopback-only cluster"
+        )
 
 
 def _start_private_cluster(cfg: JobConfig, env: dict[str, Any]) -> list[psutil.Process]:
