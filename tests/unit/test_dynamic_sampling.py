@@ -233,7 +233,7 @@ def test_counts_reach_status_and_prometheus():
     b.filter_groups(arrived, 0, 4, bound=1)
     job_ = SimpleNamespace(
         version=0, run_segment=0, route=SimpleNamespace(name="none"), pool=SimpleNamespace(statuses=lambda: []),
-        buffer=b, last_publish={}, source=SimpleNamespace(status=lambda: None),
+        buffer=b, publisher=SimpleNamespace(last={}), source=SimpleNamespace(status=lambda: None),
         fingerprints=SimpleNamespace(mismatches=0, unverified=0), evals=SimpleNamespace(resubmitted=0),
     )  # fmt: skip
     s = JobStatus(**status_fields(job_, None))

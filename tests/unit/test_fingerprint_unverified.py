@@ -80,7 +80,7 @@ def test_unverifiable_consumers_are_counted_and_restarted_only_when_asked(monkey
 def test_the_count_reaches_the_status():
     job = SimpleNamespace(
         version=1, run_segment=0, route=SimpleNamespace(name="none"), pool=SimpleNamespace(statuses=lambda: []),
-        buffer=TrajectoryBuffer(capacity=4, max_staleness=1), last_publish={},
+        buffer=TrajectoryBuffer(capacity=4, max_staleness=1), publisher=SimpleNamespace(last={}),
         source=SimpleNamespace(status=lambda: None), fingerprints=SimpleNamespace(mismatches=1, unverified=3), evals=SimpleNamespace(resubmitted=0),
     )  # fmt: skip
     s = JobStatus(**status_fields(job, None))

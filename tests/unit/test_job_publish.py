@@ -1,4 +1,4 @@
-"""Job.publish: the learner's part returns before the consumers apply (none/snapshot routes), one
+"""Publisher.publish: the learner's part returns before the consumers apply (none/snapshot routes), one
 publication is applied at a time, a consumer's failure surfaces at the next wait, and scorer routes
 keep the scorer in lockstep (a recording learner and a gated pool stand in for the Ray actors)."""
 
@@ -11,8 +11,8 @@ import pytest
 from rich.console import Console
 
 from trainer.driver.config.schema import load_config
-from trainer.driver.loop.parts import Job
 from trainer.driver.publication.fingerprint_check import FingerprintCheck
+from trainer.driver.publication.publisher import Publisher
 from trainer.driver.publication.routes import Route, ScorerRoute
 
 
@@ -71,32 +71,32 @@ class _Method:
         return self.answer
 
 
-def job(pool, route):
-    j = Job.__new__(Job)  # only the parts publish uses
-    j.cfg = load_config(None, [])
-    j.learner, j.pool, j.route, j.times, j.last_publish = Learner(), pool, route, Counter(), {}
-    j.version, j.served_version = 1, 0
-    j.fingerprints = FingerprintCheck(j.cfg, Console(quiet=True), pool, route)
-    j.ledger_rows = []
-    j.ledger = lambda event, ids, reason=None, **fields: j.ledger_rows.append({"event": event, "ids": ids, **fields})
-    return j
+def publisher(pool, route):
+    cfg = load_config(None, [])
+    rows = []
+    ledger = lambda event, ids, reason=None, **fields: rows.append({"event": event, "ids": ids, **fields})  # noqa: E731
+    p = Publisher(
+        cfg, Learner(), route, pool, FingerprintCheck(cfg, Console(quiet=True), pool, route), ledger, Counter()
+    )
+    p.ledger_rows = rows
+    return p
 
 
 def test_publish_returns_before_the_workers_apply_and_the_next_waits():
     pool = GatedPool()
-    j = job(pool, Route())
+    j = publisher(pool, Route())
     j.publish()  # returns although no worker has applied version 1
     assert pool.started.wait(30) and pool.applied == [] and j.learner.published == ["float32"]
-    assert (j.served_version, j.admission_version) == (0, 0)  # the workers still serve version 0
+    assert j.served_version == 0  # the workers still serve version 0
     nxt = threading.Thread(target=j.publish)
     nxt.start()
     nxt.join(0.2)
     assert nxt.is_alive() and j.learner.published == ["float32"]  # version 2 waits for version 1
     pool.gate.set()
     nxt.join(30)
-    j.wait_published()
+    j.wait()
     assert pool.applied == [(1, "ref-1"), (2, "ref-2")]
-    assert (j.served_version, j.admission_version) == (2, 1)  # the learner's 1 is the older here
+    assert j.served_version == 2
     assert j.ledger_rows == [  # each version's learner fingerprint, for checks of what was served
         {"event": "published", "ids": [], "published": 1, "fingerprint": "0000000000000001"},
         {"event": "published", "ids": [], "published": 2, "fingerprint": "0000000000000002"},
@@ -105,13 +105,13 @@ def test_publish_returns_before_the_workers_apply_and_the_next_waits():
 
 def test_a_failed_apply_is_raised_by_the_next_wait():
     pool = GatedPool(fail_at=1)
-    j = job(pool, Route())
+    j = publisher(pool, Route())
     j.publish()
     pool.gate.set()
     with pytest.raises(RuntimeError, match="worker refused version 1"):
-        j.wait_published()
+        j.wait()
     assert j.served_version == 0  # not applied: still the version before
-    j.wait_published()  # raised once
+    j.wait()  # raised once
 
 
 def test_scorer_routes_wait_for_workers_then_scorer(monkeypatch):
@@ -123,6 +123,6 @@ def test_scorer_routes_wait_for_workers_then_scorer(monkeypatch):
     pool.gate.set()
     orig = pool.update_weights
     pool.update_weights = lambda m, r: (log.append(("workers", m.version)), orig(m, r))
-    j = job(pool, ScorerRoute("interrupt_sync", Scorer(log)))
+    j = publisher(pool, ScorerRoute("interrupt_sync", Scorer(log)))
     j.publish()
     assert log == [("workers", 1), ("scorer", 1)] and j._applying is None  # applied before returning

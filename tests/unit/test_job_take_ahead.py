@@ -6,6 +6,7 @@ Ray workers and the learner."""
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 from rich.console import Console
@@ -79,7 +80,7 @@ def job(polls, *overrides, version=3, workers=0):
     j = Job.__new__(Job)  # only the buffer, pool and route parts are needed
     j.cfg = load_config(None, ["controller.max_staleness=1", "controller.total_steps=10", *overrides])
     j.pool, j.route, j.version, j.times, j._held_back = Pool(polls, workers), RecordingRoute(), version, Counter(), []
-    j.served_version = version
+    j.publisher = SimpleNamespace(served_version=version)
     j.buffer = TrajectoryBuffer(capacity=16, max_staleness=j.cfg.controller.max_staleness)
     j.source = EnvSource(j.cfg, j.pool, j.buffer, lambda: j.version, 0, lambda: j.admission_version)
     j.batch_size, j.group_size, j.vocab_size, j.taken_ahead, j.retaken = 4, 2, 1000, 0, 0
@@ -127,11 +128,11 @@ def test_no_batch_ahead_when_synchronous_or_at_the_last_version():
 def test_admission_counts_from_the_version_the_workers_serve_and_catches_up_while_the_learner_trains():
     # batch 4 (2 groups of 2), bound 1, 6 scheduled; the learner is at 3, the workers still serve 2
     j = job([], "controller.batch_groups=2", "rollout.sampling.n=2", workers=1)
-    j.served_version = 2
+    j.publisher.served_version = 2
     assert j.admission_version == 2
     j.top_up()  # (2 + 1 + 1) * 4 - 6 = 10 places: 5 groups of 2
     assert (len(j.pool.submitted), j.buffer.scheduled) == (5, 16)
-    j.served_version = 3  # the publication of 3 is applied while the learner trains on it
+    j.publisher.served_version = 3  # the publication of 3 is applied while the learner trains on it
     assert j.take_ahead(Step(finish_after=2)) is None  # nothing finished; the step ends at the 2nd check
     assert (len(j.pool.submitted), j.buffer.scheduled) == (7, 20)  # (3 + 1 + 1) * 4 - 16 = 4 more: 2 groups
     assert {r.admitted_version for r in j.pool.submitted} == {3}  # requests carry the learner's version
@@ -144,12 +145,12 @@ def test_waiting_for_the_step_admits_the_room_the_applied_publication_opens(monk
     import ray
 
     j = job([], "controller.batch_groups=2", "rollout.sampling.n=2", workers=1)
-    j.served_version, j.train_steps = 2, 0
+    j.publisher.served_version, j.train_steps = 2, 0
 
     class Applying(Step):
         def done(self, timeout_s):
             if self.checks == 1:
-                j.served_version = 3
+                j.publisher.served_version = 3
             return super().done(timeout_s)
 
     step = Applying(finish_after=3)

@@ -30,7 +30,7 @@ def test_the_ledger_closes_with_the_batch_taken_ahead():
     assert buf.take_ahead(4, consuming_version=1, group_size=2) is not None
     job = SimpleNamespace(
         version=0, run_segment=0, route=SimpleNamespace(name="snapshot"), pool=SimpleNamespace(statuses=lambda: []),
-        buffer=buf, last_publish={}, source=SimpleNamespace(status=lambda: None),
+        buffer=buf, publisher=SimpleNamespace(last={}), source=SimpleNamespace(status=lambda: None),
         fingerprints=SimpleNamespace(mismatches=0, unverified=0), evals=SimpleNamespace(resubmitted=0),
     )  # fmt: skip
     f = status_fields(job, None)
@@ -61,7 +61,7 @@ def test_the_collapse_signals_reach_the_step_line_and_the_status():
     buf = TrajectoryBuffer(capacity=4, max_staleness=2)
     job = SimpleNamespace(
         version=3, run_segment=0, route=SimpleNamespace(name="snapshot"), pool=SimpleNamespace(statuses=lambda: []),
-        buffer=buf, last_publish={}, source=SimpleNamespace(status=lambda: None),
+        buffer=buf, publisher=SimpleNamespace(last={}), source=SimpleNamespace(status=lambda: None),
         fingerprints=SimpleNamespace(mismatches=0, unverified=0), evals=SimpleNamespace(resubmitted=0),
     )  # fmt: skip
     f = status_fields(job, None, m)

@@ -34,7 +34,7 @@ def test_the_state_is_evaluating_and_the_gateway_figures_are_live_during_an_eval
 
     job = SimpleNamespace(
         version=2, run_segment=0, route=SimpleNamespace(name="none"), pool=SimpleNamespace(statuses=lambda: []),
-        buffer=buf, last_publish={}, source=SimpleNamespace(status=gw.status), oldlogit_status=lambda: None,
+        buffer=buf, publisher=SimpleNamespace(last={}), source=SimpleNamespace(status=gw.status), oldlogit_status=lambda: None,
         fingerprints=SimpleNamespace(mismatches=0, unverified=0),
         evals=SimpleNamespace(evaluate=evaluate, resubmitted=0),
     )  # fmt: skip

@@ -29,7 +29,7 @@
         publish       ``Job.evals.finish`` (a held-out evaluation pinned to the outgoing version ends
                       before the version is replaced), ``Job.await_old_logits`` (the service answers
                       the next batch before it takes the new version: one call at a time),
-                      ``route.before_publish`` (scorer routes collect first), then ``Job.publish``
+                      ``route.before_publish`` (scorer routes collect first), then ``Job.publisher.publish``
         log           ``step_report`` -> ``metrics.jsonl``, the trackers, ``/v1/status``, the step
                       line (:mod:`trainer.driver.loop.report`); a few of the batch's trajectories ->
                       ``samples.jsonl`` (:mod:`trainer.driver.records.samples`)
@@ -215,7 +215,7 @@ def _loop(
     """The recipe: each line of the iteration is one part's job (see the module docstring)."""
     cfg, console = job.cfg, job.console
     if job.version > 0:  # resumed: consumers loaded the folder (version 0); give them the resumed weights
-        job.publish()
+        job.publisher.publish()
     before = evaluate_reported(job, board, lambda: job.evals.evaluate("before"))
     log_eval(log, board, before)
     console.print(f"held-out reward before training: {before}")
@@ -253,7 +253,7 @@ def _loop(
                 deadline += held["waited_s"]  # the loop's wait for an evaluation is outside its budget
             job.await_old_logits(nxt)  # the service answers the next batch before it takes the new version
             job.route.before_publish(job.collect)  # scorer routes: score finished work at the outgoing version
-            job.publish()  # the new version to every consumer
+            job.publisher.publish()  # the new version to every consumer
         report = step_report(job, taken.trajectories, learned)  # the row, and the service's status for it
         m = report.metrics
         job.learner_rss_bytes = (m.model_extra or {}).get("rss_bytes")  # named if the kernel kills it

@@ -26,7 +26,6 @@ other weights than published to it is restarted and counted (:attr:`Job.fingerpr
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from trainer.driver.loop.pinned_eval import PinnedEvaluation
 from trainer.driver.loop.supervision import WorkerSupervisor
 from trainer.driver.publication.fingerprint_check import FingerprintCheck
 from trainer.driver.publication.fingerprints import FINGERPRINT_MISMATCH, ExpectedFingerprints, trajectory_mismatch
+from trainer.driver.publication.publisher import Publisher
 from trainer.driver.publication.routes import Route
 from trainer.driver.records.keeper import CheckpointKeeper
 from trainer.driver.records.ledger import Ledger
@@ -136,10 +136,6 @@ class Job:
         ledger: where the fate of every finished trajectory is recorded (the buffer's ``ledger``).
     """
 
-    _applying: threading.Thread | None = None
-    """The publication being applied in the background (:meth:`publish`)."""
-    _apply_error: BaseException | None = None
-
     def __init__(
         self,
         cfg: JobConfig,
@@ -164,10 +160,6 @@ class Job:
         self.learner, self.route, self.pool, self.buffer = learner, route, pool, buffer
         self.version = version
         """The learner's version: the number of rollout batches it has trained on (one published update each)."""
-        self.served_version = 0
-        """The last version applied by every rollout worker and scorer (:meth:`publish`): the oldest
-        version new work may still be sampled with. 0 until the first publication is applied (a
-        resumed job's consumers start from the model folder's weights)."""
         self.keeper = CheckpointKeeper(
             cfg, self.run_dir, learner, ledger, version=version, run_segment=run_segment,
             driver_state=lambda folder: write_driver_state(folder, self.buffer, self.source),
@@ -186,16 +178,17 @@ class Job:
         """The learner's resident bytes at its last step (rank 0), for the report of a kill for memory."""
         self.peak_rss: dict[str, float] = {}
         """The largest resident bytes seen at a step, by part (:func:`trainer.driver.loop.report.part_memory`)."""
-        self.last_publish: dict[str, float] = {}
         self.fingerprints = FingerprintCheck(cfg, console, pool, route)
         """What each consumer serves, checked after each publication; what each version should serve
         (:mod:`trainer.driver.publication.fingerprint_check`)."""
         self.ledger = ledger
+        self.publisher = Publisher(cfg, learner, route, pool, self.fingerprints, ledger, self.times)
+        """Publications of the learner's versions, one applied at a time (:mod:`trainer.driver.publication.publisher`)."""
         self.source: TrajectorySource = source(self)
         """Where training trajectories come from (:mod:`trainer.driver.sources.source`): it admits, collects and evaluates."""
         self.workers = WorkerSupervisor(cfg, console, pool, self.source, self.fingerprints)
         """Scale requests, workers started in the background, dead or hung workers (:mod:`trainer.driver.loop.supervision`)."""
-        self.evals = PinnedEvaluation(self.source, self.keeper, self.times, self.wait_published, lambda: self.version)
+        self.evals = PinnedEvaluation(self.source, self.keeper, self.times, self.publisher.wait, lambda: self.version)
         """Held-out evaluations pinned to a version (:mod:`trainer.driver.loop.pinned_eval`)."""
 
     # -- the parts of one iteration (the loop in :func:`trainer.driver.loop.job._loop` calls them in order) --
@@ -205,7 +198,7 @@ class Job:
         """The version the staleness admission rule counts from: the learner's, or the one the
         rollout workers still serve while a publication is being applied, whichever is older
         (:func:`trainer.driver.sources.buffer.admission_capacity`)."""
-        return min(self.version, self.served_version)
+        return min(self.version, self.publisher.served_version)
 
     def top_up(self) -> None:
         """Admit: the source submits as much new work as the staleness admission rule allows."""
@@ -359,57 +352,6 @@ class Job:
         if taken is not None:
             self.buffer.put_back(taken.trajectories)
 
-    def publish(self) -> None:
-        """Publish the learner's current version to every rollout worker and the old-logit service.
-
-        The learner packs the version into the object store and is free again (the driver handles
-        manifests and references only). The consumers then take it in the order the route decides
-        (:mod:`trainer.driver.publication.routes`): on the ``none`` and ``snapshot`` routes in the background, so the
-        loop and the learner go on while each worker switches between two tokens; scorer routes
-        keep the scorer in lockstep with the workers, so this call waits for them. One publication
-        is applied at a time: this call, :meth:`evaluate` and :meth:`shutdown` first wait for the
-        previous one (:meth:`wait_published`, which raises its error, if any).
-        """
-        self.wait_published()
-        t0 = time.perf_counter()
-        noise = self.cfg.rollout.inject_mismatch_std
-        manifest, ref = self.learner.async_publish(
-            self.cfg.rollout.dtype, mismatch_std=noise, mismatch_seed=self.cfg.controller.seed * 100_003
-        )
-        scorer_weights = self.route.scorer_publication(
-            (manifest, ref), self.cfg.rollout.dtype, self.learner.async_publish, perturbed=noise > 0
-        )
-        self.fingerprints.published(manifest)  # no publication thread runs now
-        self.ledger("published", [], published=manifest.version, fingerprint=manifest.fingerprint)
-        self.last_publish = {"seconds": time.perf_counter() - t0, "bytes": manifest.total_bytes, "unix": time.time()}
-        self.times["publish"] += self.last_publish["seconds"]
-
-        def apply() -> None:
-            t1 = time.perf_counter()
-            try:
-                self.route.publish(lambda: self.pool.update_weights(manifest, ref), scorer_weights)
-                self.fingerprints.check_fingerprints(manifest, scorer_weights)
-                self.served_version = manifest.version
-            except BaseException as e:  # raised by the next wait_published
-                self._apply_error = e
-            self.last_publish["applied_s"] = time.perf_counter() - t1
-
-        if self.route.background_publish:
-            self._applying = threading.Thread(target=apply, name=f"publish-v{manifest.version}", daemon=True)
-            self._applying.start()
-        else:
-            apply()
-            self.wait_published()
-
-    def wait_published(self) -> None:
-        """Wait until every consumer has applied the last publication; re-raise its failure, if any."""
-        th, self._applying = self._applying, None
-        if th is not None:
-            th.join()
-        err, self._apply_error = self._apply_error, None
-        if err is not None:
-            raise err
-
     def oldlogit_status(self) -> OldLogitServiceStatus | None:
         """The old-logit service's :class:`protocol.OldLogitServiceStatus` now (None without one); a
         new service process since the last call counts as a restart (``ServiceCalls.restarts``).
@@ -437,7 +379,7 @@ class Job:
         """Stop every part, each even when the one before failed: wait for the publication being
         applied, close the source, stop the workers and the learner, kill the old-logit service."""
         with contextlib.suppress(Exception):
-            self.wait_published()
+            self.publisher.wait()
         with contextlib.suppress(Exception):
             self.source.close()
         with contextlib.suppress(Exception):
