@@ -1,0 +1,90 @@
+"""Peak resident memory of a whole job, part by part, for settings that trade memory for time.
+
+Each variant is a short run of the demo config (``--steps`` versions, the demo's own held-out
+evaluation before training and at the end included) in its own ``vintage run`` process, one after
+the other on a quiet machine (:func:`benchmarks.demo_seeds.run_seed`: folder
+``<runs>/demo-mem-<variant>-s<seed>``, read back when it finished before). Variants (``--variants``,
+each its ``--set`` items on top of the config):
+
+* ``default``: the config as it is;
+* ``checkpointing``: ``learner.gradient_checkpointing = true`` (each decoder layer recomputed in
+  backward, only its input kept);
+* ``kv1``: ``rollout.kv_cache_gib = 1`` (the vLLM worker's KV cache, GiB);
+* ``both``: the two together.
+
+Per variant, from ``summary.json`` (``peak_rss_gib``: the largest resident set seen at a step, by
+part) and ``metrics.jsonl``: the peak GiB of the learner, the rollout workers (each worker's process
+and its engine's), the old-logit service, the driver and the whole job (the driver's process tree:
+the private Ray cluster's daemons included; pages shared between processes count once per
+process), the median learner step (``train_s``, steps after the first) and the loop's seconds per
+step. The table sets them side by side (:func:`benchmarks.bench_reference.table`).
+
+    python -m benchmarks.bench_job_memory --seed 1 --steps 8 --out results/job_memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_reference import table
+from benchmarks.demo_seeds import CONFIG, run_seed
+from trainer.driver.records.metrics_log import read_metrics
+
+VARIANTS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "checkpointing": ("learner.gradient_checkpointing=true",),
+    "kv1": ("rollout.kv_cache_gib=1",),
+    "both": ("learner.gradient_checkpointing=true", "rollout.kv_cache_gib=1"),
+}
+"""Each variant's ``--set`` items on top of the config."""
+PARTS = ("learner", "workers", "oldlogit", "driver", "job")
+
+
+def memory_record(summary: dict[str, Any], rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One variant's figures from its ``summary.json`` and its learner-step rows.
+
+    Example: ``peak_rss_gib`` {"learner": 8.5, "job": 19.6} and steps with ``train_s`` 9, 5, 7 give
+    ``learner_gib`` 8.5, ``job_gib`` 19.6, ``workers_gib`` None and ``train_s_median`` 6.0 (the
+    first step left out)."""
+    peak = summary.get("peak_rss_gib") or {}
+    train = [float(r["train_s"]) for r in rows[1:] if "train_s" in r]
+    return {
+        "state": summary.get("state"),
+        "steps": summary.get("steps"),
+        **{f"{p}_gib": peak.get(p) for p in PARTS},
+        "train_s_median": statistics.median(train) if train else float("nan"),
+        "loop_s_per_step": summary.get("loop_s_per_step"),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=8, help="controller.total_steps of each run")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    ap.add_argument("--runs", type=Path, default=Path("runs"))
+    ap.add_argument("--config", default=CONFIG)
+    ap.add_argument("--out", type=Path, default=Path("runs/bench/job_memory.json"))
+    a = ap.parse_args(argv)
+    sets = [f"controller.total_steps={a.steps}"]
+    records = {}
+    for name in a.variants:
+        run_dir = run_seed(a.seed, a.runs, a.config, [*sets, *VARIANTS[name]], f"mem-{name}")
+        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+        rows = read_metrics(run_dir / "metrics.jsonl") if summary else []
+        records[name] = memory_record(summary, rows)
+    out = {"seed": a.seed, "config": a.config, "sets": sets, "variants": {k: list(VARIANTS[k]) for k in a.variants},
+           "records": records}  # fmt: skip
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=1))
+    print(table(records))
+    return out
+
+
+if __name__ == "__main__":
+    main()
