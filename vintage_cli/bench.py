@@ -78,6 +78,23 @@ def bench_memory(
     memory_main(["--model", model, "--batch", str(batch), "--seq", str(seq), "--out", str(out)])
 
 
+@bench_app.command("job-memory")
+def bench_job_memory(
+    seed: Annotated[int, typer.Option(help="controller.seed of every run.")] = 1,
+    steps: Annotated[int, typer.Option(min=1, help="controller.total_steps of each run.")] = 8,
+    variants: Annotated[
+        list[str] | None, typer.Option(help="default, checkpointing, kv1, both (repeat the option; default all).")
+    ] = None,
+    out: Annotated[Path, typer.Option(help="JSON results file.")] = Path("runs/bench/job_memory.json"),
+) -> None:
+    """A whole job's peak memory by part (learner, workers, old-logit service, driver, job), the demo
+    config under settings that trade memory for time, one short run each (see benchmarks/bench_job_memory.py)."""
+    from benchmarks.bench_job_memory import main as job_memory_main
+
+    chosen = ["--variants", *variants] if variants else []
+    job_memory_main(["--seed", str(seed), "--steps", str(steps), *chosen, "--out", str(out)])
+
+
 @bench_app.command("learner")
 def bench_learner(
     model: Annotated[str, typer.Option(help="tiny (the tiny random Llama) or real (SmolLM2-135M).")] = "tiny",
