@@ -59,8 +59,8 @@ demo: install
 bench: install
 	$(VENV)/bin/vintage model prepare
 	# bench_vs_trl needs the optional trl group and runs for tens of minutes: `make bench-trl`;
-	# bench_soak runs for SOAK_MINUTES: `make bench-soak`
-	for b in $(filter-out benchmarks/bench_vs_trl.py benchmarks/bench_soak.py,$(wildcard benchmarks/bench_*.py)); do \
+	# bench_soak runs for SOAK_MINUTES: `make bench-soak`; bench_job_memory runs the demo 4 times: `vintage bench job-memory`
+	for b in $(filter-out benchmarks/bench_vs_trl.py benchmarks/bench_soak.py benchmarks/bench_job_memory.py,$(wildcard benchmarks/bench_*.py)); do \
 		$(PY) -m benchmarks.$$(basename $$b .py) || exit 1; done
 
 # async vs sync when agents' tool calls wait 0.5 s and 2 s (tiny model, ~8 minutes); JSON results/agent_latency.json

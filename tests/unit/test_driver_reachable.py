@@ -1,4 +1,4 @@
-"""A driver that listens on loopback only refuses a cluster that would be given its outward address."""
+"""A driver that listens on loopback only refuses a cluster that reaches it at another address."""
 
 import pytest
 
@@ -6,13 +6,16 @@ from trainer.driver.cluster.session import check_driver_reachable
 
 
 @pytest.mark.parametrize(
-    ("loopback_bound", "advertises_loopback"),
-    [(False, False), (False, True), (True, True)],  # listens everywhere, or tells the cluster 127.0.0.1
-)
-def test_a_driver_the_cluster_can_reach_joins(loopback_bound, advertises_loopback):
-    assert check_driver_reachable("127.0.0.1:6379", loopback_bound, advertises_loopback) is None
+    ("loopback_bound", "advertised_ip"),
+    [(False, "192.0.2.2"), (False, "127.0.0.1"), (True, "127.0.0.1"), (True, "::1")],
+)  # listens everywhere, or the cluster reaches it on loopback
+def test_a_driver_the_cluster_can_reach_joins(loopback_bound, advertised_ip):
+    assert check_driver_reachable("127.0.0.1:6379", loopback_bound, advertised_ip) is None
 
 
-def test_a_loopback_bound_driver_that_would_advertise_its_outward_address_is_refused_naming_the_address():
-    with pytest.raises(ValueError, match=r"^ray\.address: '127\.0\.0\.1:6379': this driver listens on loopback only"):
-        check_driver_reachable("127.0.0.1:6379", loopback_bound=True, advertises_loopback=False)
+def test_a_loopback_bound_driver_advertised_at_an_outward_address_is_refused_naming_both():
+    with pytest.raises(
+        ValueError,
+        match=r"^ray\.address: '127\.0\.0\.1:6379': this driver listens on loopback only .* reaches it at 192\.0\.2\.2;",
+    ):
+        check_driver_reachable("127.0.0.1:6379", loopback_bound=True, advertised_ip="192.0.2.2")

@@ -11,8 +11,9 @@
     workers      rollout worker supervision (``pool``: start, scale, replace, fingerprints)
     sources      where trajectories come from: the buffer and its admission rule, the env and agent
                  sources (``source``), the gateway's agent runner, saved trajectories on resume
-    publication  versions reaching their consumers: the old-logit routes, the fingerprints every
-                 consumer must serve and their check
+    publication  versions reaching their consumers: the old-logit routes, the publisher (one
+                 publication applied at a time), the fingerprints every consumer must serve and
+                 their check
     loop         the job itself: ``job`` (run_job, the loop read top to bottom), ``assembly`` (starts
                  the parts), ``parts`` (``Job``: one iteration's operations), ``report`` (a step's
                  metrics, the status and the summary), ``eval_env`` (``vintage eval env``)

@@ -12,6 +12,7 @@ loop's own handling, a second signal during it, or an exit that skipped the sess
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -57,12 +58,14 @@ def ray_session(cfg: JobConfig):
     env = {"env_vars": {k: os.environ[k] for k in ENV_VARS if k in os.environ}}
     started: list[psutil.Process] = []  # the private cluster's processes
     if cfg.ray.address:
-        import ray._private.ray_constants as ray_constants
-
         from trainer.driver.cluster import netguard
 
-        check_driver_reachable(cfg.ray.address, netguard.active(), not ray_constants.ENABLE_RAY_CLUSTER)
         ray.init(address=cfg.ray.address, runtime_env=env, log_to_driver=True)
+        try:
+            check_driver_reachable(cfg.ray.address, netguard.active(), ray.util.get_node_ip_address())
+        except ValueError:
+            ray.shutdown()
+            raise
     else:
         started = _start_private_cluster(cfg, env)
     try:
@@ -77,22 +80,22 @@ def ray_session(cfg: JobConfig):
 _SESSION_KEY = ("ray_session", "private_cluster")
 
 
-def check_driver_reachable(address: str, loopback_bound: bool, advertises_loopback: bool) -> None:
-    """Refuse to join the Ray cluster at ``address`` when its actors could not reach this driver:
-    the process listens on loopback only (``loopback_bound``: started with the bind interposer,
-    :func:`trainer.driver.cluster.netguard.active`) while Ray would give the cluster the machine's
-    outward address for it (``advertises_loopback`` False: Ray's ``ENABLE_RAY_CLUSTER``). Actors then
-    wait for ever for what the driver owns (weight publications, requests) on another node.
+def check_driver_reachable(address: str, loopback_bound: bool, advertised_ip: str) -> None:
+    """Refuse the Ray cluster at ``address`` when its actors could not reach this driver: the
+    process listens on loopback only (``loopback_bound``: the bind interposer is loaded,
+    :func:`trainer.driver.cluster.netguard.active`) while the cluster was given ``advertised_ip``
+    for it (Ray takes the address of the local node the driver joined), an address that is not
+    loopback. Actors would then wait for ever for what the driver owns (weight publications,
+    requests) as soon as they fetch it from another node.
 
     Raises:
         ValueError: that case; the message names ``ray.address`` and its value.
     """
-    if loopback_bound and not advertises_loopback:
+    if loopback_bound and not ipaddress.ip_address(advertised_ip).is_loopback:
         raise ValueError(
             f"ray.address: {address!r}: this driver listens on loopback only (the bind interposer is in "
-            "LD_PRELOAD) but would give the cluster its outward address, so actors on other nodes could not "
-            "reach it; start it without the interposer, or with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 to join a "
-            "loopback-only cluster"
+            f"LD_PRELOAD) but the cluster reaches it at {advertised_ip}; start the driver without the "
+            "interposer (deploy.local_cluster.outside_private_cluster), or the cluster's nodes on loopback only"
         )
 
 
