@@ -25,15 +25,13 @@ step. The table sets them side by side (:func:`benchmarks.bench_reference.table`
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_reference import table
-from benchmarks.demo_seeds import CONFIG, run_seed
-from trainer.driver.records.metrics_log import read_metrics
+from benchmarks.bench_reference import save
+from benchmarks.demo_seeds import CONFIG, run_outputs, run_seed
 
 VARIANTS: dict[str, tuple[str, ...]] = {
     "default": (),
@@ -75,15 +73,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     records = {}
     for name in a.variants:
         run_dir = run_seed(a.seed, a.runs, a.config, [*sets, *VARIANTS[name]], f"mem-{name}")
-        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
-        rows = read_metrics(run_dir / "metrics.jsonl") if summary else []
-        records[name] = memory_record(summary, rows)
-    out = {"seed": a.seed, "config": a.config, "sets": sets, "variants": {k: list(VARIANTS[k]) for k in a.variants},
-           "records": records}  # fmt: skip
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(out, indent=1))
-    print(table(records))
-    return out
+        records[name] = memory_record(*run_outputs(run_dir))
+    variants = {k: list(VARIANTS[k]) for k in a.variants}
+    return save(
+        a.out, {"seed": a.seed, "config": a.config, "sets": sets, "variants": variants, "records": records}, records
+    )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.demo_seeds import CONFIG, run_seed
-from trainer.driver.records.metrics_log import read_metrics
+from benchmarks.demo_seeds import CONFIG, run_outputs, run_seed
 
 PLACEMENTS = {"learner": "false", "service": "true"}
 """``oldlogit.score_reference`` of each placement."""
@@ -66,6 +65,14 @@ def table(records: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def save(path: Path, out: dict[str, Any], records: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Write ``out`` as JSON to ``path`` and print ``records`` side by side (:func:`table`); returns ``out``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(table(records))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=1)
@@ -79,14 +86,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     records = {}
     for name, flag in PLACEMENTS.items():
         run_dir = run_seed(a.seed, a.runs, a.config, [*sets, f"oldlogit.score_reference={flag}"], f"ref-{name}")
-        summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
-        rows = read_metrics(run_dir / "metrics.jsonl") if summary else []
-        records[name] = placement_record(summary, rows)
-    out = {"seed": a.seed, "config": a.config, "sets": sets, "placements": records}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(out, indent=1))
-    print(table(records))
-    return out
+        records[name] = placement_record(*run_outputs(run_dir))
+    return save(a.out, {"seed": a.seed, "config": a.config, "sets": sets, "placements": records}, records)
 
 
 if __name__ == "__main__":

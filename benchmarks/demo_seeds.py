@@ -113,6 +113,15 @@ def stored_records(results: Path, config: str, sets: Sequence[str], tag: str | N
     return {int(rec["seed"]): rec for rec in earlier.get("seeds", []) if rec.get("state") == "finished"}
 
 
+def run_outputs(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A run's ``summary.json`` ({} when absent) and its learner-step rows of ``metrics.jsonl``
+    ([] without a summary)."""
+    from trainer.driver.records.metrics_log import read_metrics
+
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    return summary, read_metrics(run_dir / "metrics.jsonl") if summary else []
+
+
 def run_seed(seed: int, runs: Path, config: str = CONFIG, sets: Sequence[str] = (), tag: str | None = None) -> Path:
     """Run the config with ``controller.seed = seed`` and the ``sets`` overrides into
     ``runs/demo[-{tag}]-s{seed}`` unless a finished summary is there already; returns the run folder.
