@@ -25,12 +25,11 @@ step. The table sets them side by side (:func:`benchmarks.bench_reference.table`
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_reference import save
+from benchmarks.bench_reference import median_after_first, save
 from benchmarks.demo_seeds import CONFIG, run_outputs, run_seed
 
 VARIANTS: dict[str, tuple[str, ...]] = {
@@ -50,12 +49,11 @@ def memory_record(summary: dict[str, Any], rows: Sequence[dict[str, Any]]) -> di
     ``learner_gib`` 8.5, ``job_gib`` 19.6, ``workers_gib`` None and ``train_s_median`` 6.0 (the
     first step left out)."""
     peak = summary.get("peak_rss_gib") or {}
-    train = [float(r["train_s"]) for r in rows[1:] if "train_s" in r]
     return {
         "state": summary.get("state"),
         "steps": summary.get("steps"),
         **{f"{p}_gib": peak.get(p) for p in PARTS},
-        "train_s_median": statistics.median(train) if train else float("nan"),
+        "train_s_median": median_after_first(rows, "train_s"),
         "loop_s_per_step": summary.get("loop_s_per_step"),
     }
 

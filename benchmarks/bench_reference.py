@@ -33,7 +33,7 @@ PLACEMENTS = {"learner": "false", "service": "true"}
 STEP_KEYS = ("train_s", "ref_forward_s", "old_logits_s")
 
 
-def _median_after_first(rows: Sequence[dict[str, Any]], key: str) -> float:
+def median_after_first(rows: Sequence[dict[str, Any]], key: str) -> float:
     """Median of ``key`` over the learner steps after the first (NaN with none)."""
     vals = [float(r[key]) for r in rows[1:] if key in r]
     return statistics.median(vals) if vals else float("nan")
@@ -47,7 +47,7 @@ def placement_record(summary: dict[str, Any], rows: Sequence[dict[str, Any]]) ->
     return {
         "state": summary.get("state"),
         "steps": summary.get("steps"),
-        **{f"{k}_median": _median_after_first(rows, k) for k in STEP_KEYS},
+        **{f"{k}_median": median_after_first(rows, k) for k in STEP_KEYS},
         "loop_s_per_step": summary.get("loop_s_per_step"),
         "learner_gib": peak.get("learner"),
         "oldlogit_gib": peak.get("oldlogit"),
