@@ -122,6 +122,21 @@ def test_case6_token_mean_independent_of_micro_batches(tiny_model_path, make_tra
         torch.testing.assert_close(g1[k], g3[k], rtol=1e-4, atol=1e-6)
 
 
+def test_one_rank_at_stage_0_skips_deepspeeds_reduction_and_trains_bit_for_bit_as_with_it(tiny_model_path, make_trajs):
+    """An average over one rank is the identity: the learner turns DeepSpeed's reduction off and
+    its weights after two steps (with the second's batch split into micro-batches) are those of a
+    learner whose engine still reduces, bit for bit, as are its gradient norms."""
+    runs = []
+    for reduce in (False, True):
+        core = LearnerCore(settings(tiny_model_path, micro_batch_size=2))
+        assert core.engine.enable_backward_allreduce is False
+        core.engine.enable_backward_allreduce = reduce
+        norms = [core.train_step(make_trajs(seed=s))["grad_norm"] for s in (0, 1)]
+        runs.append((weights(core), norms))
+    (w_off, n_off), (w_on, n_on) = runs
+    assert n_off == n_on and max_diff(w_off, w_on) == 0.0
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_chunked_logprobs_train_as_whole_sequence_logits(tiny_model_path, make_trajs, stage):
     """The learner's chunked log-probs (here 5 positions per chunk: 8 completion positions give

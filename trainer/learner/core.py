@@ -26,10 +26,13 @@ One :meth:`LearnerCore.train_step` at learner version ``V``:
    of the current policy (log-probs and entropy, with gradient under ``loss.entropy_coef``), :func:`trainer.algorithm.losses.compute_policy_loss` (exact
    reference where known, the configured proxy elsewhere), ``engine.backward``; gradient
    accumulation is driven by hand (``set_gradient_accumulation_boundary``), so the number of
-   micro-batches may change per step;
+   micro-batches may change per step; with one rank at ZeRO stage 0 in fp32 DeepSpeed's gradient
+   reduction (an average over one rank) is off, and parameters left without a gradient get a zero
+   one before the step, as the reduction would give them;
 4. the learning rate is set from the schedule (:func:`trainer.learner.schedule.lr_multiplier`);
-5. the non-finite guard: a hook on every parameter flags a non-finite local gradient, the loss is
-   checked, and the flag is all-reduced; if set, ``engine.step()`` runs with the inner torch
+5. the non-finite guard: the gradient norm (ZeRO stage 0 in fp32, where the learner computes it)
+   or else a hook on every parameter flags a non-finite gradient, the loss is checked, and the
+   flag is all-reduced; if set, ``engine.step()`` runs with the inner torch
    optimizer's ``step`` suppressed (DeepSpeed still clears its gradient buffers, weights and
    optimizer state stay untouched) and the optimizer step is counted as skipped. A step DeepSpeed
    itself skips (its own overflow check) counts the same way. The optimizer's own step is checked
@@ -75,7 +78,7 @@ from trainer.algorithm.ewma import EwmaProximal
 from trainer.algorithm.losses import compute_policy_loss, proxy_diagnostics
 from trainer.algorithm.proximal import RECOMPUTE_PROXIES
 from trainer.learner import checkpoint, publication
-from trainer.learner.guard import StepGuard, stage0_grad_norm
+from trainer.learner.guard import StepGuard, stage0_grad_norm, zero_missing_grads
 from trainer.learner.models import ewma_logprobs, load_learner_models
 from trainer.learner.ranks import all_reduce_floats, micro_batch_count, score_rows
 from trainer.learner.reference import require_reference_logprobs, with_kl_reward_penalty
@@ -124,7 +127,12 @@ class LearnerCore:
             scorer.to(self.engine.device)
         if self.reference is not None:
             self.reference.to(self.engine.device)
-        self._guard.watch(self.engine.module.parameters())
+        if not settings.checks_grads_by_norm:
+            self._guard.watch(self.engine.module.parameters())
+        elif world_size == 1:
+            # one rank has nothing to average: DeepSpeed would flatten every gradient after each
+            # backward, all-reduce it with itself and copy it back
+            self.engine.enable_backward_allreduce = False
         self.version = 0
         self.skipped_steps = 0
         self.nonfinite_weight_steps = 0
@@ -343,10 +351,13 @@ class LearnerCore:
             recompute = mb.recompute_logprobs if use_recompute else None
             ewma_runs += self._micro_step(mb, first, (n_tok, n_seq), probe and i == 0, recompute, acc, sums, timing)
         s = self.settings
-        grad_norm = stage0_grad_norm(self.engine.module) if s.zero_stage == 0 and s.dtype == "float32" else None
+        if not self.engine.enable_backward_allreduce:
+            zero_missing_grads(self.engine.module.parameters())
+        grad_norm = stage0_grad_norm(self.engine.module) if s.checks_grads_by_norm else None
         keys = sorted(sums)
         glob = dict(zip(keys, self._all_reduce([sums[k] for k in keys]), strict=True))
-        local_bad = not math.isfinite(sums["loss"]) or bool(self._guard.grad_bad)
+        grads_bad = bool(self._guard.grad_bad) or (grad_norm is not None and not math.isfinite(grad_norm))
+        local_bad = not math.isfinite(sums["loss"]) or grads_bad
         lr = s.lr_at(self.optimizer_steps)  # the schedule's rate for this step
         for group in self._optimizer.param_groups:
             group["lr"] = lr

@@ -23,10 +23,21 @@ AllReduce = Callable[[list[float], str], list[float]]
 
 
 def stage0_grad_norm(module: torch.nn.Module) -> float:
-    """The global L2 norm of ``module``'s gradients before clipping, in fp32 (0 without any). For
-    ZeRO stage 0 in fp32, where DeepSpeed does not keep it."""
-    sq = [p.grad.detach().float().square().sum() for p in module.parameters() if p.grad is not None]
-    return float(torch.stack(sq).sum().sqrt()) if sq else 0.0
+    """The global L2 norm of ``module``'s fp32 gradients before clipping (0 without any), one
+    fused pass over them (``torch.nn.utils.get_total_norm``). For ZeRO stage 0 in fp32, where
+    DeepSpeed does not keep it; it is not finite exactly when some gradient is not (or the sum of
+    squares overflows fp32), so it doubles as the guard's gradient check there."""
+    grads = [p.grad.detach() for p in module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads, 2.0)) if grads else 0.0
+
+
+def zero_missing_grads(params: Iterable[torch.nn.Parameter]) -> None:
+    """Give every trainable parameter of ``params`` without a gradient a zero one, in place, as
+    DeepSpeed's gradient reduction does, so the optimizer's step (its weight decay and moments) is
+    the same whether or not the reduction ran."""
+    for p in params:
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
 
 
 class NonFiniteStep(RuntimeError):

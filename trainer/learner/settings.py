@@ -157,6 +157,12 @@ class LearnerSettings(LearnerOptions):
         """Whether the optimizer's rollback copy is kept (:attr:`rollback_copy`)."""
         return self.rollback_copy == "on" or (self.rollback_copy == "auto" and self.grad_clip == 0)
 
+    @property
+    def checks_grads_by_norm(self) -> bool:
+        """Whether the learner computes the gradient norm itself (ZeRO stage 0 in fp32, where
+        DeepSpeed keeps none) and so checks the gradients through it instead of a hook per tensor."""
+        return self.zero_stage == 0 and self.dtype == "float32"
+
     def deepspeed_config(self) -> dict[str, Any]:
         """The DeepSpeed engine's configuration: one micro-batch of ``micro_batch_size`` rows per
         engine step (the learner accumulates over micro-batches itself), ``grad_clip``, ZeRO
