@@ -122,19 +122,46 @@ def test_case6_token_mean_independent_of_micro_batches(tiny_model_path, make_tra
         torch.testing.assert_close(g1[k], g3[k], rtol=1e-4, atol=1e-6)
 
 
-def test_one_rank_at_stage_0_skips_deepspeeds_reduction_and_trains_bit_for_bit_as_with_it(tiny_model_path, make_trajs):
+def test_one_rank_at_stage_0_skips_deepspeeds_reduction_and_trains_bit_for_bit_as_with_it(
+    tiny_model_path, make_trajs, monkeypatch
+):
     """An average over one rank is the identity: the learner turns DeepSpeed's reduction off and
-    its weights after two steps (with the second's batch split into micro-batches) are those of a
-    learner whose engine still reduces, bit for bit, as are its gradient norms."""
+    its weights after two steps of two micro-batches each are those of a learner whose engine
+    still reduces, bit for bit, as are its gradient norms. A trainable parameter the forward never
+    uses gets a zero gradient either way, so weight decay (0.1, lr 1e-3) moves it alike:
+    1 * (1 - 1e-4) per step in fp32."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    import modelkit.modelhub
+
+    real_load = modelkit.modelhub.load_causal_lm
+
+    def with_unused_parameter(*args, **kwargs):
+        model = real_load(*args, **kwargs)
+        model.register_parameter("unused", torch.nn.Parameter(torch.ones(3)))
+        return model
+
+    monkeypatch.setattr(modelkit.modelhub, "load_causal_lm", with_unused_parameter)
+    calls = []
+    real_reduce = DeepSpeedEngine.buffered_allreduce_fallback  # the flatten, all-reduce and copy back
+    monkeypatch.setattr(
+        DeepSpeedEngine,
+        "buffered_allreduce_fallback",
+        lambda self, *a, **k: calls.append(1) or real_reduce(self, *a, **k),
+    )
     runs = []
     for reduce in (False, True):
-        core = LearnerCore(settings(tiny_model_path, micro_batch_size=2))
+        calls.clear()
+        core = LearnerCore(settings(tiny_model_path, micro_batch_size=2, weight_decay=0.1))
         assert core.engine.enable_backward_allreduce is False
         core.engine.enable_backward_allreduce = reduce
         norms = [core.train_step(make_trajs(seed=s))["grad_norm"] for s in (0, 1)]
+        assert len(calls) == (2 if reduce else 0)  # once per optimizer step, at its boundary micro-batch
         runs.append((weights(core), norms))
     (w_off, n_off), (w_on, n_on) = runs
     assert n_off == n_on and max_diff(w_off, w_on) == 0.0
+    decay = torch.tensor(1 - 1e-4, dtype=torch.float32)
+    assert w_off["unused"].tolist() == [float(decay * decay)] * 3
 
 
 @pytest.mark.parametrize("stage", [0, 3])

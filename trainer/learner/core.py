@@ -130,8 +130,8 @@ class LearnerCore:
         if not settings.checks_grads_by_norm:
             self._guard.watch(self.engine.module.parameters())
         elif world_size == 1:
-            # one rank has nothing to average: DeepSpeed would flatten every gradient after each
-            # backward, all-reduce it with itself and copy it back
+            # one rank has nothing to average: DeepSpeed would flatten every gradient after the
+            # boundary micro-batch's backward, all-reduce it with itself and copy it back
             self.engine.enable_backward_allreduce = False
         self.version = 0
         self.skipped_steps = 0

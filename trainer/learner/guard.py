@@ -23,8 +23,9 @@ AllReduce = Callable[[list[float], str], list[float]]
 
 
 def stage0_grad_norm(module: torch.nn.Module) -> float:
-    """The global L2 norm of ``module``'s fp32 gradients before clipping (0 without any), one
-    fused pass over them (``torch.nn.utils.get_total_norm``). For ZeRO stage 0 in fp32, where
+    """The global L2 norm of ``module``'s fp32 gradients before clipping (0 without any): the norm
+    of the per-tensor norms (``torch.nn.utils.get_total_norm``), equal to the norm of all of them
+    as one vector to fp32 rounding. For ZeRO stage 0 in fp32, where
     DeepSpeed does not keep it; it is not finite exactly when some gradient is not (or the sum of
     squares overflows fp32), so it doubles as the guard's gradient check there."""
     grads = [p.grad.detach() for p in module.parameters() if p.grad is not None]
@@ -32,11 +33,11 @@ def stage0_grad_norm(module: torch.nn.Module) -> float:
 
 
 def zero_missing_grads(params: Iterable[torch.nn.Parameter]) -> None:
-    """Give every trainable parameter of ``params`` without a gradient a zero one, in place, as
+    """Give every trainable, non-empty parameter of ``params`` without a gradient a zero one, in place, as
     DeepSpeed's gradient reduction does, so the optimizer's step (its weight decay and moments) is
     the same whether or not the reduction ran."""
     for p in params:
-        if p.requires_grad and p.grad is None:
+        if p.requires_grad and p.grad is None and p.numel() > 0:
             p.grad = torch.zeros_like(p)
 
 
