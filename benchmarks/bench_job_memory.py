@@ -10,7 +10,10 @@ each its ``--set`` items on top of the config):
 * ``checkpointing``: ``learner.gradient_checkpointing = true`` (each decoder layer recomputed in
   backward, only its input kept);
 * ``kv1``: ``rollout.kv_cache_gib = 1`` (the vLLM worker's KV cache, GiB);
-* ``both``: the two together.
+* ``both``: the two together;
+* ``mmap``: the config as it is, every process started with ``MALLOC_MMAP_THRESHOLD_=65536``
+  (glibc serves every block of 64 KiB or more by ``mmap`` and returns it to the system when freed,
+  instead of raising its threshold after large frees and keeping freed heap blocks resident).
 
 Per variant, from ``summary.json`` (``peak_rss_gib``: the largest resident set seen at a step, by
 part) and ``metrics.jsonl``: the peak GiB of the learner, the rollout workers (each worker's process
@@ -37,8 +40,11 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "checkpointing": ("learner.gradient_checkpointing=true",),
     "kv1": ("rollout.kv_cache_gib=1",),
     "both": ("learner.gradient_checkpointing=true", "rollout.kv_cache_gib=1"),
+    "mmap": (),
 }
 """Each variant's ``--set`` items on top of the config."""
+VARIANT_ENV: dict[str, dict[str, str]] = {"mmap": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
+"""The environment variables a variant's run gets (every process of the job inherits them)."""
 PARTS = ("learner", "workers", "oldlogit", "driver", "job")
 
 
@@ -70,9 +76,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     sets = [f"controller.total_steps={a.steps}"]
     records = {}
     for name in a.variants:
-        run_dir = run_seed(a.seed, a.runs, a.config, [*sets, *VARIANTS[name]], f"mem-{name}")
+        env = VARIANT_ENV.get(name)
+        run_dir = run_seed(a.seed, a.runs, a.config, [*sets, *VARIANTS[name]], f"mem-{name}", env)
         records[name] = memory_record(*run_outputs(run_dir))
-    variants = {k: list(VARIANTS[k]) for k in a.variants}
+    variants = {k: {"sets": list(VARIANTS[k]), "env": VARIANT_ENV.get(k, {})} for k in a.variants}
     return save(
         a.out, {"seed": a.seed, "config": a.config, "sets": sets, "variants": variants, "records": records}, records
     )

@@ -39,7 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,10 +122,18 @@ def run_outputs(run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     return summary, read_metrics(run_dir / "metrics.jsonl") if summary else []
 
 
-def run_seed(seed: int, runs: Path, config: str = CONFIG, sets: Sequence[str] = (), tag: str | None = None) -> Path:
+def run_seed(
+    seed: int,
+    runs: Path,
+    config: str = CONFIG,
+    sets: Sequence[str] = (),
+    tag: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Path:
     """Run the config with ``controller.seed = seed`` and the ``sets`` overrides into
     ``runs/demo[-{tag}]-s{seed}`` unless a finished summary is there already; returns the run folder.
-    The run's output goes to ``run.log`` in it; ``demo_seeds.json`` records ``config`` and ``sets``.
+    ``env``: environment variables the run gets on top of this process's own. The run's output goes
+    to ``run.log`` in it; ``demo_seeds.json`` records ``config``, ``sets`` and ``env`` when given.
 
     Raises:
         ValueError: a bad tag or ``--set`` item (:func:`run_name`, :func:`check_sets`), or the folder
@@ -134,12 +142,12 @@ def run_seed(seed: int, runs: Path, config: str = CONFIG, sets: Sequence[str] = 
     sets = check_sets(sets)
     run_dir = runs / run_name(seed, tag)
     recorded = run_dir / "demo_seeds.json"
-    wanted = {"config": config, "sets": sets}
+    wanted: dict[str, Any] = {"config": config, "sets": sets, **({"env": dict(env)} if env else {})}
     if finished(run_dir):
         if recorded.is_file() and (got := json.loads(recorded.read_text())) != wanted:
             raise ValueError(
-                f"{run_dir}: finished with config {got.get('config')!r} and --set {got.get('sets')}, "
-                f"not {config!r} and {sets}; use another --tag or --runs"
+                f"{run_dir}: finished with config {got.get('config')!r}, --set {got.get('sets')} and env "
+                f"{got.get('env', {})}, not {config!r}, {sets} and {dict(env or {})}; use another --tag or --runs"
             )
         return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -149,7 +157,7 @@ def run_seed(seed: int, runs: Path, config: str = CONFIG, sets: Sequence[str] = 
         cmd += ["--set", item]
     cmd += ["--set", f"controller.seed={seed}", "--set", f'logging.run_dir="{run_dir}"', "--set", "server.port=0"]
     with open(run_dir / "run.log", "w") as log:
-        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False, env=os.environ.copy())
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False, env={**os.environ, **(env or {})})
     return run_dir
 
 

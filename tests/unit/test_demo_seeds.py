@@ -230,6 +230,19 @@ def test_a_run_gets_the_sets_before_the_benchmarks_own_and_records_them(tmp_path
     }
 
 
+def test_a_runs_environment_is_added_to_this_processs_and_recorded(tmp_path, monkeypatch):
+    envs = []
+    monkeypatch.setattr(demo_seeds.subprocess, "run", lambda cmd, **kw: envs.append(kw["env"]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    d = run_seed(2, tmp_path, tag="mem-mmap", env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert envs[0]["MALLOC_MMAP_THRESHOLD_"] == "65536" and envs[0]["OMP_NUM_THREADS"] == "1"
+    recorded = json.loads((d / "demo_seeds.json").read_text())
+    assert recorded == {"config": demo_seeds.CONFIG, "sets": [], "env": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
+    run_seed(3, tmp_path, tag="plain")
+    assert "MALLOC_MMAP_THRESHOLD_" not in envs[1]
+    assert "env" not in json.loads((tmp_path / "demo-plain-s3" / "demo_seeds.json").read_text())
+
+
 def test_a_finished_run_of_other_sets_is_not_read_as_this_one(tmp_path):
     d = run_folder(tmp_path, 1, 0.2, 0.6, name="demo-kl-s1")
     (d / "demo_seeds.json").write_text(json.dumps({"config": demo_seeds.CONFIG, "sets": ["loss.kl_coef=0.1"]}))

@@ -21,7 +21,12 @@ ENV_VARS = (
     "TORCH_EXTENSIONS_DIR",
     "PYTHONWARNINGS",
     "TORCH_CPP_LOG_LEVEL",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_ARENA_MAX",
 )
+"""Variables every Ray worker of the job takes from the driver's environment where they are set:
+threads, offline hubs, log levels, the DeepSpeed build folder and glibc's allocator settings."""
 
 
 def defaults_env() -> None:
