@@ -59,7 +59,7 @@ demo: install
 bench: install
 	$(VENV)/bin/vintage model prepare
 	# bench_vs_trl needs the optional trl group and runs for tens of minutes: `make bench-trl`;
-	# bench_soak runs for SOAK_MINUTES: `make bench-soak`; bench_job_memory runs the demo 4 times: `vintage bench job-memory`
+	# bench_soak runs for SOAK_MINUTES: `make bench-soak`; bench_job_memory runs the demo once per variant: `vintage bench job-memory`
 	for b in $(filter-out benchmarks/bench_vs_trl.py benchmarks/bench_soak.py benchmarks/bench_job_memory.py,$(wildcard benchmarks/bench_*.py)); do \
 		$(PY) -m benchmarks.$$(basename $$b .py) || exit 1; done
 
