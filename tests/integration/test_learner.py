@@ -342,6 +342,35 @@ def test_exact_old_logits_and_proxy_error(tiny_model_path, make_trajs):
     assert m["proxy_abs_err"] < 1e-4  # EWMA == current weights at version 0: the proxy is exact here
 
 
+@pytest.mark.parametrize("stage,dtype", [(0, "float32"), (1, "bfloat16")])
+def test_below_zero_3_the_ewma_forward_swaps_into_the_engines_module_as_a_scorer_copy_would(
+    tiny_model_path, make_trajs, stage, dtype
+):
+    """No scorer copy below ZeRO-3: the EWMA weights are swapped into the trained module for the
+    forward. Three steps with the PPO-EWMA proxy on every token (no exact old logits, two
+    micro-batches) leave weights, losses and ratios bit for bit those of a learner that scores
+    through a frozen copy, and the trained weights are back after each forward."""
+    from trainer.learner.reference import frozen_copy
+
+    runs = []
+    for copy_scorer in (False, True):
+        core = LearnerCore(settings(tiny_model_path, zero_stage=stage, dtype=dtype, micro_batch_size=2))
+        assert core._scorer is None
+        if copy_scorer:
+            core._scorer = frozen_copy(core.engine.module, core._torch_dtype)
+        ms = [core.train_step(make_trajs(seed=s)) for s in range(3)]
+        assert [m["ewma_forward_micro_batches"] for m in ms] == [2.0, 2.0, 2.0]
+        runs.append((weights(core), [(m["loss"], m["ratio_max"], m["ratio_min"]) for m in ms]))
+    (w_swap, m_swap), (w_copy, m_copy) = runs
+    assert m_swap == m_copy and max_diff(w_swap, w_copy) == 0.0
+    assert m_swap[1][1] != 1.0  # at version 1 the EWMA weights differ from the trained ones
+
+
+def test_zero_3_scores_the_ewma_through_a_frozen_copy(tiny_model_path):
+    core = LearnerCore(settings(tiny_model_path, zero_stage=3))
+    assert core._scorer is not None and not any(p.requires_grad for p in core._scorer.parameters())
+
+
 def test_ewma_forward_runs_only_where_a_token_needs_the_proxy(tiny_model_path, make_trajs):
     """Two micro-batches per step, probe every 2 steps. All tokens exact: the EWMA forward runs on
     the first micro-batch at versions 0 and 2 (probes) and not at all at version 1 (no reset signal:

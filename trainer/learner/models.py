@@ -26,8 +26,9 @@ class LearnerModels:
         reference: the KL penalties' frozen version 0, or None when ``settings.loss.kl_penalty`` is
             False or the reference's log-probs come with each batch (``reference_in_batch``).
         ewma_scorer: a frozen copy in the learner's dtype for the EWMA forwards when the proxy is
-            "ewma" and the weights are trained whole; None otherwise (with LoRA the EWMA adapter is
-            swapped into the engine's own module, nothing is copied).
+            "ewma", the weights are trained whole and ZeRO-3 partitions them; None otherwise: the
+            EWMA weights (or, with LoRA, the EWMA adapter) are swapped into the engine's own module
+            for the forward, nothing is copied.
     """
 
     policy: torch.nn.Module
@@ -54,7 +55,9 @@ def load_learner_models(settings: LearnerSettings, dtype: torch.dtype) -> Learne
         model = wrap_lora(model, lora.spec(), dropout=lora.dropout)
     own = settings.loss.kl_penalty and not settings.reference_in_batch
     reference = ReferencePolicy(model, dtype, lora.enabled) if own else None
-    scorer = frozen_copy(model, dtype) if settings.loss.proxy == "ewma" and not lora.enabled else None
+    # only ZeRO-3 partitions the trained parameters; below it the EWMA weights are swapped into them
+    partitioned = settings.zero_stage == 3
+    scorer = frozen_copy(model, dtype) if settings.loss.proxy == "ewma" and partitioned and not lora.enabled else None
     if settings.gradient_checkpointing:
         enable_gradient_checkpointing(model)
     model.train()
@@ -66,9 +69,9 @@ def ewma_logprobs(
 ) -> torch.Tensor:
     """``[b, T]`` log-probs of micro-batch ``mb`` under the EWMA weights (no grad, eval mode, the
     learner's numerics and temperature), vocabulary logits from position ``first`` on, computed as
-    ``scoring`` says (:func:`modelkit.scoring.sequence_logprobs`). ``model`` is the scorer copy when
-    the weights are trained whole; with LoRA it is the engine's own module, into which the EWMA
-    adapter is swapped for the forward (the frozen base is shared) and the trained adapter is put
-    back bit for bit."""
+    ``scoring`` says (:func:`modelkit.scoring.sequence_logprobs`). ``model`` is the scorer copy under
+    ZeRO-3 (whose parameters are partitioned); otherwise it is the engine's own module, into which
+    the EWMA weights (with LoRA the EWMA adapter; the frozen base is shared) are swapped for the
+    forward, and the trained ones are put back bit for bit."""
     with scoring_mode(model), ewma.swapped_into(model):
         return sequence_logprobs(model, mb.token_ids, mb.attention_mask, mb.temperature, first, **scoring)
