@@ -342,14 +342,14 @@ def test_exact_old_logits_and_proxy_error(tiny_model_path, make_trajs):
     assert m["proxy_abs_err"] < 1e-4  # EWMA == current weights at version 0: the proxy is exact here
 
 
-@pytest.mark.parametrize("stage,dtype", [(0, "float32"), (1, "bfloat16")])
+@pytest.mark.parametrize("stage,dtype", [(0, "float32"), (1, "bfloat16"), (2, "bfloat16")])
 def test_below_zero_3_the_ewma_forward_swaps_into_the_engines_module_as_a_scorer_copy_would(
     tiny_model_path, make_trajs, stage, dtype
 ):
     """No scorer copy below ZeRO-3: the EWMA weights are swapped into the trained module for the
     forward. Three steps with the PPO-EWMA proxy on every token (no exact old logits, two
     micro-batches) leave weights, losses and ratios bit for bit those of a learner that scores
-    through a frozen copy, and the trained weights are back after each forward."""
+    through a frozen copy (so the trained weights were back after each forward)."""
     from trainer.learner.reference import frozen_copy
 
     runs = []
