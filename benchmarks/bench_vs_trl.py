@@ -31,11 +31,15 @@ greedy decoding with transformers ``generate`` on the held-out seeds
 ``[train_seeds, train_seeds + eval_prompts)`` (disjoint from every training seed), rewarded by the
 environment. vintage's weights are read from the checkpoint its run writes at the end.
 
-Reported per side (:func:`benchmarks.vs_trl_shared.side_record`): optimizer steps, completions trained, seconds per step
-(whole loop, and after the first step), trained completions per second of the training loop and of
-the wall time from process launch, time to the first step, and held-out reward. The ratios are
-vintage/TRL completions per second and the held-out reward difference (:func:`benchmarks.vs_trl_shared.summarize`). Prints
-a table and writes ``runs/bench/vs_trl.json`` (``vs_trl_quick.json`` with ``--quick``).
+Reported per side (:func:`benchmarks.vs_trl_shared.side_record`): optimizer steps, completions and
+completion tokens trained, seconds per step (whole loop, and after the first step), trained
+completion tokens and completions per second of the training loop, completions per second of the
+wall time from process launch, time to the first step, and held-out reward. vintage's tokens are
+its learner's loss tokens per applied step; TRL's are its logged ``completions/mean_length`` times
+the step's completions. The ratios are vintage/TRL tokens and completions per second and the
+held-out reward difference (:func:`benchmarks.vs_trl_shared.summarize`). Prints a table and writes
+``runs/bench/vs_trl.json`` (``vs_trl_quick.json`` with ``--quick``). Seeds: ``--set
+controller.seed=N`` sets both sides' seed (vintage's sampling and data order, TRL's ``seed``).
 """
 
 from __future__ import annotations
@@ -131,6 +135,7 @@ def run_vintage(config: Path, overrides: list[str], budget_s: float, work: Path,
         samples=int(summary["consumed"]),
         loop_s=float(summary["loop_s"]),
         step_end_s=[r["time"] - launch for r in rows],
+        tokens=sum(int(r["tokens"]) for r in rows),
     )
     split = summary.get("time_split_s", {})
     rec.update(
@@ -247,6 +252,7 @@ def main(
 
     result = _result(cfg, config, budget_s, eval_prompts, quick, seeds, max_new, cores, base, vintage, trl)
     result["overrides"] = overrides
+    result["command"] += "".join(f" --set {o}" for o in overrides if not (quick and o == 'model.path="tiny"'))
     table = table_markdown(result)
     result["table"] = table
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -254,7 +260,7 @@ def main(
     log(table)
     q = result["ratios"]
     log(
-        f"goal (completions/s >= {GOAL_RATIO}x TRL, held-out reward >= TRL's): "
+        f"goal (completion tokens/s >= {GOAL_RATIO}x TRL, held-out reward >= TRL's): "
         f"{'met' if q['goal_met'] else 'not met'}  -> {out}"
     )
     if not keep:  # the checkpoints and TRL's saved model are large; the JSON keeps the numbers

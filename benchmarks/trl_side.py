@@ -198,6 +198,7 @@ def trl_child(spec_path: Path) -> None:
         samples=steps * batch,
         loop_s=clock.get("end", t0) - clock.get("begin", t0),
         step_end_s=step_end,
+        tokens=round(sum(r["completions/mean_length"] for r in logged if "completions/mean_length" in r) * batch),
     )
     rec.update(
         generated=steps * batch,

@@ -6,10 +6,12 @@ Two paths give the same numbers (the temperature applied to fp32 logits, then ``
   post-norm hidden states ``[batch, seq, hidden]`` (HF ``output_hidden_states`` with only the last
   layer recorded, ``logits_to_keep=1``); the output projection, the temperature, the log-softmax
   and the gather then run over chunks of positions. One chunk's fp32 logits ``[batch, chunk, vocab]``
-  take at most ``chunk_bytes``; under autograd each chunk sits inside
-  ``torch.utils.checkpoint`` (non-reentrant), so backward recomputes the chunk's logits instead of
-  keeping them. No ``[batch, seq, vocab]`` tensor exists in the forward or in the saved graph; the
-  price is one extra output projection and log-softmax per chunk in backward.
+  take at most ``chunk_bytes``. When the logits of every wanted position fit in one chunk, that
+  chunk is kept for backward like any other activation (no recompute); when they need several,
+  each chunk sits inside ``torch.utils.checkpoint`` (non-reentrant) under autograd, so backward
+  recomputes the chunk's logits instead of keeping them. Either way no fp32 logits tensor larger
+  than ``chunk_bytes`` exists in the forward or in the saved graph; the price of several chunks is
+  one extra output projection and log-softmax per chunk in backward.
 * **full** (``chunk_bytes=0``): HF's own forward materialises the ``[batch, seq, vocab]``
   logits, and autograd keeps the log-softmax of them for backward.
 
@@ -41,10 +43,11 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-DEFAULT_CHUNK_BYTES = 64 * 2**20
-"""Bytes of one chunk's fp32 logits ``[batch, chunk, vocab]`` on the chunked path (64 MiB: 42
-positions of a micro-batch of 8 over SmolLM2's 49,152 tokens). The chunk's working set is about
-three times that (logits, log-softmax, and with entropy the probabilities)."""
+DEFAULT_CHUNK_BYTES = 160 * 2**20
+"""Bytes of one chunk's fp32 logits ``[batch, chunk, vocab]`` on the chunked path (160 MiB: 53
+positions of a micro-batch of 16 over SmolLM2's 49,152 tokens, so the demo's replies of up to 48
+tokens take one chunk and no recompute). The chunk's working set is about three times that
+(logits, log-softmax, and with entropy the probabilities)."""
 
 
 @contextmanager
@@ -208,9 +211,10 @@ def _head_in_chunks(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``([rows, n] log-probs, entropies or None)`` of ``targets`` ``[rows, n]`` from the final
     hidden states ``[rows, n, H]`` that predict them: the output projection ``head``, the
-    temperature and the log-softmax over ``step`` positions at a time, each chunk recomputed in
-    backward (``torch.utils.checkpoint``) when the hidden states carry a gradient."""
-    recompute = torch.is_grad_enabled() and hidden.requires_grad
+    temperature and the log-softmax over ``step`` positions at a time. When the hidden states carry
+    a gradient and there is more than one chunk, each chunk is recomputed in backward
+    (``torch.utils.checkpoint``); a single chunk is kept for backward instead."""
+    recompute = torch.is_grad_enabled() and hidden.requires_grad and hidden.shape[1] > step
 
     def chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         # a contiguous [rows, c, H] block: on a strided view the CPU matmul's rounding depended on

@@ -87,8 +87,9 @@ def test_trl_config_splits_the_batch_into_micro_batches_and_refuses_what_trl_lac
 
 
 def test_side_record_rates_from_counts_and_step_times():
-    r = side_record(steps=4, samples=64, loop_s=40.0, step_end_s=[30.0, 40.0, 50.0, 60.0])
+    r = side_record(steps=4, samples=64, loop_s=40.0, step_end_s=[30.0, 40.0, 50.0, 60.0], tokens=1000)
     assert r["s_per_step"] == pytest.approx(10.0)  # 40 s / 4 steps
+    assert (r["tokens"], r["tokens_per_s"]) == (1000, 25.0)  # 1000 tokens / 40 s
     assert r["s_per_step_steady"] == pytest.approx(10.0)  # (60 - 30) / 3
     assert r["samples_per_s"] == pytest.approx(1.6)  # 64 / 40
     assert r["samples_per_s_wall"] == pytest.approx(64 / 60)
@@ -97,34 +98,40 @@ def test_side_record_rates_from_counts_and_step_times():
     assert one["s_per_step_steady"] is None and one["s_per_step"] == 8.0 and one["samples_per_s_wall"] == 0.32
     none = side_record(steps=0, samples=0, loop_s=0.0, step_end_s=[])
     assert none["s_per_step"] is None and none["samples_per_s"] is None and none["first_step_s"] is None
+    assert none["tokens"] is None and none["tokens_per_s"] is None
 
 
-def _side(samples_per_s: float | None, reward: float | None, s_per_step: float = 10.0) -> dict:
-    return {"samples_per_s": samples_per_s, "samples_per_s_wall": 1.0, "s_per_step": s_per_step,
-            "heldout": {"reward": reward, "success_rate": reward}}  # fmt: skip
+def _side(tokens_per_s: float | None, reward: float | None, s_per_step: float = 10.0) -> dict:
+    """A side whose completions per second are a tenth of its tokens per second."""
+    samples = None if tokens_per_s is None else tokens_per_s / 10
+    return {"tokens_per_s": tokens_per_s, "samples_per_s": samples, "samples_per_s_wall": 1.0,
+            "s_per_step": s_per_step, "heldout": {"reward": reward, "success_rate": reward}}  # fmt: skip
 
 
 def test_summarize_ratios_and_goal():
-    q = summarize(_side(3.0, 0.30, 5.0), _side(2.0, 0.25, 10.0))
-    assert q["samples_per_s_ratio"] == 1.5  # 3 / 2
+    q = summarize(_side(30.0, 0.30, 5.0), _side(20.0, 0.25, 10.0))
+    assert q["tokens_per_s_ratio"] == 1.5  # 30 / 20
+    assert q["samples_per_s_ratio"] == pytest.approx(1.5)  # 3 / 2
     assert q["s_per_step_ratio"] == pytest.approx(0.5)
     assert q["reward_diff"] == pytest.approx(0.05)
     assert q["goal_met"] is True
-    assert summarize(_side(3.0, 0.5), _side(2.0, 0.5))["goal_met"] is True  # equal reward is enough
-    assert summarize(_side(2.5, 0.30), _side(2.0, 0.25))["goal_met"] is False  # 1.25x
-    assert summarize(_side(3.0, 0.20), _side(2.0, 0.25))["goal_met"] is False  # reward -0.05
-    undefined = summarize(_side(2.4, 0.3), _side(None, None))
-    assert undefined["samples_per_s_ratio"] is None and undefined["reward_diff"] is None
+    assert summarize(_side(20.0, 0.5), _side(20.0, 0.5))["goal_met"] is True  # equal tokens/s and reward suffice
+    assert summarize(_side(19.0, 0.30), _side(20.0, 0.25))["goal_met"] is False  # 0.95x
+    assert summarize(_side(30.0, 0.20), _side(20.0, 0.25))["goal_met"] is False  # reward -0.05
+    undefined = summarize(_side(24.0, 0.3), _side(None, None))
+    assert undefined["tokens_per_s_ratio"] is None and undefined["reward_diff"] is None
     assert undefined["goal_met"] is False
 
 
 def test_table_shows_both_sides_and_the_ratios():
-    v = side_record(steps=4, samples=64, loop_s=40.0, step_end_s=[30.0, 40.0, 50.0, 60.0])
-    t = side_record(steps=2, samples=32, loop_s=40.0, step_end_s=[35.0, 55.0])
+    v = side_record(steps=4, samples=64, loop_s=40.0, step_end_s=[30.0, 40.0, 50.0, 60.0], tokens=1000)
+    t = side_record(steps=2, samples=32, loop_s=40.0, step_end_s=[35.0, 55.0], tokens=800)
     v |= {"configuration": "async", "heldout": {"reward": 0.5, "success_rate": 0.5}}
     t |= {"configuration": "sync", "heldout": {"reward": 0.375, "success_rate": 0.25}}
     table = table_markdown({"vintage": v, "trl": t, "base": {"reward": 0.25}, "ratios": summarize(v, t)})
     assert "| completions / s (loop) | 1.60 | 0.80 | 2.00x |" in table
+    assert "| completion tokens trained | 1000 | 800 |  |" in table
+    assert "| completion tokens / s (loop) | 25.0 | 20.0 | 1.25x |" in table
     assert "| held-out reward (untrained: 0.250) | 0.500 | 0.375 | +0.125 |" in table
     assert "| s / step after the first | 10.00 | 20.00 |  |" in table
     assert math.isclose(summarize(v, t)["reward_diff"], 0.125)

@@ -117,7 +117,7 @@ def test_learner_options_are_declared_once_for_the_config_and_the_settings():
     from modelkit.scoring import DEFAULT_CHUNK_BYTES
     from trainer.learner.settings import LOGPROB_CHUNK_BYTES
 
-    assert LOGPROB_CHUNK_BYTES == DEFAULT_CHUNK_BYTES == 64 * 2**20
+    assert LOGPROB_CHUNK_BYTES == DEFAULT_CHUNK_BYTES == 160 * 2**20
 
 
 def test_token_redacted_in_resolved_config_and_private_files(tmp_path):

@@ -230,6 +230,23 @@ def test_chunked_gradients_match_full_logits(tiny_model_path, first, positions):
         torch.testing.assert_close(got[k], ref[k], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=k)
 
 
+@pytest.mark.parametrize("positions,recomputed", [(64, 0), (T - 1, 0), (T - 2, 2), (3, 4)])
+def test_backward_recomputes_chunks_only_when_the_positions_need_several(
+    tiny_model_path, monkeypatch, positions, recomputed
+):
+    """first = 1 wants T - 1 = 10 positions: chunks of 10 or more positions are one chunk kept for
+    backward (no checkpoint); 9 positions a chunk make 2 checkpointed chunks, 3 make 4."""
+    import modelkit.scoring as scoring
+
+    calls = []
+    real = scoring.checkpoint
+    monkeypatch.setattr(scoring, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = load_causal_lm(str(tiny_model_path), "float32").train()
+    ids, attn, w = _batch(seed=1)
+    _grads(model, ids, attn, w, 1, chunk_bytes=_positions(positions))
+    assert len(calls) == recomputed
+
+
 def test_chunked_gradients_match_full_logits_through_a_lora_adapter(tiny_model_path):
     model = wrap_lora(
         load_causal_lm(str(tiny_model_path), "float32"),

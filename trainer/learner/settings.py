@@ -19,8 +19,8 @@ from trainer.algorithm.loss_config import EwmaConfig, LossConfig, loss_config
 from trainer.learner.lora_config import LoraSettings, lora_zero_refusal
 from trainer.learner.schedule import lr_multiplier
 
-LOGPROB_CHUNK_BYTES = 64 * 2**20
-"""Default of :attr:`LearnerOptions.logprob_chunk_bytes`, 64 MiB (``modelkit.scoring.DEFAULT_CHUNK_BYTES``)."""
+LOGPROB_CHUNK_BYTES = 160 * 2**20
+"""Default of :attr:`LearnerOptions.logprob_chunk_bytes`, 160 MiB (``modelkit.scoring.DEFAULT_CHUNK_BYTES``)."""
 
 
 class LearnerOptions(BaseModel):
@@ -76,8 +76,9 @@ class LearnerOptions(BaseModel):
     old logits stay the behaviour version's, and the EWMA has folded in every earlier step."""
     logprob_chunk_bytes: int = Field(LOGPROB_CHUNK_BYTES, ge=0)
     """Largest fp32 ``[micro-batch, chunk, vocab]`` logits tensor of every learner log-prob, bytes:
-    the output projection and the log-softmax run over chunks of positions and backward recomputes
-    them (:mod:`modelkit.scoring`); 0 keeps whole-sequence logits for backward."""
+    the output projection and the log-softmax run over chunks of positions, and where a micro-batch
+    needs more than one chunk backward recomputes them (:mod:`modelkit.scoring`); 0 keeps
+    whole-sequence logits for backward."""
     pack_sequences: bool = False
     """Pack each micro-batch's right-padded rows, first-fit decreasing, into as few rows of the
     padded width as hold them, before every learner forward (training, EWMA, reference, recompute):
