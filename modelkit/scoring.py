@@ -43,11 +43,11 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-DEFAULT_CHUNK_BYTES = 160 * 2**20
-"""Bytes of one chunk's fp32 logits ``[batch, chunk, vocab]`` on the chunked path (160 MiB: 53
-positions of a micro-batch of 16 over SmolLM2's 49,152 tokens, so the demo's replies of up to 48
-tokens take one chunk and no recompute). The chunk's working set is about three times that
-(logits, log-softmax, and with entropy the probabilities)."""
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+"""Bytes of one chunk's fp32 logits ``[batch, chunk, vocab]`` on the chunked path when the caller
+names none (64 MiB: 42 positions of a micro-batch of 8 over SmolLM2's 49,152 tokens; the old-logit
+service's no-grad scoring, where chunks cost no recompute). The chunk's working set is about three
+times that (logits, log-softmax, and with entropy the probabilities)."""
 
 
 @contextmanager

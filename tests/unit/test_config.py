@@ -114,10 +114,9 @@ def test_learner_options_are_declared_once_for_the_config_and_the_settings():
     assert (s.lr, s.ppo_mini_batches, s.logprob_chunk_bytes, s.gradient_checkpointing, s.model_path) == (
         3e-4, 3, 0, True, "/m",
     )  # fmt: skip
-    from modelkit.scoring import DEFAULT_CHUNK_BYTES
     from trainer.learner.settings import LOGPROB_CHUNK_BYTES
 
-    assert LOGPROB_CHUNK_BYTES == DEFAULT_CHUNK_BYTES == 160 * 2**20
+    assert LOGPROB_CHUNK_BYTES == 160 * 2**20
 
 
 def test_token_redacted_in_resolved_config_and_private_files(tmp_path):

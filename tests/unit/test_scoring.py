@@ -298,11 +298,14 @@ def test_gradient_checkpointing_needs_an_hf_model():
         enable_gradient_checkpointing(torch.nn.Linear(2, 2))
 
 
-def test_the_job_config_defaults_to_the_scoring_chunk_budget():
-    """The torch-free config repeats the number; the learner's settings take it from here."""
+def test_the_learner_keeps_the_demo_micro_batch_in_one_chunk_and_scoring_chunks_smaller():
+    """160 MiB hold 16 rows x 53 positions x 49,152 fp32 logits (the demo's replies are <= 48
+    tokens); no-grad scoring keeps 64 MiB chunks (42 positions of 8 rows)."""
     from trainer.driver.config.schema import LearnerConfig
 
-    assert LearnerConfig().logprob_chunk_bytes == DEFAULT_CHUNK_BYTES
+    assert LearnerConfig().logprob_chunk_bytes == 160 * 2**20
+    assert LearnerConfig().logprob_chunk_bytes // (16 * V * 4) == 53
+    assert DEFAULT_CHUNK_BYTES // (8 * V * 4) == 42
 
 
 def test_scoring_mode_scores_without_grad_in_eval_mode_and_restores_the_mode():

@@ -20,7 +20,10 @@ from trainer.learner.lora_config import LoraSettings, lora_zero_refusal
 from trainer.learner.schedule import lr_multiplier
 
 LOGPROB_CHUNK_BYTES = 160 * 2**20
-"""Default of :attr:`LearnerOptions.logprob_chunk_bytes`, 160 MiB (``modelkit.scoring.DEFAULT_CHUNK_BYTES``)."""
+"""Default of :attr:`LearnerOptions.logprob_chunk_bytes`, 160 MiB: 53 positions of a micro-batch of
+16 over SmolLM2's 49,152 tokens, so the demo's replies of up to 48 tokens take one chunk, kept for
+backward with no recompute; above ``modelkit.scoring.DEFAULT_CHUNK_BYTES`` (the no-grad default),
+since under autograd every extra chunk costs a recomputed output projection."""
 
 
 class LearnerOptions(BaseModel):
