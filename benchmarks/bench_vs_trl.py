@@ -39,7 +39,8 @@ its learner's loss tokens per applied step; TRL's are its logged ``completions/m
 the step's completions. The ratios are vintage/TRL tokens and completions per second and the
 held-out reward difference (:func:`benchmarks.vs_trl_shared.summarize`). Prints a table and writes
 ``runs/bench/vs_trl.json`` (``vs_trl_quick.json`` with ``--quick``). Seeds: ``--set
-controller.seed=N`` sets both sides' seed (vintage's sampling and data order, TRL's ``seed``).
+controller.seed=N`` sets both sides' seed (vintage's sampling seeds, TRL's ``seed``); both admit
+the training prompts in the same order whatever the seed.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -71,6 +73,9 @@ from benchmarks.vs_trl_shared import (
 
 QUICK_BUDGET_S = 90.0
 """Budget of ``--quick`` per system: enough for vintage to start and take a few steps on the tiny model."""
+QUICK_MODEL = 'model.path="tiny"'
+"""The override ``--quick`` adds: the tiny random model."""
+DEFAULT_CONFIG = Path("deploy/configs/demo.toml")
 
 
 NOTES = [
@@ -85,6 +90,10 @@ NOTES = [
     "TRL runs in one process with torch using every core.",
     "Budget: counted from each side's start after library imports, so start-up is inside it.",
     "Held-out: one function for both, greedy transformers generate on the same held-out seeds, env reward.",
+    "Tokens: vintage counts its loss tokens (groups dropped by dynamic sampling, stale-masked and "
+    "overlong-filtered tokens left out); TRL counts the length of every completion it generated for the "
+    "step up to its first EOS, trained or masked (zero-advantage groups and, with overlong_filter, "
+    "truncated completions included).",
 ]
 
 
@@ -183,7 +192,7 @@ def main(
     budget_s: float | None = None,
     quick: bool = False,
     eval_prompts: int | None = None,
-    config: Path = Path("deploy/configs/demo.toml"),
+    config: Path = DEFAULT_CONFIG,
     out: Path | None = None,
     keep: bool = False,
     log=print,
@@ -216,7 +225,7 @@ def main(
     if budget_s <= 0:
         raise ValueError(f"budget_s: must be > 0, got {budget_s}")
     out = Path(out or ("runs/bench/vs_trl_quick.json" if quick else "runs/bench/vs_trl.json"))
-    overrides = (['model.path="tiny"'] if quick else []) + list(overrides or [])
+    overrides = ([QUICK_MODEL] if quick else []) + list(overrides or [])
     cfg = load_config(config, overrides)
     trl_config_kwargs(cfg, "")  # refuse a config TRL cannot mirror before anything starts
     model_path = resolve_model(cfg)
@@ -227,14 +236,16 @@ def main(
     cores = _cores()
 
     vintage = run_vintage(Path(config), overrides, budget_s, work / "vintage", log)
-    log(f"vintage: {vintage['steps']} steps, {vintage['samples_per_s']} completions/s")
+    log(
+        f"vintage: {vintage['steps']} steps, {vintage['tokens_per_s']} tokens/s, {vintage['samples_per_s']} completions/s"
+    )
     trl = run_trl(
         {"config": str(config), "overrides": overrides, "model_path": str(model_path), "budget_s": budget_s,
          "threads": cores},
         work / "trl",
         log,
     )  # fmt: skip
-    log(f"TRL: {trl['steps']} steps, {trl['samples_per_s']} completions/s")
+    log(f"TRL: {trl['steps']} steps, {trl['tokens_per_s']} tokens/s, {trl['samples_per_s']} completions/s")
 
     import torch
     from transformers import AutoTokenizer
@@ -252,7 +263,9 @@ def main(
 
     result = _result(cfg, config, budget_s, eval_prompts, quick, seeds, max_new, cores, base, vintage, trl)
     result["overrides"] = overrides
-    result["command"] += "".join(f" --set {o}" for o in overrides if not (quick and o == 'model.path="tiny"'))
+    if Path(config) != DEFAULT_CONFIG:
+        result["command"] += f" --config {shlex.quote(str(config))}"
+    result["command"] += "".join(f" --set {shlex.quote(o)}" for o in overrides if not (quick and o == QUICK_MODEL))
     table = table_markdown(result)
     result["table"] = table
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -300,12 +313,15 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=None, help="wall seconds per system (default 600; quick 90)")
     ap.add_argument("--quick", action="store_true", help="smoke check: tiny model, short budget, 16 prompts")
     ap.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts (default 200; quick 16)")
-    ap.add_argument("--config", type=Path, default=Path("deploy/configs/demo.toml"))
+    ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--keep", action="store_true", help="keep vintage's checkpoint and TRL's final model")
+    ap.add_argument(
+        "--set", dest="sets", action="append", default=[], help="section.field=value over the config, both sides"
+    )
     return ap.parse_args(argv)
 
 
 if __name__ == "__main__":
     a = _parse()
-    main(a.budget_s, a.quick, a.eval_prompts, a.config, a.out, a.keep)
+    main(a.budget_s, a.quick, a.eval_prompts, a.config, a.out, a.keep, overrides=a.sets)

@@ -115,8 +115,8 @@ def side_record(
         (the pipeline fill of the first step left out; None for one step); ``samples_per_s =
         samples / loop_s``; ``samples_per_s_wall = samples / t_last`` (start-up included);
         ``tokens_per_s = tokens / loop_s`` (a policy that learns shorter replies trains more
-        completions per second but not more tokens); ``first_step_s = t_first``. Rates are None
-        where their numerator or denominator is 0 or missing.
+        completions per second but not more tokens; None without tokens); ``first_step_s =
+        t_first``. Rates are None where their denominator is 0 or missing.
     """
     first = step_end_s[0] if step_end_s else None
     last = step_end_s[-1] if step_end_s else None

@@ -6,12 +6,12 @@ Two paths give the same numbers (the temperature applied to fp32 logits, then ``
   post-norm hidden states ``[batch, seq, hidden]`` (HF ``output_hidden_states`` with only the last
   layer recorded, ``logits_to_keep=1``); the output projection, the temperature, the log-softmax
   and the gather then run over chunks of positions. One chunk's fp32 logits ``[batch, chunk, vocab]``
-  take at most ``chunk_bytes``. When the logits of every wanted position fit in one chunk, that
-  chunk is kept for backward like any other activation (no recompute); when they need several,
-  each chunk sits inside ``torch.utils.checkpoint`` (non-reentrant) under autograd, so backward
-  recomputes the chunk's logits instead of keeping them. Either way no fp32 logits tensor larger
-  than ``chunk_bytes`` exists in the forward or in the saved graph; the price of several chunks is
-  one extra output projection and log-softmax per chunk in backward.
+  take at most ``chunk_bytes``. Under autograd every chunk but the last sits inside
+  ``torch.utils.checkpoint`` (non-reentrant), so backward recomputes its logits instead of keeping
+  them; the last chunk (the only one when every wanted position fits) is kept for backward, whose
+  first step frees it before any other chunk is recomputed. No fp32 logits tensor larger than
+  ``chunk_bytes`` exists in the forward or in the saved graph; the price is one extra output
+  projection and log-softmax in backward per chunk but the last.
 * **full** (``chunk_bytes=0``): HF's own forward materialises the ``[batch, seq, vocab]``
   logits, and autograd keeps the log-softmax of them for backward.
 
@@ -212,9 +212,10 @@ def _head_in_chunks(
     """``([rows, n] log-probs, entropies or None)`` of ``targets`` ``[rows, n]`` from the final
     hidden states ``[rows, n, H]`` that predict them: the output projection ``head``, the
     temperature and the log-softmax over ``step`` positions at a time. When the hidden states carry
-    a gradient and there is more than one chunk, each chunk is recomputed in backward
-    (``torch.utils.checkpoint``); a single chunk is kept for backward instead."""
-    recompute = torch.is_grad_enabled() and hidden.requires_grad and hidden.shape[1] > step
+    a gradient, every chunk but the last is recomputed in backward (``torch.utils.checkpoint``); the
+    last is kept, and backward, which starts there, frees it before recomputing the others."""
+    n = hidden.shape[1]
+    recompute = torch.is_grad_enabled() and hidden.requires_grad
 
     def chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         # a contiguous [rows, c, H] block: on a strided view the CPU matmul's rounding depended on
@@ -224,9 +225,9 @@ def _head_in_chunks(
         return _token_logprobs(log_p, t, entropy, entropy_grad)
 
     lps, ents = [], []
-    for s in range(0, max(hidden.shape[1], 1), step):  # one (empty) chunk when no position is wanted
+    for s in range(0, max(n, 1), step):  # one (empty) chunk when no position is wanted
         h, t = hidden[:, s : s + step], targets[:, s : s + step]
-        lp, ent = checkpoint(chunk, h, t, use_reentrant=False) if recompute else chunk(h, t)
+        lp, ent = checkpoint(chunk, h, t, use_reentrant=False) if recompute and s + step < n else chunk(h, t)
         lps.append(lp)
         ents.append(ent)
     return torch.cat(lps, dim=1), torch.cat(ents, dim=1) if entropy else None

@@ -220,7 +220,8 @@ def _grads(model, ids, attn, w, first, chunk_bytes) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("first,positions", [(1, 2), (4, 3), (4, 64)])
 def test_chunked_gradients_match_full_logits(tiny_model_path, first, positions):
     """Backward of a weighted sum of log-probs: every parameter's gradient (the tied output
-    projection among them), the chunks' logits recomputed in backward."""
+    projection among them), every chunk's logits but the last recomputed in backward (64
+    positions: one chunk, kept)."""
     model = load_causal_lm(str(tiny_model_path), "float32").train()
     ids, attn, w = _batch(seed=1)
     ref = _grads(model, ids, attn, w, first, chunk_bytes=0)
@@ -230,12 +231,10 @@ def test_chunked_gradients_match_full_logits(tiny_model_path, first, positions):
         torch.testing.assert_close(got[k], ref[k], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=k)
 
 
-@pytest.mark.parametrize("positions,recomputed", [(64, 0), (T - 1, 0), (T - 2, 2), (3, 4)])
-def test_backward_recomputes_chunks_only_when_the_positions_need_several(
-    tiny_model_path, monkeypatch, positions, recomputed
-):
+@pytest.mark.parametrize("positions,recomputed", [(64, 0), (T - 1, 0), (T - 2, 1), (3, 3)])
+def test_backward_recomputes_every_chunk_but_the_last(tiny_model_path, monkeypatch, positions, recomputed):
     """first = 1 wants T - 1 = 10 positions: chunks of 10 or more positions are one chunk kept for
-    backward (no checkpoint); 9 positions a chunk make 2 checkpointed chunks, 3 make 4."""
+    backward (no checkpoint); 9 positions a chunk make 2 chunks (1 checkpointed), 3 make 4 (3)."""
     import modelkit.scoring as scoring
 
     calls = []
@@ -245,6 +244,25 @@ def test_backward_recomputes_chunks_only_when_the_positions_need_several(
     ids, attn, w = _batch(seed=1)
     _grads(model, ids, attn, w, 1, chunk_bytes=_positions(positions))
     assert len(calls) == recomputed
+
+
+@pytest.mark.parametrize("positions", [64, 3])  # one kept chunk; 4 chunks, 3 recomputed
+def test_an_entropy_bonus_has_the_full_logit_gradients_in_one_chunk_or_several(tiny_model_path, positions):
+    """The learner's default micro-batch with the adaptive entropy bonus: backward of log-probs
+    plus 0.1 x entropy equals the full-logit path's."""
+    model = load_causal_lm(str(tiny_model_path), "float32").train()
+    ids, attn, w = _batch(seed=2)
+
+    def grads(chunk_bytes):
+        model.zero_grad(set_to_none=True)
+        lp, ent = sequence_logprobs_and_entropy(model, ids, attn, 0.7, 4, chunk_bytes=chunk_bytes, entropy_grad=True)
+        (lp * w + 0.1 * ent).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref, got = grads(0), grads(_positions(positions))
+    assert got.keys() == ref.keys() and len(ref) == len(list(model.parameters()))
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=k)
 
 
 def test_chunked_gradients_match_full_logits_through_a_lora_adapter(tiny_model_path):
@@ -300,7 +318,8 @@ def test_gradient_checkpointing_needs_an_hf_model():
 
 def test_the_learner_keeps_the_demo_micro_batch_in_one_chunk_and_scoring_chunks_smaller():
     """160 MiB hold 16 rows x 53 positions x 49,152 fp32 logits (the demo's replies are <= 48
-    tokens); no-grad scoring keeps 64 MiB chunks (42 positions of 8 rows)."""
+    tokens, its prompts within a few tokens of each other); no-grad scoring keeps 64 MiB chunks (42
+    positions of 8 rows)."""
     from trainer.driver.config.schema import LearnerConfig
 
     assert LearnerConfig().logprob_chunk_bytes == 160 * 2**20

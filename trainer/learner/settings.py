@@ -21,9 +21,10 @@ from trainer.learner.schedule import lr_multiplier
 
 LOGPROB_CHUNK_BYTES = 160 * 2**20
 """Default of :attr:`LearnerOptions.logprob_chunk_bytes`, 160 MiB: 53 positions of a micro-batch of
-16 over SmolLM2's 49,152 tokens, so the demo's replies of up to 48 tokens take one chunk, kept for
-backward with no recompute; above ``modelkit.scoring.DEFAULT_CHUNK_BYTES`` (the no-grad default),
-since under autograd every extra chunk costs a recomputed output projection."""
+16 over SmolLM2's 49,152 tokens, so a demo micro-batch (replies of up to 48 tokens, prompts within 5
+tokens of each other) is one chunk, kept for backward with no recompute. Above
+``modelkit.scoring.DEFAULT_CHUNK_BYTES`` (the no-grad default): under autograd every chunk but the
+last costs a recomputed output projection in backward."""
 
 
 class LearnerOptions(BaseModel):
@@ -79,9 +80,8 @@ class LearnerOptions(BaseModel):
     old logits stay the behaviour version's, and the EWMA has folded in every earlier step."""
     logprob_chunk_bytes: int = Field(LOGPROB_CHUNK_BYTES, ge=0)
     """Largest fp32 ``[micro-batch, chunk, vocab]`` logits tensor of every learner log-prob, bytes:
-    the output projection and the log-softmax run over chunks of positions, and where a micro-batch
-    needs more than one chunk backward recomputes them (:mod:`modelkit.scoring`); 0 keeps
-    whole-sequence logits for backward."""
+    the output projection and the log-softmax run over chunks of positions, and backward recomputes
+    every chunk but the last (:mod:`modelkit.scoring`); 0 keeps whole-sequence logits for backward."""
     pack_sequences: bool = False
     """Pack each micro-batch's right-padded rows, first-fit decreasing, into as few rows of the
     padded width as hold them, before every learner forward (training, EWMA, reference, recompute):
