@@ -9,7 +9,8 @@ wall-clock budget:
 
 * vintage runs exactly as a user runs it, ``vintage run CONFIG`` in its own process (vLLM rollout
   worker, DeepSpeed learner, old-logit service, the async controller), with only the step count
-  lifted, ``controller.time_budget_s`` set to the budget and its own held-out evaluation off;
+  lifted, ``controller.time_budget_s`` set to the budget, its own held-out evaluation off and (both
+  sides, :data:`BOTH_SIDES`) a constant learning rate after the warm-up;
 * TRL runs ``GRPOTrainer`` in its own process with the config's settings mapped one to one
   (:func:`benchmarks.trl_side.trl_config_kwargs`): group size, prompts per step, learning rate, AdamW betas/eps/weight
   decay, gradient clip, completion length, temperature, dtype, no KL term (``beta = 0``, no
@@ -75,6 +76,11 @@ QUICK_BUDGET_S = 90.0
 """Budget of ``--quick`` per system: enough for vintage to start and take a few steps on the tiny model."""
 QUICK_MODEL = 'model.path="tiny"'
 """The override ``--quick`` adds: the tiny random model."""
+BOTH_SIDES = ('learner.lr_schedule="constant"',)
+"""Overrides every run adds before the user's: a constant learning rate after the config's warm-up.
+A decay runs over a number of steps, and a wall-clock budget gives the two sides different step
+counts (vintage's lifted ``total_steps`` would stretch its decay to nothing while TRL's
+``max_steps`` stopped it at the config's ``total_steps``)."""
 DEFAULT_CONFIG = Path("deploy/configs/demo.toml")
 
 
@@ -90,6 +96,8 @@ NOTES = [
     "TRL runs in one process with torch using every core.",
     "Budget: counted from each side's start after library imports, so start-up is inside it.",
     "Held-out: one function for both, greedy transformers generate on the same held-out seeds, env reward.",
+    "Schedule: a constant learning rate after the config's warm-up on both sides (BOTH_SIDES); vintage keeps "
+    "the config's other stabilisers (adaptive entropy bonus, dual clip, dynamic sampling), TRL has none of them.",
     "Tokens: vintage counts its loss tokens (groups dropped by dynamic sampling, stale-masked and "
     "overlong-filtered tokens left out); TRL counts the length of every completion it generated for the "
     "step up to its first EOS, trained or masked (zero-advantage groups and, with overlong_filter, "
@@ -124,7 +132,7 @@ def run_vintage(config: Path, overrides: list[str], budget_s: float, work: Path,
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     sets = [*overrides, "controller.total_steps=1000000", f"controller.time_budget_s={budget_s}",
-            "env.eval_prompts=0", "server.enabled=false", "logging.trackers=[]", "logging.plots=false",
+            "env.eval_prompts=0", "controller.eval_every=0", "server.enabled=false", "logging.trackers=[]", "logging.plots=false",
             f"logging.run_dir={json.dumps(str(work))}"]  # fmt: skip
     cmd = [sys.executable, "-m", "vintage_cli.main", "run", str(config)]
     for s in sets:
@@ -225,7 +233,7 @@ def main(
     if budget_s <= 0:
         raise ValueError(f"budget_s: must be > 0, got {budget_s}")
     out = Path(out or ("runs/bench/vs_trl_quick.json" if quick else "runs/bench/vs_trl.json"))
-    overrides = ([QUICK_MODEL] if quick else []) + list(overrides or [])
+    overrides = ([QUICK_MODEL] if quick else []) + list(BOTH_SIDES) + list(overrides or [])
     cfg = load_config(config, overrides)
     trl_config_kwargs(cfg, "")  # refuse a config TRL cannot mirror before anything starts
     model_path = resolve_model(cfg)
@@ -265,7 +273,8 @@ def main(
     result["overrides"] = overrides
     if Path(config) != DEFAULT_CONFIG:
         result["command"] += f" --config {shlex.quote(str(config))}"
-    result["command"] += "".join(f" --set {shlex.quote(o)}" for o in overrides if not (quick and o == QUICK_MODEL))
+    auto = (QUICK_MODEL, *BOTH_SIDES) if quick else BOTH_SIDES
+    result["command"] += "".join(f" --set {shlex.quote(o)}" for o in overrides[len(auto) :])
     table = table_markdown(result)
     result["table"] = table
     out.parent.mkdir(parents=True, exist_ok=True)
