@@ -233,7 +233,8 @@ def main(
     if budget_s <= 0:
         raise ValueError(f"budget_s: must be > 0, got {budget_s}")
     out = Path(out or ("runs/bench/vs_trl_quick.json" if quick else "runs/bench/vs_trl.json"))
-    overrides = ([QUICK_MODEL] if quick else []) + list(BOTH_SIDES) + list(overrides or [])
+    user_overrides = list(overrides or [])
+    overrides = ([QUICK_MODEL] if quick else []) + list(BOTH_SIDES) + user_overrides
     cfg = load_config(config, overrides)
     trl_config_kwargs(cfg, "")  # refuse a config TRL cannot mirror before anything starts
     model_path = resolve_model(cfg)
@@ -273,8 +274,7 @@ def main(
     result["overrides"] = overrides
     if Path(config) != DEFAULT_CONFIG:
         result["command"] += f" --config {shlex.quote(str(config))}"
-    auto = (QUICK_MODEL, *BOTH_SIDES) if quick else BOTH_SIDES
-    result["command"] += "".join(f" --set {shlex.quote(o)}" for o in overrides[len(auto) :])
+    result["command"] += "".join(f" --set {shlex.quote(o)}" for o in user_overrides)
     table = table_markdown(result)
     result["table"] = table
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -210,10 +210,14 @@ def test_chunked_matches_full_logits_values_and_entropy(tiny_model_path, first, 
     assert torch.equal(lp[1, 6:], torch.zeros(T - 6)) and torch.equal(ent[1, 6:], torch.zeros(T - 6))  # padding
 
 
-def _grads(model, ids, attn, w, first, chunk_bytes) -> dict[str, torch.Tensor]:
+def _grads(model, ids, attn, w, first, chunk_bytes, entropy_bonus: float = 0.0) -> dict[str, torch.Tensor]:
+    """Gradients of ``sum(w * log-probs + entropy_bonus * entropies)`` (the entropy's gradient only
+    with a bonus)."""
     model.zero_grad(set_to_none=True)
-    lp, _ = sequence_logprobs_and_entropy(model, ids, attn, 0.7, first, chunk_bytes=chunk_bytes)
-    (lp * w).sum().backward()
+    lp, ent = sequence_logprobs_and_entropy(
+        model, ids, attn, 0.7, first, chunk_bytes=chunk_bytes, entropy_grad=entropy_bonus != 0
+    )
+    (lp * w + entropy_bonus * ent).sum().backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -252,14 +256,8 @@ def test_an_entropy_bonus_has_the_full_logit_gradients_in_one_chunk_or_several(t
     plus 0.1 x entropy equals the full-logit path's."""
     model = load_causal_lm(str(tiny_model_path), "float32").train()
     ids, attn, w = _batch(seed=2)
-
-    def grads(chunk_bytes):
-        model.zero_grad(set_to_none=True)
-        lp, ent = sequence_logprobs_and_entropy(model, ids, attn, 0.7, 4, chunk_bytes=chunk_bytes, entropy_grad=True)
-        (lp * w + 0.1 * ent).sum().backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    ref, got = grads(0), grads(_positions(positions))
+    ref = _grads(model, ids, attn, w, 4, chunk_bytes=0, entropy_bonus=0.1)
+    got = _grads(model, ids, attn, w, 4, chunk_bytes=_positions(positions), entropy_bonus=0.1)
     assert got.keys() == ref.keys() and len(ref) == len(list(model.parameters()))
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=k)
