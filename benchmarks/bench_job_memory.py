@@ -13,7 +13,9 @@ each its ``--set`` items on top of the config):
 * ``both``: the two together;
 * ``mmap``: the config as it is, every process started with ``MALLOC_MMAP_THRESHOLD_=65536``
   (glibc serves every block of 64 KiB or more by ``mmap`` and returns it to the system when freed,
-  instead of raising its threshold after large frees and keeping freed heap blocks resident).
+  instead of raising its threshold after large frees and keeping freed heap blocks resident);
+* ``mmap1m``, ``mmap8m``: the same with a threshold of 1 MiB and 8 MiB (fewer, larger blocks mapped
+  and unmapped per step; the blocks below it stay on the heap).
 
 Per variant, from ``summary.json`` (``peak_rss_gib``: the largest resident set seen at a step, by
 part) and ``metrics.jsonl``: the peak GiB of the learner, the rollout workers (each worker's process
@@ -41,9 +43,14 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "kv1": ("rollout.kv_cache_gib=1",),
     "both": ("learner.gradient_checkpointing=true", "rollout.kv_cache_gib=1"),
     "mmap": (),
+    "mmap1m": (),
+    "mmap8m": (),
 }
 """Each variant's ``--set`` items on top of the config."""
-VARIANT_ENV: dict[str, dict[str, str]] = {"mmap": {"MALLOC_MMAP_THRESHOLD_": "65536"}}
+VARIANT_ENV: dict[str, dict[str, str]] = {
+    name: {"MALLOC_MMAP_THRESHOLD_": str(threshold)}
+    for name, threshold in (("mmap", 65536), ("mmap1m", 1 << 20), ("mmap8m", 8 << 20))
+}
 """The environment variables a variant's run gets (every process of the job inherits them)."""
 PARTS = ("learner", "workers", "oldlogit", "driver", "job")
 
