@@ -13,7 +13,10 @@ vLLM rollout worker, DeepSpeed learner, snapshot old-logit service, the same bat
 
 Policies: ``one_each`` (``learner.threads = 1``, no yielding: one thread per process), ``threads``
 (``learner.threads`` = the machine's cores, no yielding), ``plan`` (both ``"auto"``: on a
-box with fewer cores than processes the learner takes them all and the others yield). The ``alone``
+box with fewer cores than processes the learner takes them all and the others yield),
+``plan_passive`` (the plan, every process started with ``OMP_WAIT_POLICY=PASSIVE``: an OpenMP
+thread out of work sleeps at once instead of spinning, so the processes that yield get the cores
+in the learner's gaps between parallel regions). The ``alone``
 run is made once per learner thread count (1 and the cores); yielding changes nothing there.
 
 Per run: the learner's seconds per step (median of the metrics rows' ``train_s``, the first step
@@ -53,8 +56,11 @@ POLICIES: dict[str, list[str]] = {
     "one_each": ["learner.threads=1", "machine.yield_to_learner=false"],
     "threads": ["learner.threads={cores}", "machine.yield_to_learner=false"],
     "plan": ['learner.threads="auto"', 'machine.yield_to_learner="auto"'],
+    "plan_passive": ['learner.threads="auto"', 'machine.yield_to_learner="auto"'],
 }
 """Config overrides per policy (``{cores}``: the machine's cores)."""
+POLICY_ENV: dict[str, dict[str, str]] = {"plan_passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+"""Environment variables a policy's job runs with (the driver's, passed to every Ray worker)."""
 
 
 def steady_median(values: list[float]) -> float:
@@ -93,14 +99,18 @@ def compare(alone: dict[str, Any], loop: dict[str, Any]) -> dict[str, Any]:
         "loop_over_learner": loop["loop_over_learner"],
         "loop_s_per_step": loop["loop_s_per_step"],
         "completions_per_s": loop["completions_per_s"],
+        "old_logits_s_per_step": loop["old_logits_s_per_step"],
         "learner_goal_met": ratio <= LEARNER_GOAL,
         "loop_goal_met": (loop["loop_over_learner"] or float("inf")) <= LOOP_GOAL,
         "readable": readable(alone["loads"] + loop["loads"]),
     }
 
 
-def run_one(model: str, steps: int, staleness: int, overrides: list[str]) -> dict[str, Any]:
-    """One job (see the module docstring) with ``controller.max_staleness = staleness``; its row."""
+def run_one(
+    model: str, steps: int, staleness: int, overrides: list[str], env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """One job (see the module docstring) with ``controller.max_staleness = staleness`` and ``env``
+    set in this process while it runs (restored after); its row."""
     from trainer.driver.config.schema import load_config
     from trainer.driver.loop.job import run_job
     from trainer.driver.records.metrics_log import read_metrics
@@ -118,13 +128,23 @@ def run_one(model: str, steps: int, staleness: int, overrides: list[str]) -> dic
     plan = cfg.thread_plan()
     settle(SETTLE_S)
     load0 = os.getloadavg()
-    s = run_job(cfg)
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        s = run_job(cfg)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
     load1 = os.getloadavg()
     rows = read_metrics(Path(run_dir) / "metrics.jsonl")
     train = [float(r["train_s"]) for r in rows]
     return {
         "max_staleness": staleness,
         "overrides": overrides,
+        "env": env or {},
         "plan": plan.__dict__,
         "steps": s["steps"],
         "learner_s": steady_median(train),
@@ -134,6 +154,7 @@ def run_one(model: str, steps: int, staleness: int, overrides: list[str]) -> dic
         "loop_over_learner": s["loop_over_learner"],
         "completions_per_s": s["consumed"] / s["loop_s"] if s["loop_s"] else float("nan"),
         "time_split_s": s["time_split_s"],
+        "old_logits_s_per_step": s["time_split_s"].get("old_logits", 0.0) / max(1, s["steps"]),
         "loadavg_before": list(load0),
         "loadavg_after": list(load1),
         "loads": [load0[0]],
@@ -142,16 +163,16 @@ def run_one(model: str, steps: int, staleness: int, overrides: list[str]) -> dic
 
 def print_table(result: dict[str, Any]) -> None:
     """The policies side by side."""
-    head = f"{'policy':>9} {'threads L/R/O':>13} {'yield':>5} {'alone s':>8} {'in loop s':>9} {'loop/alone':>10} {'loop/learner':>12} {'compl/s':>7} {'load start':>10} {'read':>4}"
+    head = f"{'policy':>12} {'threads L/R/O':>13} {'yield':>5} {'alone s':>8} {'in loop s':>9} {'loop/alone':>10} {'loop/learner':>12} {'compl/s':>7} {'old-logit wait/step':>19} {'load start':>10} {'read':>4}"
     print(head)
     for name, c in result["policies"].items():
         p = result["runs"][f"{name}/loop"]["plan"]
         loads = result["runs"][f"{name}/loop"]["loads"]
         print(
-            f"{name:>9} {p['learner']:>5}/{p['rollout']}/{p['oldlogit']:<5} {str(p['yield_to_learner'])[0]:>5} "
+            f"{name:>12} {p['learner']:>5}/{p['rollout']}/{p['oldlogit']:<5} {str(p['yield_to_learner'])[0]:>5} "
             f"{c['learner_alone_s']:>8.2f} {c['learner_in_loop_s']:>9.2f} {c['in_loop_over_alone']:>10.2f} "
             f"{c['loop_over_learner'] or float('nan'):>12.3f} {c['completions_per_s']:>7.2f} "
-            f"{max(loads):>10.1f} {'yes' if c['readable'] else 'NO':>4}"
+            f"{c['old_logits_s_per_step']:>19.2f} {max(loads):>10.1f} {'yes' if c['readable'] else 'NO':>4}"
         )
     print(
         f"goals: learner in loop / alone <= {LEARNER_GOAL}, loop / learner <= {LOOP_GOAL}; timings are not to be read where the load at a run's start > {LOAD_LIMIT}"
@@ -174,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     reexec_with_loopback()  # the private cluster, this driver included, listens on loopback only
     t0, cores = time.perf_counter(), available_cores()
     runs: dict[str, dict[str, Any]] = {}
-    alone_for = {"one_each": "alone@1", "threads": f"alone@{cores}", "plan": f"alone@{cores}"}
+    alone_for = {"one_each": "alone@1", **{p: f"alone@{cores}" for p in ("threads", "plan", "plan_passive")}}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {}
@@ -183,7 +204,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if key not in runs:
             threads = key.split("@")[1]
             runs[key] = run_one(a.model, a.steps, 0, [f"learner.threads={threads}", "machine.yield_to_learner=false"])
-        runs[f"{name}/loop"] = run_one(a.model, a.steps, 2, [o.format(cores=cores) for o in POLICIES[name]])
+        overrides = [o.format(cores=cores) for o in POLICIES[name]]
+        runs[f"{name}/loop"] = run_one(a.model, a.steps, 2, overrides, POLICY_ENV.get(name))
         done = [n for n in a.policies if f"{n}/loop" in runs]
         result = {
             "model": a.model,

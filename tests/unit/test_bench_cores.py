@@ -22,11 +22,12 @@ def test_readable_only_when_every_load_is_within_the_limit():
 def test_compare_gives_both_ratios_against_their_goals():
     alone = {"learner_s": 10.0, "loads": [1.0, 1.2]}
     loop = {"learner_s": 10.5, "loop_over_learner": 1.05, "loop_s_per_step": 11.025, "completions_per_s": 1.45,
-            "loads": [1.1, 3.0]}  # fmt: skip
+            "old_logits_s_per_step": 0.4, "loads": [1.1, 3.0]}  # fmt: skip
     c = compare(alone, loop)
     assert c["in_loop_over_alone"] == 1.05 and c["learner_goal_met"]  # 10.5 / 10 <= 1.1
     assert c["loop_over_learner"] == 1.05 and not c["loop_goal_met"]  # 1.05 > 1.02
     assert not c["readable"]  # one load of 3.0 > 2.5
+    assert c["old_logits_s_per_step"] == 0.4
     slow = compare(
         {"learner_s": 10.0, "loads": [0.5]}, {**loop, "learner_s": 12.0, "loop_over_learner": 1.01, "loads": [0.5]}
     )
@@ -36,3 +37,10 @@ def test_compare_gives_both_ratios_against_their_goals():
         and slow["loop_goal_met"]
         and slow["readable"]
     )
+
+
+def test_the_passive_policy_is_the_plan_with_sleeping_openmp_threads():
+    from benchmarks.bench_cores import POLICIES, POLICY_ENV
+
+    assert POLICIES["plan_passive"] == POLICIES["plan"]
+    assert POLICY_ENV == {"plan_passive": {"OMP_WAIT_POLICY": "PASSIVE"}}

@@ -10,6 +10,8 @@ import sys
 
 ENV_VARS = (
     "OMP_NUM_THREADS",
+    "OMP_WAIT_POLICY",
+    "GOMP_SPINCOUNT",
     "DS_ACCELERATOR",
     "HF_HUB_OFFLINE",
     "TRANSFORMERS_OFFLINE",
@@ -26,7 +28,7 @@ ENV_VARS = (
     "MALLOC_ARENA_MAX",
 )
 """Variables every Ray worker of the job takes from the driver's environment where they are set:
-threads, offline hubs, log levels, the DeepSpeed build folder and glibc's allocator settings."""
+threads and how idle OpenMP threads wait, offline hubs, log levels, the DeepSpeed build folder and glibc's allocator settings."""
 
 
 def defaults_env() -> None:
