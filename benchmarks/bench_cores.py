@@ -52,6 +52,9 @@ LOAD_LIMIT = 2.5
 SETTLE_S = 180.0
 """Longest wait, in seconds, for the load average to fall to :data:`LOAD_LIMIT` before a run."""
 
+CONFIG = "deploy/configs/demo.toml"
+"""The config every job of the benchmark starts from."""
+
 POLICIES: dict[str, list[str]] = {
     "one_each": ["learner.threads=1", "machine.yield_to_learner=false"],
     "threads": ["learner.threads={cores}", "machine.yield_to_learner=false"],
@@ -106,6 +109,18 @@ def compare(alone: dict[str, Any], loop: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def job_sets(model: str, steps: int, staleness: int, run_dir: str) -> list[str]:
+    """The ``--set`` items of every job of the benchmark on top of :data:`CONFIG`: ``steps`` versions
+    at ``controller.max_staleness = staleness`` into ``run_dir``, no held-out evaluation, server,
+    trackers, plots or samples."""
+    return [
+        f'model.path="{model}"', f"controller.total_steps={steps}", f"controller.max_staleness={staleness}",
+        "controller.time_budget_s=3600", "env.eval_prompts=0", "controller.eval_every=0", "server.enabled=false",
+        "logging.trackers=[]", "logging.plots=false", "logging.samples_per_step=0", "rollout.start_timeout_s=900",
+        f'logging.run_dir="{run_dir}"',
+    ]  # fmt: skip
+
+
 def run_one(
     model: str, steps: int, staleness: int, overrides: list[str], env: dict[str, str] | None = None
 ) -> dict[str, Any]:
@@ -116,15 +131,7 @@ def run_one(
     from trainer.driver.records.metrics_log import read_metrics
 
     run_dir = tempfile.mkdtemp(prefix=f"vintage-cores-{staleness}-")
-    cfg = load_config(
-        "deploy/configs/demo.toml",
-        [
-            f'model.path="{model}"', f"controller.total_steps={steps}", f"controller.max_staleness={staleness}",
-            "controller.time_budget_s=3600", "env.eval_prompts=0", "server.enabled=false", "logging.trackers=[]",
-            "logging.plots=false", "logging.samples_per_step=0", "rollout.start_timeout_s=900",
-            f'logging.run_dir="{run_dir}"', *overrides,
-        ],
-    )  # fmt: skip
+    cfg = load_config(CONFIG, [*job_sets(model, steps, staleness, run_dir), *overrides])
     plan = cfg.thread_plan()
     settle(SETTLE_S)
     load0 = os.getloadavg()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from benchmarks.bench_cores import LOAD_LIMIT, compare, readable, steady_median
 
 
@@ -44,3 +46,13 @@ def test_the_passive_policy_is_the_plan_with_sleeping_openmp_threads():
 
     assert POLICIES["plan_passive"] == POLICIES["plan"]
     assert POLICY_ENV == {"plan_passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+
+
+@pytest.mark.parametrize("policy", ["one_each", "threads", "plan", "plan_passive"])
+def test_every_job_of_the_benchmark_is_a_valid_config(policy, tmp_path):
+    from benchmarks.bench_cores import CONFIG, POLICIES, job_sets
+    from trainer.driver.config.schema import load_config
+
+    sets = [*job_sets("tiny", 8, 2, str(tmp_path)), *(o.format(cores=2) for o in POLICIES[policy])]
+    cfg = load_config(CONFIG, sets)
+    assert (cfg.controller.max_staleness, cfg.controller.eval_every, cfg.env.eval_prompts) == (2, 0, 0)
