@@ -6,16 +6,15 @@ the other on a quiet machine (:func:`benchmarks.demo_seeds.run_seed`: folder
 ``<runs>/demo-mem-<variant>-s<seed>``, read back when it finished before). Variants (``--variants``,
 each its ``--set`` items on top of the config):
 
-* ``default``: the config as it is;
+* ``default``: the config as it is, under the job's environment defaults (glibc's mmap threshold
+  at 1 MiB: :data:`trainer.driver.cluster.environment.MMAP_THRESHOLD_BYTES`);
 * ``checkpointing``: ``learner.gradient_checkpointing = true`` (each decoder layer recomputed in
   backward, only its input kept);
 * ``kv1``: ``rollout.kv_cache_gib = 1`` (the vLLM worker's KV cache, GiB);
 * ``both``: the two together;
-* ``mmap``: the config as it is, every process started with ``MALLOC_MMAP_THRESHOLD_=65536``
-  (glibc serves every block of 64 KiB or more by ``mmap`` and returns it to the system when freed,
-  instead of raising its threshold after large frees and keeping freed heap blocks resident);
-* ``mmap1m``, ``mmap8m``: the same with a threshold of 1 MiB and 8 MiB (fewer, larger blocks mapped
-  and unmapped per step; the blocks below it stay on the heap).
+* ``mmap``, ``mmap8m``: every process started with ``MALLOC_MMAP_THRESHOLD_`` at 64 KiB or 8 MiB
+  instead (glibc serves every block of at least that size by ``mmap`` and returns it to the system
+  when freed; the smaller ones come from the heap, whose freed blocks stay resident).
 
 Per variant, from ``summary.json`` (``peak_rss_gib``: the largest resident set seen at a step, by
 part) and ``metrics.jsonl``: the peak GiB of the learner, the rollout workers (each worker's process
@@ -43,13 +42,11 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "kv1": ("rollout.kv_cache_gib=1",),
     "both": ("learner.gradient_checkpointing=true", "rollout.kv_cache_gib=1"),
     "mmap": (),
-    "mmap1m": (),
     "mmap8m": (),
 }
 """Each variant's ``--set`` items on top of the config."""
 VARIANT_ENV: dict[str, dict[str, str]] = {
-    name: {"MALLOC_MMAP_THRESHOLD_": str(threshold)}
-    for name, threshold in (("mmap", 65536), ("mmap1m", 1 << 20), ("mmap8m", 8 << 20))
+    name: {"MALLOC_MMAP_THRESHOLD_": str(threshold)} for name, threshold in (("mmap", 64 << 10), ("mmap8m", 8 << 20))
 }
 """The environment variables a variant's run gets (every process of the job inherits them)."""
 PARTS = ("learner", "workers", "oldlogit", "driver", "job")

@@ -1,0 +1,55 @@
+"""The job's processes start with glibc's mmap threshold at 1 MiB: a block of 1 MiB or more is
+mapped on its own (and unmapped when freed), a smaller one comes from the heap; a user's own
+setting is kept. Checked in a child process through glibc's ``mallinfo2`` (``hblks``: blocks
+mapped on their own)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from trainer.driver.cluster.environment import ENV_VARS, MMAP_THRESHOLD_BYTES
+
+REPO = Path(__file__).resolve().parents[2]
+
+MAPPED = """
+import ctypes
+libc = ctypes.CDLL("libc.so.6")
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+counts = []
+for size in (512 << 10, 2 << 20):
+    before = libc.mallinfo2().hblks
+    libc.malloc(size)
+    counts.append(libc.mallinfo2().hblks - before)
+print(*counts)
+"""
+
+
+def _mapped_in_a_child(user_value: str | None) -> list[int]:
+    """Blocks mapped on their own by a 512 KiB and a 2 MiB ``malloc`` in a child of a process that
+    ran :func:`defaults_env` (with ``MALLOC_MMAP_THRESHOLD_`` = ``user_value`` before it, or unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    if user_value is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = user_value
+    env["PYTHONPATH"] = str(REPO)
+    code = (
+        "import subprocess, sys; from trainer.driver.cluster.environment import defaults_env; defaults_env(); "
+        f"sys.stdout.write(subprocess.run([sys.executable, '-c', {MAPPED!r}], capture_output=True, text=True, check=True).stdout)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def test_a_jobs_child_maps_blocks_of_one_mib_or_more_and_keeps_smaller_ones_on_the_heap():
+    assert MMAP_THRESHOLD_BYTES == 1 << 20 and "MALLOC_MMAP_THRESHOLD_" in ENV_VARS  # Ray's workers too
+    assert _mapped_in_a_child(None) == [0, 1]  # 512 KiB from the heap, 2 MiB mapped
+
+
+def test_a_users_own_threshold_is_kept():
+    assert _mapped_in_a_child(str(256 << 10)) == [1, 1]  # 256 KiB: both blocks mapped
