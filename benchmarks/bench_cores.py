@@ -40,6 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -135,16 +136,8 @@ def run_one(
     plan = cfg.thread_plan()
     settle(SETTLE_S)
     load0 = os.getloadavg()
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    try:
+    with mock.patch.dict(os.environ, env or {}):
         s = run_job(cfg)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k)
-            else:
-                os.environ[k] = v
     load1 = os.getloadavg()
     rows = read_metrics(Path(run_dir) / "metrics.jsonl")
     train = [float(r["train_s"]) for r in rows]
