@@ -14,9 +14,9 @@ vLLM rollout worker, DeepSpeed learner, snapshot old-logit service, the same bat
 Policies: ``one_each`` (``learner.threads = 1``, no yielding: one thread per process), ``threads``
 (``learner.threads`` = the machine's cores, no yielding), ``plan`` (both ``"auto"``: on a
 box with fewer cores than processes the learner takes them all and the others yield),
-``plan_passive`` (the plan, every process started with ``OMP_WAIT_POLICY=PASSIVE``: an OpenMP
-thread out of work sleeps at once instead of spinning, so the processes that yield get the cores
-in the learner's gaps between parallel regions). The ``alone``
+``plan_spin`` (the plan with libgomp's own wait: an OpenMP thread out of work spins ~3 ms
+before it sleeps, ``GOMP_SPINCOUNT=300000``, instead of sleeping at once as the plan has it when
+the others yield: :func:`trainer.driver.cluster.environment.worker_env`). The ``alone``
 run is made once per learner thread count (1 and the cores); yielding changes nothing there.
 
 Per run: the learner's seconds per step (median of the metrics rows' ``train_s``, the first step
@@ -60,10 +60,10 @@ POLICIES: dict[str, list[str]] = {
     "one_each": ["learner.threads=1", "machine.yield_to_learner=false"],
     "threads": ["learner.threads={cores}", "machine.yield_to_learner=false"],
     "plan": ['learner.threads="auto"', 'machine.yield_to_learner="auto"'],
-    "plan_passive": ['learner.threads="auto"', 'machine.yield_to_learner="auto"'],
+    "plan_spin": ['learner.threads="auto"', 'machine.yield_to_learner="auto"'],
 }
 """Config overrides per policy (``{cores}``: the machine's cores)."""
-POLICY_ENV: dict[str, dict[str, str]] = {"plan_passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+POLICY_ENV: dict[str, dict[str, str]] = {"plan_spin": {"GOMP_SPINCOUNT": "300000"}}
 """Environment variables a policy's job runs with (the driver's, passed to every Ray worker)."""
 
 
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     reexec_with_loopback()  # the private cluster, this driver included, listens on loopback only
     t0, cores = time.perf_counter(), available_cores()
     runs: dict[str, dict[str, Any]] = {}
-    alone_for = {"one_each": "alone@1", **{p: f"alone@{cores}" for p in ("threads", "plan", "plan_passive")}}
+    alone_for = {"one_each": "alone@1", **{p: f"alone@{cores}" for p in ("threads", "plan", "plan_spin")}}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {}

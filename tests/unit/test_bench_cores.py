@@ -41,14 +41,14 @@ def test_compare_gives_both_ratios_against_their_goals():
     )
 
 
-def test_the_passive_policy_is_the_plan_with_sleeping_openmp_threads():
+def test_the_spinning_policy_is_the_plan_with_libgomps_own_wait():
     from benchmarks.bench_cores import POLICIES, POLICY_ENV
 
-    assert POLICIES["plan_passive"] == POLICIES["plan"]
-    assert POLICY_ENV == {"plan_passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+    assert POLICIES["plan_spin"] == POLICIES["plan"]
+    assert POLICY_ENV == {"plan_spin": {"GOMP_SPINCOUNT": "300000"}}
 
 
-@pytest.mark.parametrize("policy", ["one_each", "threads", "plan", "plan_passive"])
+@pytest.mark.parametrize("policy", ["one_each", "threads", "plan", "plan_spin"])
 def test_every_job_of_the_benchmark_is_a_valid_config(policy, tmp_path):
     from benchmarks.bench_cores import CONFIG, POLICIES, job_sets
     from trainer.driver.config.schema import load_config

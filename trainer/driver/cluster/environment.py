@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 
 ENV_VARS = (
     "OMP_NUM_THREADS",
@@ -38,6 +39,22 @@ MMAP_THRESHOLD_BYTES = 1 << 20
 freed. Left unset, glibc raises its threshold up to 32 MiB after the first large frees and keeps
 freed heap blocks resident: the demo's learner peaked at 7.0 GiB instead of 4.7. glibc reads it
 when a process starts, so it reaches the Ray workers and their children, not the running driver."""
+
+
+def worker_env(environ: Mapping[str, str], yield_to_learner: bool) -> dict[str, str]:
+    """The variables every Ray worker of a job starts with: those of :data:`ENV_VARS` set in
+    ``environ`` (the driver's), and ``OMP_WAIT_POLICY=PASSIVE`` where the thread plan has the other
+    parts yield to the learner (:class:`modelkit.cores.ThreadPlan`) and ``environ`` sets no policy.
+
+    Passive waiting: an OpenMP thread out of work sleeps at once instead of spinning for a while
+    (libgomp's default), so the learner's idle threads between parallel regions leave their core to
+    the rollout workers and the old-logit service, which run at idle priority and would otherwise
+    find no core free while the learner trains. Example: ``{"OMP_NUM_THREADS": "1", "HOME": "/root"}``
+    with yielding -> ``{"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}``."""
+    env = {k: environ[k] for k in ENV_VARS if k in environ}
+    if yield_to_learner:
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
 
 
 def defaults_env() -> None:

@@ -30,7 +30,7 @@ import ray
 from rich.console import Console
 
 from trainer.driver.cluster import owned
-from trainer.driver.cluster.environment import ENV_VARS
+from trainer.driver.cluster.environment import worker_env
 from trainer.driver.cluster.server import ApiServer, StatusBoard
 from trainer.driver.config.schema import JobConfig, write_private
 
@@ -55,7 +55,7 @@ def ray_session(cfg: JobConfig):
         return
     if not cfg.ray.address and cfg.ray.loopback_only:
         loopback_private_cluster()
-    env = {"env_vars": {k: os.environ[k] for k in ENV_VARS if k in os.environ}}
+    env = {"env_vars": worker_env(os.environ, cfg.thread_plan().yield_to_learner)}
     started: list[psutil.Process] = []  # the private cluster's processes
     if cfg.ray.address:
         from trainer.driver.cluster import netguard

@@ -325,8 +325,10 @@ class MachineConfig(Section):
     """Cores the job's processes share; ``"auto"``: the CPUs the driver may run on (its affinity)."""
     yield_to_learner: Annotated[bool | Literal["auto"], BeforeValidator(auto_or_bool)] = False
     """Rollout workers and the old-logit service run at Linux's idle CPU priority (``SCHED_IDLE``):
-    they use only the CPU time the learner leaves; ``"auto"``: on a small box (above). Default off:
-    the plan's gain is not measured yet."""
+    they use only the CPU time the learner leaves, and the job's OpenMP threads wait passively
+    (``OMP_WAIT_POLICY=PASSIVE`` unless the environment sets a policy), so the learner's threads
+    out of work leave their core at once; ``"auto"``: on a small box (above). Default off: the
+    plan is for a machine the job has to itself."""
 
 
 class JobConfig(Section):

@@ -1,7 +1,7 @@
-"""The job's processes start with glibc's mmap threshold at 1 MiB: a block of 1 MiB or more is
-mapped on its own (and unmapped when freed), a smaller one comes from the heap; a user's own
-setting is kept. Checked in a child process through glibc's ``mallinfo2`` (``hblks``: blocks
-mapped on their own)."""
+"""The environment of a job's processes: glibc's mmap threshold at 1 MiB (a block of 1 MiB or
+more is mapped on its own and unmapped when freed, a smaller one comes from the heap; checked in a
+child process through glibc's ``mallinfo2``, ``hblks``: blocks mapped on their own), a user's own
+setting kept, and what Ray's workers start with."""
 
 from __future__ import annotations
 
@@ -53,3 +53,15 @@ def test_a_jobs_child_maps_blocks_of_one_mib_or_more_and_keeps_smaller_ones_on_t
 
 def test_a_users_own_threshold_is_kept():
     assert _mapped_in_a_child(str(256 << 10)) == [1, 1]  # 256 KiB: both blocks mapped
+
+
+def test_ray_workers_take_the_listed_variables_and_wait_passively_when_the_others_yield():
+    from trainer.driver.cluster.environment import worker_env
+
+    driver = {"OMP_NUM_THREADS": "1", "HOME": "/root", "MALLOC_MMAP_THRESHOLD_": "1048576"}
+    assert worker_env(driver, yield_to_learner=False) == {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "1048576"}
+    assert worker_env(driver, yield_to_learner=True) == {
+        "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "1048576", "OMP_WAIT_POLICY": "PASSIVE"
+    }  # fmt: skip
+    own = {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "300000"}
+    assert worker_env(own, yield_to_learner=True) == own  # a policy of the user's own is kept
