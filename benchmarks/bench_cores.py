@@ -15,14 +15,17 @@ Policies: ``one_each`` (``learner.threads = 1``, no yielding: one thread per pro
 (``learner.threads`` = the machine's cores, no yielding), ``plan`` (both ``"auto"``: on a
 box with fewer cores than processes the learner takes them all and the others yield),
 ``plan_spin`` (the plan with libgomp's own wait: an OpenMP thread out of work spins ~3 ms
-before it sleeps, ``GOMP_SPINCOUNT=300000``, instead of sleeping at once as the plan has it when
-the others yield: :func:`trainer.driver.cluster.environment.worker_env`). The ``alone``
+before it sleeps, instead of sleeping at once as the plan has it when the others yield,
+:func:`trainer.driver.cluster.environment.worker_env`; ``GOMP_SPINCOUNT=300000`` sets that spin,
+libgomp's count when no policy is given, and an explicit count overrides the passive policy's;
+not in the default ``--policies``). The ``alone``
 run is made once per learner thread count (1 and the cores); yielding changes nothing there.
 
 Per run: the learner's seconds per step (median of the metrics rows' ``train_s``, the first step
 left out: thread pools and allocator warm up there), the loop's seconds per step and
-``loop_over_learner`` (the summary's), completions per second, and ``os.getloadavg()`` before and
-after. Per policy: learner inside the loop / alone (goal <= 1.1) and loop / learner (goal <= 1.02).
+``loop_over_learner`` (the summary's), completions per second, the driver's wait for old logits
+per step (``old_logits_s_per_step``: the summary's total over its steps, the first included), and
+``os.getloadavg()`` before and after. Per policy: learner inside the loop / alone (goal <= 1.1) and loop / learner (goal <= 1.02).
 A run that started while the 1-minute load average exceeded 2.5 on this 2-core box shared the CPU
 with other jobs: its seconds are not to be read (``readable = false``). The load after a run is
 recorded but not judged: the job's own processes raise it. Before each run the benchmark waits up
@@ -163,7 +166,7 @@ def run_one(
 
 def print_table(result: dict[str, Any]) -> None:
     """The policies side by side."""
-    head = f"{'policy':>12} {'threads L/R/O':>13} {'yield':>5} {'alone s':>8} {'in loop s':>9} {'loop/alone':>10} {'loop/learner':>12} {'compl/s':>7} {'old-logit wait/step':>19} {'load start':>10} {'read':>4}"
+    head = f"{'policy':>12} {'threads L/R/O':>13} {'yield':>5} {'alone s':>8} {'in loop s':>9} {'loop/alone':>10} {'loop/learner':>12} {'compl/s':>7} {'old-logit wait/step (mean)':>27} {'load start':>10} {'read':>4}"
     print(head)
     for name, c in result["policies"].items():
         p = result["runs"][f"{name}/loop"]["plan"]
@@ -172,7 +175,7 @@ def print_table(result: dict[str, Any]) -> None:
             f"{name:>12} {p['learner']:>5}/{p['rollout']}/{p['oldlogit']:<5} {str(p['yield_to_learner'])[0]:>5} "
             f"{c['learner_alone_s']:>8.2f} {c['learner_in_loop_s']:>9.2f} {c['in_loop_over_alone']:>10.2f} "
             f"{c['loop_over_learner'] or float('nan'):>12.3f} {c['completions_per_s']:>7.2f} "
-            f"{c['old_logits_s_per_step']:>19.2f} {max(loads):>10.1f} {'yes' if c['readable'] else 'NO':>4}"
+            f"{c['old_logits_s_per_step']:>27.2f} {max(loads):>10.1f} {'yes' if c['readable'] else 'NO':>4}"
         )
     print(
         f"goals: learner in loop / alone <= {LEARNER_GOAL}, loop / learner <= {LOOP_GOAL}; timings are not to be read where the load at a run's start > {LOAD_LIMIT}"
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", help="tiny (random 2-layer Llama) or smollm2")
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument("--policies", nargs="+", default=["one_each", "threads", "plan"], choices=list(POLICIES))
     ap.add_argument("--out", default="runs/bench/cores.json")
     a = ap.parse_args(argv)
 

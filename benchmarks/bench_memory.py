@@ -27,8 +27,7 @@ peak (``resource.getrusage``) stands in and ``peak_source`` says so.
 The resident set counts what glibc's allocator keeps after a free: blocks under its mmap threshold
 come from the heap and may stay resident. The passes run under the job's threshold (1 MiB,
 :data:`trainer.driver.cluster.environment.MMAP_THRESHOLD_BYTES`; a ``MALLOC_MMAP_THRESHOLD_`` of
-your own is kept), recorded as ``malloc_mmap_threshold``; glibc's own threshold rises after each
-large free up to 32 MiB, so chunks of 16-32 MiB could show a peak above their live bytes.
+your own is kept), recorded as ``malloc_mmap_threshold``.
 
 Writes ``runs/bench/memory.json`` (``--out``) and prints a table.
 """

@@ -83,7 +83,8 @@ def bench_job_memory(
     seed: Annotated[int, typer.Option(help="controller.seed of every run.")] = 1,
     steps: Annotated[int, typer.Option(min=1, help="controller.total_steps of each run.")] = 8,
     variants: Annotated[
-        list[str] | None, typer.Option(help="default, checkpointing, kv1, both, mmap (repeat the option; default all).")
+        list[str] | None,
+        typer.Option(help="default, checkpointing, kv1, both, mmap, mmap8m (repeat the option; default all)."),
     ] = None,
     out: Annotated[Path, typer.Option(help="JSON results file.")] = Path("runs/bench/job_memory.json"),
 ) -> None:

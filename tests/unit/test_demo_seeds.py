@@ -234,7 +234,7 @@ def test_a_runs_environment_is_added_to_this_processs_and_recorded(tmp_path, mon
     envs = []
     monkeypatch.setattr(demo_seeds.subprocess, "run", lambda cmd, **kw: envs.append(kw["env"]))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)  # this process's own, whatever started it
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)  # conftest's environment defaults set one
     d = run_seed(2, tmp_path, tag="mem-mmap", env={"MALLOC_MMAP_THRESHOLD_": "65536"})
     assert envs[0]["MALLOC_MMAP_THRESHOLD_"] == "65536" and envs[0]["OMP_NUM_THREADS"] == "1"
     recorded = json.loads((d / "demo_seeds.json").read_text())

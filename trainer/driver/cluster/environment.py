@@ -27,6 +27,7 @@ ENV_VARS = (
     "MALLOC_MMAP_THRESHOLD_",
     "MALLOC_TRIM_THRESHOLD_",
     "MALLOC_ARENA_MAX",
+    "GLIBC_TUNABLES",
 )
 """Variables every Ray worker of the job takes from the driver's environment where they are set:
 threads and how idle OpenMP threads wait, offline hubs, log levels, the DeepSpeed build folder and
@@ -37,8 +38,11 @@ MMAP_THRESHOLD_BYTES = 1 << 20
 """glibc's ``MALLOC_MMAP_THRESHOLD_`` for the job's processes: blocks of at least this many bytes
 (activations, gradients, logit chunks) are mapped on their own and returned to the system when
 freed. Left unset, glibc raises its threshold up to 32 MiB after the first large frees and keeps
-freed heap blocks resident: the demo's learner peaked at 7.0 GiB instead of 4.7. glibc reads it
-when a process starts, so it reaches the Ray workers and their children, not the running driver."""
+freed heap blocks resident (measured in docs/benchmarks.md, "A whole job's memory"). glibc reads it
+when a process starts, so it reaches the Ray workers and their children, not the running driver.
+Not set where the environment sets a threshold of its own: ``MALLOC_MMAP_THRESHOLD_`` (33554432,
+the ceiling glibc's own threshold rises to, comes closest to glibc's behaviour) or
+``glibc.malloc.mmap_threshold`` in ``GLIBC_TUNABLES``."""
 
 
 def worker_env(environ: Mapping[str, str], yield_to_learner: bool) -> dict[str, str]:
@@ -79,6 +83,8 @@ def defaults_env() -> None:
         ("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions")),
         ("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD_BYTES)),
     ):
+        if k == "MALLOC_MMAP_THRESHOLD_" and "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
+            continue  # the environment's own threshold, set the tunables' way
         os.environ.setdefault(k, v)
     try:
         import torch

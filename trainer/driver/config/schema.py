@@ -107,7 +107,7 @@ class LearnerConfig(Placement, LearnerOptions):
     """Data-parallel ranks, one Ray actor each (gloo on CPU, nccl on GPU)."""
     threads: ThreadsSetting = 1
     """Torch threads of each rank during a training step; ``"auto"``: every core the others leave it
-    (on a small box all of them, see ``[machine]``). Default 1: the plan's gain is not measured yet."""
+    (on a small box all of them, see ``[machine]``). Default 1: the plan is for a machine the job has to itself."""
 
 
 class OldLogitConfig(Placement):
