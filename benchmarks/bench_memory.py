@@ -27,7 +27,8 @@ peak (``resource.getrusage``) stands in and ``peak_source`` says so.
 The resident set counts what glibc's allocator keeps after a free: blocks under its mmap threshold
 come from the heap and may stay resident. The passes run under the job's threshold (1 MiB,
 :data:`trainer.driver.cluster.environment.MMAP_THRESHOLD_BYTES`; a ``MALLOC_MMAP_THRESHOLD_`` of
-your own is kept), recorded as ``malloc_mmap_threshold``.
+your own is kept; :func:`trainer.driver.cluster.environment.defaults_env`), recorded as
+``malloc_mmap_threshold`` (None where ``GLIBC_TUNABLES`` sets it).
 
 Writes ``runs/bench/memory.json`` (``--out``) and prints a table.
 """
@@ -194,9 +195,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(json.dumps(_worker(json.loads(a.worker))))
         return {}
     t0 = time.perf_counter()
-    from trainer.driver.cluster.environment import MMAP_THRESHOLD_BYTES
+    from trainer.driver.cluster.environment import defaults_env
 
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD_BYTES))  # the passes' processes inherit it
+    defaults_env()  # the job's environment, glibc's mmap threshold with it: the passes' processes inherit it
     from benchmarks.machine import machine_facts
     from modelkit.modelhub import make_tiny_model, prepare_smollm2
     from modelkit.scoring import DEFAULT_CHUNK_BYTES
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "batch": a.batch,
         "seq": a.seq,
         "chunk_bytes": chunk,
-        "malloc_mmap_threshold": os.environ["MALLOC_MMAP_THRESHOLD_"],
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         "rows": rows,
         "added_ratio_chunked_over_full": {
             m: by[m, "chunked"]["peak_over_base_bytes"] / max(1, by[m, "full"]["peak_over_base_bytes"]) for m in MODES
